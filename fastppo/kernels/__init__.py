@@ -1,0 +1,43 @@
+"""fastppo.kernels: fused kernels for PPO on language models.
+
+Each module holds a Triton (or C++/CUDA) kernel, its autograd wrapper and a
+plain PyTorch reference of the same math. Dispatch (``_common.use_triton``):
+CUDA tensors take the kernel, CPU tensors the reference, and
+``TRITON_INTERPRET=1`` runs the Triton kernels on CPU tensors.
+"""
+from fastppo.kernels.gae import gae, gae_reference
+from fastppo.kernels.kl import (
+    KL_ESTIMATORS,
+    fused_full_kl,
+    fused_full_kl_reference,
+    kl_penalty,
+    kl_penalty_reference,
+)
+from fastppo.kernels.logprobs import (
+    fused_token_logprobs,
+    fused_token_logprobs_reference,
+    token_logprobs,
+    token_logprobs_reference,
+)
+from fastppo.kernels.masking import extension_backend, truncate_at_stop, truncate_at_stop_reference
+from fastppo.kernels.stats import masked_mean, masked_var, masked_whiten
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "extension_backend",
+    "fused_full_kl",
+    "fused_full_kl_reference",
+    "fused_token_logprobs",
+    "fused_token_logprobs_reference",
+    "gae",
+    "gae_reference",
+    "kl_penalty",
+    "kl_penalty_reference",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "token_logprobs",
+    "token_logprobs_reference",
+    "truncate_at_stop",
+    "truncate_at_stop_reference",
+]

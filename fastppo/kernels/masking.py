@@ -1,0 +1,124 @@
+"""truncate_at_stop: cut generated responses at their first stop token.
+
+The fast paths are the C++ (CPU) and CUDA ops in ``csrc/``, registered as
+``torch.ops.fastppo.truncate_at_stop``; the reference below is the oracle in
+tests and the implementation when no compiled op can be had.
+
+For each row of ``responses`` [B, T]:
+  * ``first`` = position of the first token in ``stop_ids`` (T if none);
+  * ``truncated[t]`` = ``responses[t]`` for t <= first, ``pad_id`` after
+    (the stop token is kept, it is part of the response the reward sees);
+  * ``lengths`` = first + 1 (T without a stop token), ``mask`` = t < lengths,
+    ``has_stop`` = a stop token was found.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fastppo.kernels import _extension
+from fastppo.kernels._common import INDEX_DTYPES, check_tensor
+
+_SCHEMA = "truncate_at_stop(Tensor responses, Tensor stop_ids, int pad_id) -> (Tensor, Tensor, Tensor, Tensor)"
+
+
+def _truncate_reference_impl(responses: torch.Tensor, stop_ids: torch.Tensor, pad_id: int):
+    B, T = responses.shape
+    is_stop = torch.isin(responses, stop_ids)  # [B, T]
+    has_stop = is_stop.any(dim=1)
+    # first_true_indices: the smallest t with is_stop, T where there is none.
+    positions = torch.arange(T, device=responses.device).expand(B, T)
+    first = torch.where(is_stop, positions, T).min(dim=1).values if T > 0 else torch.zeros(B, dtype=torch.long, device=responses.device)
+    lengths = torch.where(has_stop, first + 1, T).to(torch.int64)
+    mask = positions < lengths.unsqueeze(1)
+    truncated = torch.where(mask, responses, torch.full_like(responses, pad_id))
+    return truncated, lengths, mask, has_stop
+
+
+def _fake_impl(responses: torch.Tensor, stop_ids: torch.Tensor, pad_id: int):
+    B, T = responses.shape
+    return (
+        torch.empty_like(responses),
+        responses.new_empty((B,), dtype=torch.int64),
+        responses.new_empty((B, T), dtype=torch.bool),
+        responses.new_empty((B,), dtype=torch.bool),
+    )
+
+
+_REFERENCE_OPS = {"truncate_at_stop": (_SCHEMA, _truncate_reference_impl)}
+_fake_registered = False
+
+
+def _ensure_op() -> str:
+    global _fake_registered
+    backend = _extension.load_extension(_REFERENCE_OPS)
+    if not _fake_registered:
+        torch.library.register_fake("fastppo::truncate_at_stop")(_fake_impl)
+        _fake_registered = True
+    return backend
+
+
+def extension_backend() -> str:
+    """Which implementation backs ``torch.ops.fastppo``: "aot", "jit" or "reference".
+
+    Loads (and on first use compiles) the extension if that has not happened yet.
+    """
+    return _ensure_op()
+
+
+def _validate(responses, stop_ids, pad_id) -> tuple[torch.Tensor, torch.Tensor, int]:
+    if isinstance(responses, torch.Tensor) and responses.is_floating_point():
+        raise TypeError(f"responses must hold integer token ids (int32 or int64), got {responses.dtype}")
+    check_tensor("responses", responses, ndim=2, dtypes=INDEX_DTYPES)
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
+        raise TypeError(f"pad_id must be an int, got {type(pad_id).__name__}")
+    if pad_id < 0:
+        raise ValueError(f"pad_id must be >= 0, got {pad_id}")
+    if isinstance(stop_ids, torch.Tensor):
+        if stop_ids.is_floating_point() or stop_ids.dtype == torch.bool:
+            raise TypeError(f"stop_ids must hold integer token ids, got {stop_ids.dtype}")
+        if stop_ids.device != responses.device:
+            raise ValueError(f"stop_ids is on {stop_ids.device} but responses is on {responses.device}; put them on one device")
+        stop_tensor = stop_ids.reshape(-1).to(torch.int64)
+    else:
+        ids = [stop_ids] if isinstance(stop_ids, int) and not isinstance(stop_ids, bool) else stop_ids
+        if not isinstance(ids, Sequence) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise TypeError(f"stop_ids must be an int, a sequence of ints or an integer tensor, got {stop_ids!r}")
+        stop_tensor = torch.tensor(list(ids), dtype=torch.int64, device=responses.device)
+    if stop_tensor.numel() == 0:
+        raise ValueError("stop_ids must name at least one token id, got none")
+    return responses, stop_tensor, pad_id
+
+
+def truncate_at_stop(responses: torch.Tensor, stop_ids: int | Sequence[int] | torch.Tensor, pad_id: int):
+    """Truncate each response at its first stop token and build its padding mask, in one pass.
+
+    Args:
+        responses: [B, T] int32/int64 generated token ids (the response part of
+            query+response, right side). Non-contiguous tensors are accepted.
+        stop_ids: the stop token id, or several (e.g. Llama-3's eos and eot),
+            as an int, a sequence of ints or an integer tensor.
+        pad_id: id written after the stop token (>= 0).
+
+    Returns:
+        ``(truncated, lengths, mask, has_stop)``: ``truncated`` [B, T] same dtype
+        as ``responses``, the first stop token kept and ``pad_id`` after it;
+        ``lengths`` [B] int64 kept tokens per row (T when the row has no stop
+        token); ``mask`` [B, T] bool, True on kept tokens; ``has_stop`` [B] bool.
+
+    CPU tensors run the C++ op, CUDA tensors the CUDA op (one launch); see
+    :func:`extension_backend` for which path is active.
+    """
+    responses, stop_tensor, pad_id = _validate(responses, stop_ids, pad_id)
+    _ensure_op()
+    return torch.ops.fastppo.truncate_at_stop(responses, stop_tensor, pad_id)
+
+
+def truncate_at_stop_reference(responses: torch.Tensor, stop_ids: int | Sequence[int] | torch.Tensor, pad_id: int):
+    """Plain PyTorch version of :func:`truncate_at_stop` (the oracle; same arguments and outputs)."""
+    responses, stop_tensor, pad_id = _validate(responses, stop_ids, pad_id)
+    return _truncate_reference_impl(responses, stop_tensor, pad_id)
+
+
+_extension.try_load_prebuilt()
