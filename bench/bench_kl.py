@@ -14,7 +14,7 @@ Floors (the ``% floor`` column of the summary):
 import pytest
 import torch
 
-from benchutil import _cuda_event_median, requires_cuda
+from benchutil import cuda_event_median, requires_cuda
 from fastppo.kernels import fused_full_kl, fused_full_kl_reference, kl_penalty, kl_penalty_reference
 
 ESTIMATOR = "k3"  # the one with transcendental math in both passes
@@ -36,7 +36,7 @@ def test_kl_penalty_cpu(measure, quick):
     shape = (64, 4096) if quick else (512, 4096)
     logp, ref = logprob_pair(shape, "cpu", requires_grad=False)
     measure(lambda: kl_penalty_reference(logp, ref, ESTIMATOR),
-            group=f"kl: kl_penalty {ESTIMATOR} fwd cpu {list(shape)} fp32", impl="reference")
+            group=f"kl: kl_penalty {ESTIMATOR} fwd cpu {list(shape)} fp32", impl="reference", device="cpu")
 
 
 @requires_cuda
@@ -56,7 +56,7 @@ def test_kl_penalty_cuda(measure, copy_bandwidth, impl, shape, passes):
     call()  # compile / JIT outside the timed region
     bytes_moved = logp.numel() * (32 if backward else 12)
     measure(call, group=f"kl: kl_penalty {ESTIMATOR} {passes} cuda {list(shape)} fp32", impl=impl,
-            floor_s=bytes_moved / copy_bandwidth)
+            device="cuda", floor_s=bytes_moved / copy_bandwidth)
 
 
 @requires_cuda
@@ -90,6 +90,6 @@ def test_fused_full_kl_cuda(measure, impl, hid, vocab, passes):
             return ref_logits
 
     call()  # Triton JIT outside the timed region
-    floor_s = _cuda_event_median(bare_gemms, repeats=10)
+    floor_s = cuda_event_median(bare_gemms, repeats=10)
     measure(call, group=f"kl: fused_full_kl {passes} cuda N={n_tokens} H={hid} V={vocab} bf16", impl=impl,
-            floor_s=floor_s, rounds=10)
+            device="cuda", floor_s=floor_s, rounds=10)

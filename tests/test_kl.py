@@ -1,0 +1,369 @@
+"""kl_penalty and fused_full_kl: Triton path vs float64 references, properties, bad input.
+
+The Triton path runs on CUDA, or on CPU under TRITON_INTERPRET=1 (the
+``triton_device`` fixture), so shapes here stay small.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastppo.kernels import kl as kl_mod
+from fastppo.kernels.kl import (
+    KL_ESTIMATORS,
+    fused_full_kl,
+    fused_full_kl_reference,
+    kl_penalty,
+    kl_penalty_reference,
+)
+from helpers import tol
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SHAPES = ((1,), (1, 1), (3, 17), (2, 5, 7), (257,))
+
+# Hypothesis runs the whole test body per example; the fixtures are plain values.
+PROPERTY_SETTINGS = settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+# ---------------------------------------------------------------------------
+# kl_penalty
+# ---------------------------------------------------------------------------
+
+
+def _logprob_pair(shape, dtype, device, spread=0.7):
+    """Random log-probs in [-4.1, -0.1] and a reference that differs by N(0, spread²)."""
+    logp = -(torch.rand(shape) * 4 + 0.1)
+    ref = logp + torch.randn(shape) * spread
+    return logp.to(device=device, dtype=dtype), ref.to(device=device, dtype=dtype)
+
+
+def _penalty_and_grads(fn, logp, ref, estimator, upstream):
+    logp = logp.detach().requires_grad_()
+    ref = ref.detach().requires_grad_()
+    out = fn(logp, ref, estimator)
+    d_logp, d_ref = torch.autograd.grad(out, (logp, ref), upstream.to(out.dtype))
+    return out, d_logp, d_ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_kl_penalty_matches_float64_reference(triton_device, estimator, shape, dtype):
+    logp, ref = _logprob_pair(shape, dtype, triton_device)
+    upstream = torch.randn(shape, device=triton_device)
+    out, d_logp, d_ref = _penalty_and_grads(kl_penalty, logp, ref, estimator, upstream)
+    # Truth: the same (already rounded) inputs, in float64.
+    want, want_logp, want_ref = _penalty_and_grads(
+        kl_penalty_reference, logp.double(), ref.double(), estimator, upstream.double()
+    )
+    assert out.dtype == torch.float32 and out.shape == logp.shape
+    assert d_logp.dtype == dtype and d_ref.dtype == dtype
+    torch.testing.assert_close(out, want.float(), **tol(torch.float32))
+    # Gradients are returned in the input dtype, so they carry its rounding.
+    torch.testing.assert_close(d_logp.double(), want_logp, **tol(dtype))
+    torch.testing.assert_close(d_ref.double(), want_ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_kl_penalty_tiny_differences_keep_precision(triton_device, estimator):
+    # Early in PPO |logp − ref| ~ 1e-4: e^{−d} + d − 1 computed naively in fp32
+    # has an error of ~1e-7, i.e. 100% of k3 ≈ d²/2 = 5e-9.
+    logp = -(torch.rand(64, dtype=torch.float64) * 2 + 0.5)
+    ref = logp + torch.randn(64, dtype=torch.float64) * 1e-4
+    logp32, ref32 = logp.float(), ref.float()
+    upstream = torch.randn(64)
+    out, d_logp, _ = _penalty_and_grads(
+        kl_penalty, logp32.to(triton_device), ref32.to(triton_device), estimator, upstream.to(triton_device)
+    )
+    want, want_logp, _ = _penalty_and_grads(kl_penalty_reference, logp32.double(), ref32.double(), estimator,
+                                            upstream.double())
+    torch.testing.assert_close(out.cpu().double(), want.double(), rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(d_logp.cpu().double(), want_logp, rtol=1e-5, atol=1e-12)
+
+
+def test_kl_penalty_non_contiguous_and_empty(triton_device):
+    logp, ref = _logprob_pair((6, 5), torch.float32, triton_device)
+    for est in KL_ESTIMATORS:
+        got = kl_penalty(logp.t(), ref.t(), est)
+        torch.testing.assert_close(got, kl_penalty_reference(logp.t(), ref.t(), est), **tol(torch.float32))
+    empty = torch.empty(0, 3, device=triton_device)
+    assert kl_penalty(empty, empty, "k3").shape == (0, 3)
+
+
+def test_kl_penalty_definitions_match_trl_legacy(triton_device):
+    # TRL ≤ 0.11 PPOTrainer._kl_penalty: "kl" → d, "abs" → |d|, "mse" → 0.5·d²; k3 from Schulman's note.
+    logp, ref = _logprob_pair((4, 9), torch.float32, triton_device)
+    d = (logp - ref).double()
+    expected = {
+        "k1": d,
+        "abs": d.abs(),
+        "mse": 0.5 * d.square(),
+        "k2": 0.5 * d.square(),
+        "k3": torch.exp(ref.double() - logp.double()) - (ref.double() - logp.double()) - 1,
+    }
+    for est, want in expected.items():
+        torch.testing.assert_close(kl_penalty(logp, ref, est).double(), want, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+@PROPERTY_SETTINGS
+@given(
+    n=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.sampled_from([1e-6, 1e-3, 0.3, 3.0, 20.0]),
+)
+def test_kl_penalty_properties(request, path, n, seed, scale):
+    if path == "triton":
+        device, fn = request.getfixturevalue("triton_device"), kl_penalty
+    else:
+        device, fn = torch.device("cpu"), kl_penalty_reference
+    gen = torch.Generator().manual_seed(seed)
+    logp = -(torch.rand(n, generator=gen) * 10 + 0.01)
+    ref = logp + torch.randn(n, generator=gen) * scale
+    logp, ref = logp.to(device), ref.to(device)
+    vals = {est: fn(logp, ref, est) for est in KL_ESTIMATORS}
+    for est in ("k2", "k3", "abs", "mse"):
+        assert (vals[est] >= 0).all(), est
+    torch.testing.assert_close(fn(ref, logp, "k1"), -vals["k1"], rtol=0, atol=0)
+    for est in ("k2", "abs", "mse"):  # symmetric in (logp, ref)
+        torch.testing.assert_close(fn(ref, logp, est), vals[est], rtol=0, atol=0)
+    torch.testing.assert_close(vals["mse"], vals["k2"], rtol=0, atol=0)
+    # Equal, non-zero inputs: every estimator is exactly zero.
+    for est in KL_ESTIMATORS:
+        assert (fn(logp, logp.clone(), est) == 0).all(), est
+
+
+def test_float64_inputs_are_computed_in_fp32(triton_device):
+    logp, ref = _logprob_pair((4, 6), torch.float64, triton_device)
+    upstream = torch.randn(4, 6, dtype=torch.float64, device=triton_device)
+    for est in KL_ESTIMATORS:
+        out, d_logp, _ = _penalty_and_grads(kl_penalty, logp, ref, est, upstream)
+        want, want_logp, _ = _penalty_and_grads(kl_penalty_reference, logp, ref, est, upstream)
+        assert out.dtype == torch.float32 and d_logp.dtype == torch.float64
+        torch.testing.assert_close(out, want, **tol(torch.float32))
+        torch.testing.assert_close(d_logp, want_logp, **tol(torch.float32))
+    h, w, rh, rw = _models((5,), 16, 16, 37, torch.float64, triton_device)
+    upstream = torch.randn(5, dtype=torch.float64, device=triton_device)
+    kl, d_h, d_w = _full_kl_and_grads(fused_full_kl, h, w, rh, rw, 1.0, upstream)
+    want, want_h, want_w = _full_kl_and_grads(fused_full_kl_reference, h, w, rh, rw, 1.0, upstream)
+    assert kl.dtype == torch.float32 and d_h.dtype == torch.float64 and d_w.dtype == torch.float64
+    torch.testing.assert_close(kl, want, rtol=1e-5, atol=1e-5)
+    _assert_grad_close(d_h, want_h, torch.float32)
+    _assert_grad_close(d_w, want_w, torch.float32)
+
+
+# ---------------------------------------------------------------------------
+# fused_full_kl
+# ---------------------------------------------------------------------------
+
+
+def _models(lead, hid, hid_ref, vocab, dtype, device, scale=1.0):
+    """Policy and reference (hidden, weight) with O(1)·scale logits."""
+    hidden = torch.randn(*lead, hid) * scale
+    weight = torch.randn(vocab, hid) / math.sqrt(hid) * 3
+    ref_hidden = torch.randn(*lead, hid_ref) * scale
+    ref_weight = torch.randn(vocab, hid_ref) / math.sqrt(hid_ref) * 3
+    return [t.to(device=device, dtype=dtype) for t in (hidden, weight, ref_hidden, ref_weight)]
+
+
+def _full_kl_and_grads(fn, hidden, weight, ref_hidden, ref_weight, temperature, upstream):
+    hidden = hidden.detach().requires_grad_()
+    weight = weight.detach().requires_grad_()
+    kl = fn(hidden, weight, ref_hidden, ref_weight, temperature)
+    d_hidden, d_weight = torch.autograd.grad(kl, (hidden, weight), upstream.to(kl.dtype))
+    return kl, d_hidden, d_weight
+
+
+def _assert_grad_close(got, want, dtype):
+    # A gradient is a sum over the vocabulary (or the tokens): its rounding is
+    # relative to the largest term, so atol scales with the gradient's size.
+    t = tol(dtype)
+    torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=t["rtol"],
+                               atol=t["atol"] * max(1.0, want.abs().max().item()))
+
+
+FULL_KL_CASES = [
+    # lead, H, H_ref, V, temperature, dtype
+    ((5,), 16, 16, 37, 1.0, torch.float32),
+    ((1,), 24, 40, 130, 0.3, torch.float32),
+    ((2, 3), 32, 16, 37, 1.7, torch.float32),
+    ((20,), 16, 24, 100, 1.0, torch.float32),  # two row blocks, several V chunks
+    ((2, 3), 16, 16, 130, 1.0, torch.bfloat16),
+    ((7,), 16, 24, 37, 0.3, torch.float16),
+]
+
+
+@pytest.mark.parametrize("lead,hid,hid_ref,vocab,temperature,dtype", FULL_KL_CASES, ids=str)
+def test_fused_full_kl_matches_float64_reference(triton_device, lead, hid, hid_ref, vocab, temperature, dtype):
+    h, w, rh, rw = _models(lead, hid, hid_ref, vocab, dtype, triton_device)
+    upstream = torch.randn(lead, device=triton_device)
+    kl, d_h, d_w = _full_kl_and_grads(fused_full_kl, h, w, rh, rw, temperature, upstream)
+    want, want_h, want_w = _full_kl_and_grads(
+        fused_full_kl_reference, h.double(), w.double(), rh.double(), rw.double(), temperature, upstream.double()
+    )
+    assert kl.shape == lead and kl.dtype == torch.float32
+    assert d_h.dtype == dtype and d_w.dtype == dtype
+    # The forward accumulates fp32 whatever the input dtype.
+    torch.testing.assert_close(kl.double(), want.double(), rtol=1e-5, atol=1e-5)
+    _assert_grad_close(d_h, want_h, dtype)
+    _assert_grad_close(d_w, want_w, dtype)
+
+
+def test_fused_full_kl_reference_is_the_kl_divergence():
+    # The reference against TRL's legacy "full" formula, F.kl_div(log q, log p, log_target) summed over V.
+    h, w, rh, rw = _models((2, 4), 8, 12, 29, torch.float64, "cpu")
+    log_p = torch.log_softmax(h @ w.t() / 0.7, -1)
+    log_q = torch.log_softmax(rh @ rw.t() / 0.7, -1)
+    want = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    torch.testing.assert_close(fused_full_kl_reference(h, w, rh, rw, 0.7).double(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_full_kl_large_magnitude(triton_device):
+    # Logits of order 1e3–1e4: exp would overflow without the running max.
+    h, w, rh, rw = _models((4,), 16, 16, 37, torch.float32, triton_device, scale=300.0)
+    upstream = torch.randn(4, device=triton_device)
+    kl, d_h, d_w = _full_kl_and_grads(fused_full_kl, h, w, rh, rw, 1.0, upstream)
+    want, want_h, want_w = _full_kl_and_grads(
+        fused_full_kl_reference, h.double(), w.double(), rh.double(), rw.double(), 1.0, upstream.double()
+    )
+    assert torch.isfinite(kl).all() and torch.isfinite(d_h).all() and torch.isfinite(d_w).all()
+    logit_scale = (h.double() @ w.double().t()).abs().max().item()
+    assert logit_scale > 1e3
+    # fp32 logits of size L carry ~L·6e-8 of rounding each; the KL inherits it.
+    torch.testing.assert_close(kl.double(), want.double(), rtol=1e-5, atol=logit_scale * 1e-6)
+    _assert_grad_close(d_h, want_h, torch.float32)
+    _assert_grad_close(d_w, want_w, torch.float32)
+
+
+def test_fused_full_kl_nonnegative_and_zero_for_identical_models(triton_device):
+    h, w, rh, rw = _models((3, 4), 16, 24, 70, torch.float32, triton_device)
+    kl = fused_full_kl(h, w, rh, rw, 1.0)
+    assert (kl > 0).all()
+    # Same random weights and states (policy == reference, as at PPO step 0).
+    h_same = h.detach().clone().requires_grad_()
+    w_same = w.detach().clone().requires_grad_()
+    kl0 = fused_full_kl(h_same, w_same, h.clone(), w.clone(), 0.8)
+    torch.testing.assert_close(kl0, torch.zeros_like(kl0), rtol=0, atol=1e-6)
+    kl0.sum().backward()
+    torch.testing.assert_close(h_same.grad, torch.zeros_like(h), rtol=0, atol=1e-6)
+    torch.testing.assert_close(w_same.grad, torch.zeros_like(w), rtol=0, atol=1e-6)
+
+
+def test_fused_full_kl_edge_shapes(triton_device):
+    # One token as a 1-D hidden state: a 0-D KL.
+    h, w, rh, rw = _models((), 16, 16, 37, torch.float32, triton_device)
+    kl = fused_full_kl(h, w, rh, rw)
+    assert kl.shape == ()
+    torch.testing.assert_close(kl, fused_full_kl_reference(h, w, rh, rw), rtol=1e-5, atol=1e-5)
+    # Non-contiguous states (every other token of a [B, T, H] batch).
+    h, w, rh, rw = _models((2, 6), 16, 16, 37, torch.float32, triton_device)
+    torch.testing.assert_close(fused_full_kl(h[:, ::2], w, rh[:, ::2], rw),
+                               fused_full_kl_reference(h[:, ::2], w, rh[:, ::2], rw), rtol=1e-5, atol=1e-5)
+    # No tokens: empty result, and backward still runs.
+    h = torch.randn(0, 3, 16, device=triton_device, requires_grad=True)
+    kl = fused_full_kl(h, w, torch.randn(0, 3, 16, device=triton_device), rw)
+    assert kl.shape == (0, 3)
+    kl.sum().backward()
+    assert h.grad.shape == h.shape
+
+
+def test_fused_full_kl_reference_side_is_frozen(triton_device):
+    h, w, rh, rw = _models((3,), 16, 16, 37, torch.float32, triton_device)
+    for t in (h, w, rh, rw):
+        t.requires_grad_()
+    fused_full_kl(h, w, rh, rw).sum().backward()
+    assert h.grad is not None and w.grad is not None
+    assert rh.grad is None and rw.grad is None
+
+
+def test_fused_full_kl_only_weight_needs_grad(triton_device):
+    h, w, rh, rw = _models((3,), 16, 16, 37, torch.float32, triton_device)
+    w.requires_grad_()
+    fused_full_kl(h, w, rh, rw).sum().backward()
+    want_w = w.detach().double().requires_grad_()
+    fused_full_kl_reference(h.double(), want_w, rh.double(), rw.double()).sum().backward()
+    _assert_grad_close(w.grad, want_w.grad, torch.float32)
+
+
+# ---------------------------------------------------------------------------
+# Reference path (CPU tensors with the interpreter switched off)
+# ---------------------------------------------------------------------------
+
+
+def test_reference_path_is_taken_on_cpu(reference_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the Triton path ran on the reference path")
+
+    monkeypatch.setattr(kl_mod._KLPenalty, "apply", fail)
+    monkeypatch.setattr(kl_mod._FusedFullKL, "apply", fail)
+    logp, ref = _logprob_pair((3, 5), torch.bfloat16, "cpu")
+    logp.requires_grad_()
+    for est in KL_ESTIMATORS:
+        out = kl_penalty(logp, ref, est)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, kl_penalty_reference(logp, ref, est))
+    kl_penalty(logp, ref, "k3").sum().backward()
+    assert logp.grad is not None and logp.grad.dtype == torch.bfloat16
+
+    h, w, rh, rw = _models((2, 3), 8, 8, 19, torch.float32, "cpu")
+    h.requires_grad_()
+    rw.requires_grad_()
+    kl = fused_full_kl(h, w, rh, rw, 1.3)
+    torch.testing.assert_close(kl, fused_full_kl_reference(h, w, rh, rw, 1.3))
+    kl.sum().backward()
+    assert h.grad is not None and rw.grad is None
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [kl_penalty, kl_penalty_reference])
+def test_kl_penalty_bad_input(fn):
+    logp, ref = _logprob_pair((3, 4), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="estimator must be one of k1, k2, k3, abs, mse"):
+        fn(logp, ref, "kl")
+    with pytest.raises(ValueError, match="estimator"):
+        fn(logp, ref, None)
+    with pytest.raises(TypeError, match="logprobs"):
+        fn(torch.ones(3, 4, dtype=torch.int64), ref, "k1")
+    with pytest.raises(TypeError, match="ref_logprobs"):
+        fn(logp, torch.ones(3, 4, dtype=torch.int32), "k1")
+    with pytest.raises(TypeError, match="logprobs"):
+        fn(logp.tolist(), ref, "k1")
+    with pytest.raises(ValueError, match="ref_logprobs has shape"):
+        fn(logp, ref[:, :3], "k1")
+    with pytest.raises(ValueError, match="ref_logprobs is on meta"):
+        fn(logp, ref.to("meta"), "k1")
+
+
+@pytest.mark.parametrize("fn", [fused_full_kl, fused_full_kl_reference])
+def test_fused_full_kl_bad_input(fn):
+    h, w, rh, rw = _models((2, 3), 8, 12, 19, torch.float32, "cpu")
+    for bad_t in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="temperature"):
+            fn(h, w, rh, rw, bad_t)
+    with pytest.raises(ValueError, match="ref_weight has vocabulary size 18"):
+        fn(h, w, rh, rw[:18])
+    with pytest.raises(ValueError, match="hidden has hidden size 8.*weight"):
+        fn(h, w[:, :7], rh, rw)
+    with pytest.raises(ValueError, match="ref_hidden has hidden size 12.*ref_weight"):
+        fn(h, w, rh, rw[:, :11])
+    with pytest.raises(ValueError, match="ref_hidden has leading shape"):
+        fn(h, w, rh[:, :2], rw)
+    with pytest.raises(TypeError, match="hidden must have dtype"):
+        fn(torch.ones(2, 3, 8, dtype=torch.int64), w, rh, rw)
+    with pytest.raises(TypeError, match="ref_weight must have dtype"):
+        fn(h, w, rh, rw.to(torch.int32))
+    with pytest.raises(TypeError, match="hidden is torch.float32 but weight is torch.bfloat16"):
+        fn(h, w.bfloat16(), rh, rw)
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        fn(h, w[None], rh, rw)
+    with pytest.raises(ValueError, match="ref_weight is on meta"):
+        fn(h, w, rh, rw.to("meta"))
