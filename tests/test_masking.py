@@ -78,6 +78,21 @@ def test_non_contiguous_and_tensor_stop_ids(device):
     assert_same(truncate_at_stop(x, stops, 0), truncate_at_stop_reference(x.contiguous(), 2, 0))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_outputs_past_the_huge_page_threshold(dtype):
+    # Outputs of 8 MiB and more take the huge-page allocation path of the CPU op.
+    x = random_responses(1024, 2048, 1000, dtype, "cpu", stop_rate=0.001)
+    got = truncate_at_stop(x, [2, 3], 1)
+    assert_same(got, truncate_at_stop_reference(x, [2, 3], 1))
+    got[0].add_(1)  # the outputs are ordinary writable tensors
+    del got
+
+
+def test_stop_ids_outside_int32_never_match():
+    x = random_responses(4, 9, 20, torch.int32, "cpu", stop_rate=0.3)
+    assert_same(truncate_at_stop(x, [2, 2**40], 0), truncate_at_stop_reference(x, [2, 2**40], 0))
+
+
 def test_large_cpu_batch_uses_all_rows():
     # Many rows exercise the at::parallel_for split across threads.
     x = random_responses(1000, 64, 100, torch.int64, "cpu", stop_rate=0.02)
@@ -138,6 +153,7 @@ def test_torch_compile_fullgraph():
         (dict(stop_ids=torch.tensor([2], device="meta")), ValueError, "stop_ids is on meta"),
         (dict(pad_id=-1), ValueError, "pad_id must be >= 0"),
         (dict(pad_id=1.5), TypeError, "pad_id must be an int"),
+        (dict(responses=torch.ones(2, 4, dtype=torch.int32), pad_id=2**31), ValueError, "does not fit in int32"),
     ],
 )
 @pytest.mark.parametrize("fn", [truncate_at_stop, truncate_at_stop_reference])

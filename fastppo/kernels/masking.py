@@ -75,6 +75,8 @@ def _validate(responses, stop_ids, pad_id) -> tuple[torch.Tensor, torch.Tensor, 
         raise TypeError(f"pad_id must be an int, got {type(pad_id).__name__}")
     if pad_id < 0:
         raise ValueError(f"pad_id must be >= 0, got {pad_id}")
+    if responses.dtype == torch.int32 and pad_id > torch.iinfo(torch.int32).max:
+        raise ValueError(f"pad_id {pad_id} does not fit in int32 responses")
     if isinstance(stop_ids, torch.Tensor):
         if stop_ids.is_floating_point() or stop_ids.dtype == torch.bool:
             raise TypeError(f"stop_ids must hold integer token ids, got {stop_ids.dtype}")
