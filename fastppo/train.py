@@ -1525,8 +1525,20 @@ def parse_args(argv: Sequence[str] | None = None) -> PPOConfig:
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(PPOConfig, prog="python -m fastppo.train", description=__doc__.split("\n\n")[0])
-    (config,) = parser.parse_args_into_dataclasses(args=argv)
+    (config,) = parser.parse_args_into_dataclasses(args=_bare_optional_bools(sys.argv[1:] if argv is None else argv))
     return config
+
+
+def _bare_optional_bools(argv: Sequence[str]) -> list[str]:
+    """``--bf16`` alone means ``--bf16 true``: HfArgumentParser wants a value for ``bool | None`` fields,
+    while TRL command lines pass them bare."""
+    names = {f"--{f.name}" for f in dataclasses.fields(PPOConfig) if f.type in ("bool | None", bool | None)}
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg in names and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            out.append("true")
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -105,6 +105,12 @@ def test_trl_defaults_unless_embedded():
     assert embedded_run.learning_rate == EMBEDDED_DEFAULTS["learning_rate"] != TRL_DEFAULTS["learning_rate"]
 
 
+@pytest.mark.parametrize("argv, expected", [([], None), (["--bf16"], True), (["--bf16", "false"], False),
+                                            (["--bf16", "--seed", "3"], True)])
+def test_bf16_flag_bare_or_with_value(argv, expected):
+    assert parse_args(argv).bf16 is expected
+
+
 def test_trl_command_line_parses():
     config = parse_args([
         "--sft_model_path", "x", "--reward_model_path", "y", "--stop_token", "eos", "--missing_eos_penalty", "1.0",
