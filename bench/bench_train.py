@@ -1,113 +1,124 @@
-"""End-to-end throughput of ``fastppo.train``: episodes per second and peak memory, fixed small config.
+"""End to end: ``fastppo.train`` vs TRL 0.26's PPOTrainer, same model, batch, response length, epochs.
 
-    pytest bench/bench_train.py                      # CPU, and CUDA when available
-    python bench/bench_train.py --iterations 10      # prints one JSON line per device
+    pytest bench/bench_train.py --benchmark-group-by=group -s          # ~2-3 minutes on a CPU
+    pytest bench/bench_train.py --quick -s                              # ~1 minute
+    python bench/trl_baseline.py --impl both --rounds 3 --iterations 20   # the same, outside pytest
 
-:func:`episodes_per_second` is the entry point for other harnesses (``bench/trl_baseline.py`` runs the
-TRL comparison): it trains ``iterations`` timed PPO iterations (after ``warmup_iterations`` untimed
-ones) of a given :class:`~fastppo.train.PPOConfig` and returns episodes/s measured inside the training
-loop, so model loading, the final checkpoint and the plot are outside the timed window.
+Both trainers run the embedded default (tiny local Llama, built-in prompts, the default reward
+function; TRL gets it as a reward *model*, see ``trl_baseline.RewardFnModel``) with identical
+hyper-parameters; see ``trl_baseline.py`` for exactly what is matched and how. Each run is a fresh
+process, and the runs are interleaved (fastppo, TRL, fastppo, TRL, ...) so that load drift on a
+shared machine hits both. Reported per trainer:
 
-The fixed config is the embedded default (tiny Llama, built-in prompts, ``positive_words`` reward)
-with a 32-prompt batch (16 × 2 micro-batches), 16-token responses and 2 PPO epochs. Peak memory: on
-CUDA ``torch.cuda.max_memory_allocated`` during the run; on CPU the growth of the process's peak
-resident set (VmHWM) over the run, which includes allocator slack.
+* time per PPO iteration (pytest-benchmark's rows: every timed iteration of every run is one round;
+  the wall-clock stamps are taken inside the training loops, after a warm-up iteration, so process
+  start, model loading and the final checkpoint are excluded), and episodes/s = batch / that;
+* peak memory: CUDA ``max_memory_allocated`` on a GPU; on a CPU the peak resident-set growth during
+  training (``trl_baseline.measure``);
+* the reward trend: ``objective/scores`` per iteration, first vs last third.
+
+The TRL row is the group's reference, so the summary's "speedup" is fastppo's episodes/s over TRL's.
+It skips, with the reason, when TRL 0.26.x is not importable (``pip install 'trl==0.26.2'``).
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import os
-import tempfile
+import statistics
+import sys
 
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "0")  # benchmarks measure the real paths
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fastppo.train import PPOConfig, train  # noqa: E402
+from benchutil import REGISTRY, Result  # noqa: E402
+from trl_baseline import FASTPPO_IMPL_NAME, TRL_IMPL_NAME, E2EConfig, compare, format_report, trl_version  # noqa: E402
 
-
-def bench_config(output_dir: str, iterations: int = 8, warmup_iterations: int = 1, **overrides) -> PPOConfig:
-    """The fixed benchmark config (overrides apply on top)."""
-    fields = dict(
-        per_device_train_batch_size=16, gradient_accumulation_steps=2, num_ppo_epochs=2, response_length=16,
-        local_rollout_forward_batch_size=32, learning_rate=3e-3, output_dir=output_dir, num_sample_generations=0,
-        disable_tqdm=True, save_steps=10**9, logging_steps=1,
-    )
-    fields.update(overrides)
-    config = PPOConfig(**fields)
-    batch = config.per_device_train_batch_size * config.gradient_accumulation_steps
-    return dataclasses.replace(config, total_episodes=batch * (iterations + warmup_iterations))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IMPLS = {"fastppo": FASTPPO_IMPL_NAME, "trl": TRL_IMPL_NAME}
 
 
-def _vm_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+def e2e_config(quick: bool) -> tuple[E2EConfig, int]:
+    """(config, interleaved rounds). Sizes follow the issue: a small model, batch 16-32, 12-16 tokens."""
+    if quick:
+        return E2EConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_ppo_epochs=1,
+                         response_length=12, iterations=5, warmup_iterations=1), 1
+    if DEVICE == "cuda":
+        return E2EConfig(per_device_train_batch_size=32, gradient_accumulation_steps=2, num_ppo_epochs=2,
+                         response_length=32, iterations=10, warmup_iterations=2, threads=0), 2
+    return E2EConfig(per_device_train_batch_size=16, gradient_accumulation_steps=2, num_ppo_epochs=2,
+                     response_length=16, iterations=10, warmup_iterations=1), 2
 
 
-def episodes_per_second(config: PPOConfig, warmup_iterations: int = 1) -> dict:
-    """Run ``config`` and return {"eps", "timed_iterations", "peak_bytes", "device", "final_score"}.
+@pytest.fixture(scope="session")
+def e2e_runs(quick):
+    """Every run of both trainers, interleaved, once per session: {"fastppo": [...], "trl": [...]}."""
+    cfg, rounds = e2e_config(quick)
+    impls = ("fastppo", "trl") if trl_version() else ("fastppo",)
+    return cfg, compare(cfg, rounds=rounds, impls=impls)
 
-    ``eps`` = episodes of the timed iterations / their wall time, from the per-iteration ``eps`` and
-    ``episode`` metrics (``episode / eps`` is the time since the loop started).
+
+class _ReplayClock:
+    """A timer for pytest-benchmark that replays measured durations: round k lasts ``durations[k]``.
+
+    The runs happen in subprocesses (clean memory figures, no shared state), so pytest-benchmark
+    cannot time them itself; this feeds it the per-iteration wall times measured inside the loops,
+    so its table, statistics and ``--benchmark-json`` hold those real figures.
     """
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _vm_kib("VmRSS")
-    history = train(config).history
-    if len(history) <= warmup_iterations:
-        raise ValueError(f"{len(history)} iterations: need more than warmup_iterations={warmup_iterations}")
-    stamps = [m["episode"] / m["eps"] for m in history]
-    w = warmup_iterations
-    eps = (history[-1]["episode"] - history[w - 1]["episode"]) / (stamps[-1] - stamps[w - 1]) if w else (
-        history[-1]["eps"])
-    if cuda:
-        peak = torch.cuda.max_memory_allocated() - base
-        device = torch.cuda.get_device_name()
-    else:
-        hwm = _vm_kib("VmHWM")
-        peak = None if hwm is None or base is None else max(hwm - base, 0) * 1024
-        device = "cpu"
-    return {"eps": eps, "timed_iterations": len(history) - w, "peak_bytes": peak, "device": device,
-            "final_score": history[-1]["objective/scores"], "torch": torch.__version__}
+
+    __name__ = "per-iteration wall clock measured in the training loop (replayed)"
+
+    def __init__(self, durations):
+        self._durations, self._t, self._running = iter(durations), 0.0, False
+
+    def __call__(self) -> float:
+        if self._running:
+            self._t += next(self._durations)
+        self._running = not self._running
+        return self._t
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_train_end_to_end(benchmark, tmp_path, device):
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if device == "cpu" and torch.cuda.is_available():
-        pytest.skip("the CPU row is measured on CPU-only machines (train() picks CUDA when it exists)")
-    config = bench_config(str(tmp_path / "out"))
-    result = {}
-    benchmark.group = "e2e fastppo.train"
-    benchmark.name = f"fastppo.train[{device}]"
-    benchmark.pedantic(lambda: result.update(episodes_per_second(config)), rounds=1, iterations=1)
-    benchmark.extra_info.update(result)
-    print(f"\nfastppo.train {device}: {result['eps']:.1f} episodes/s, peak {result['peak_bytes']} B, "
-          f"{result['device']}")
+def _record(benchmark, group: str, impl_name: str, runs: list[dict]) -> None:
+    warm = runs[0]["config"]["warmup_iterations"]
+    durations = [t for r in runs for t in r["iteration_s"][warm:]]
+    benchmark.group, benchmark.name = group, impl_name
+    timer, benchmark._timer = benchmark._timer, _ReplayClock(durations)
+    try:
+        benchmark.pedantic(lambda: None, rounds=len(durations), iterations=1, warmup_rounds=0)
+    finally:
+        benchmark._timer = timer
+    recorded = list(benchmark.stats.stats.data) if benchmark.stats is not None else durations
+    if len(recorded) != len(durations) or any(abs(a - b) > 1e-9 for a, b in zip(recorded, durations)):
+        raise AssertionError("pytest-benchmark did not record the replayed iteration times")
+    eps = [r["episodes_per_s"] for r in runs]
+    cuda_peak = [r["peak_cuda_bytes"] for r in runs if "peak_cuda_bytes" in r]
+    rss_peak = [r["peak_rss_delta_bytes"] for r in runs if r["peak_rss_delta_bytes"] is not None]
+    peak = max(cuda_peak) if cuda_peak else (int(statistics.median(rss_peak)) if rss_peak else None)
+    benchmark.extra_info.update({
+        "episodes_per_s_median": statistics.median(eps),
+        "episodes_per_s_runs": eps,
+        "batch_size": runs[0]["config"]["per_device_train_batch_size"] * runs[0]["config"]["gradient_accumulation_steps"],
+        "config": runs[0]["config"],
+        "device": runs[0].get("device_name", runs[0]["device"]),
+        "torch_threads": runs[0]["threads"],
+        "peak_bytes": peak,
+        "peak_kind": "cuda max_memory_allocated" if cuda_peak else "CPU resident-set growth (VmHWM - VmRSS)",
+        "scores_per_iteration": [r["scores"] for r in runs],
+        "kl_per_iteration": [r["kl"] for r in runs],
+    })
+    REGISTRY.groups[group].append(Result(impl_name, statistics.median(durations), peak,
+                                         note=f"{statistics.median(eps):.1f} episodes/s"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=8)
-    parser.add_argument("--warmup_iterations", type=int, default=1)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as out:
-        config = bench_config(out, args.iterations, args.warmup_iterations)
-        print(json.dumps(episodes_per_second(config, args.warmup_iterations)))
-
-
-if __name__ == "__main__":
-    main()
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["fastppo", "trl"])
+def test_e2e_episodes_per_second(impl, e2e_runs, benchmark, quick, capsys):
+    cfg, runs = e2e_runs
+    if impl not in runs:
+        pytest.skip(f"TRL 0.26.x with trl.experimental.ppo is not importable: pip install 'trl==0.26.2' "
+                    f"to compare against its PPOTrainer")
+    group = f"e2e {DEVICE}: PPO iter B={cfg.batch_size} T={cfg.response_length} ep={cfg.num_ppo_epochs}"
+    _record(benchmark, group, IMPLS[impl], runs[impl])
+    if impl == "trl" or "trl" not in runs:  # the last case: print the side-by-side report once
+        with capsys.disabled():
+            print(f"\n\nend to end ({DEVICE}), {cfg.describe()}\n{format_report(runs)}\n")

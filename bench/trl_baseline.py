@@ -221,6 +221,24 @@ class _IterationClock:
         self.stamps: list[float] = []
 
 
+def shared_settings(cfg: E2EConfig, output_dir: str) -> dict:
+    """The settings both trainers' configs take, under the same names (TRL's PPOConfig and ours)."""
+    return dict(
+        output_dir=output_dir,
+        total_episodes=cfg.batch_size * cfg.total_iterations,
+        lr_scheduler_type="linear",
+        kl_estimator="k1",
+        num_sample_generations=0,
+        logging_steps=1,
+        disable_tqdm=True,
+        **{name: getattr(cfg, name) for name in (
+            "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
+            "response_length", "local_rollout_forward_batch_size", "learning_rate", "kl_coef", "temperature",
+            "cliprange", "cliprange_value", "vf_coef", "gamma", "lam", "seed",
+        )},
+    )
+
+
 def run_trl(cfg: E2EConfig, output_dir: str) -> dict:
     """Train TRL 0.26's PPOTrainer for ``cfg.total_iterations`` iterations; per-iteration stamps and metrics."""
     import torch
@@ -251,36 +269,15 @@ def run_trl(cfg: E2EConfig, output_dir: str) -> dict:
     # (every gradient_accumulation_steps micro-batches), fastppo once per minibatch; the two agree
     # when num_mini_batches == 1, so the bench keeps it there unless told otherwise.
     args = PPOConfig(
-        output_dir=output_dir,
+        **shared_settings(cfg, output_dir),
         exp_name="trl_baseline",
-        per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        num_mini_batches=cfg.num_mini_batches,
-        num_ppo_epochs=cfg.num_ppo_epochs,
-        total_episodes=cfg.batch_size * cfg.total_iterations,
-        response_length=cfg.response_length,
-        local_rollout_forward_batch_size=cfg.local_rollout_forward_batch_size,
-        learning_rate=cfg.learning_rate,
-        lr_scheduler_type="linear",
-        kl_coef=cfg.kl_coef,
-        kl_estimator="k1",
-        temperature=cfg.temperature,
-        cliprange=cfg.cliprange,
-        cliprange_value=cfg.cliprange_value,
-        vf_coef=cfg.vf_coef,
-        gamma=cfg.gamma,
-        lam=cfg.lam,
         stop_token=None,
         missing_eos_penalty=None,
-        num_sample_generations=0,
-        seed=cfg.seed,
         bf16=False,
         fp16=False,
         gradient_checkpointing=False,
-        logging_steps=1,
         save_strategy="no",
         report_to=[],
-        disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),
     )
     clock = _IterationClock()
@@ -322,31 +319,10 @@ def run_fastppo(cfg: E2EConfig, output_dir: str) -> dict:
 
     _, width = padded_prompts(AutoTokenizer.from_pretrained(embedded_model_path()))
     config = PPOConfig(
-        per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        num_mini_batches=cfg.num_mini_batches,
-        num_ppo_epochs=cfg.num_ppo_epochs,
-        total_episodes=cfg.batch_size * cfg.total_iterations,
-        response_length=cfg.response_length,
-        local_rollout_forward_batch_size=cfg.local_rollout_forward_batch_size,
-        learning_rate=cfg.learning_rate,
-        lr_scheduler_type="linear",
-        kl_coef=cfg.kl_coef,
-        kl_estimator="k1",
-        temperature=cfg.temperature,
-        cliprange=cfg.cliprange,
-        cliprange_value=cfg.cliprange_value,
-        vf_coef=cfg.vf_coef,
-        gamma=cfg.gamma,
-        lam=cfg.lam,
+        **shared_settings(cfg, output_dir),
         max_grad_norm=None,  # TRL's PPO loop does not clip gradients
         pad_to_multiple_of=width,  # every query batch as wide as TRL's (the longest prompt)
-        num_sample_generations=0,
-        seed=cfg.seed,
-        output_dir=output_dir,
         save_steps=10**9,
-        logging_steps=1,
-        disable_tqdm=True,
     )
     result = train(config)
     history = result.history

@@ -26,6 +26,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Masks: bool, or 0/1 in any integer or float dtype (nonzero = real token).
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + FLOAT_DTYPES
 
 
 def interpret_mode() -> bool:

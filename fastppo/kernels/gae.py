@@ -54,12 +54,12 @@ import torch
 from fastppo.kernels._common import (
     FLOAT_DTYPES,
     HAS_TRITON,
+    MASK_DTYPES,
     check_same_device,
     check_same_shape,
     check_tensor,
     use_triton,
 )
-from fastppo.kernels.stats import MASK_DTYPES
 
 if HAS_TRITON:
     import triton

@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from fastppo.kernels._common import FLOAT_DTYPES, check_same_device, check_same_shape, check_tensor
-
-# Mask dtypes accepted by the kernels that take a mask (gae too): nonzero = selected.
-MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64) + FLOAT_DTYPES
+from fastppo.kernels._common import MASK_DTYPES, check_same_device, check_same_shape, check_tensor
 
 WHITEN_EPS = 1e-8  # as TRL and verl: keeps rsqrt finite for a constant input
 
