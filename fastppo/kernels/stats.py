@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from fastppo.kernels._common import MASK_DTYPES, check_same_device, check_same_shape, check_tensor
+from fastppo.kernels._common import FLOAT_DTYPES, MASK_DTYPES, check_same_device, check_same_shape, check_tensor
 
 WHITEN_EPS = 1e-8  # as TRL and verl: keeps rsqrt finite for a constant input
 
