@@ -115,8 +115,8 @@ def _record(benchmark, group: str, impl_name: str, runs: list[dict]) -> None:
 def test_e2e_episodes_per_second(impl, e2e_runs, benchmark, quick, capsys):
     cfg, runs = e2e_runs
     if impl not in runs:
-        pytest.skip(f"TRL 0.26.x with trl.experimental.ppo is not importable: pip install 'trl==0.26.2' "
-                    f"to compare against its PPOTrainer")
+        pytest.skip("TRL 0.26.x with trl.experimental.ppo is not importable: pip install 'trl==0.26.2' "
+                    "to compare against its PPOTrainer")
     group = f"e2e {DEVICE}: PPO iter B={cfg.batch_size} T={cfg.response_length} ep={cfg.num_ppo_epochs}"
     _record(benchmark, group, IMPLS[impl], runs[impl])
     if impl == "trl" or "trl" not in runs:  # the last case: print the side-by-side report once
