@@ -18,10 +18,12 @@ from collections.abc import Iterable
 import torch
 
 try:  # Triton ships with CUDA builds of torch on Linux; elsewhere it may be absent.
-    import triton  # noqa: F401
+    import triton
+    import triton.language as tl
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = tl = None
     HAS_TRITON = False
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -58,14 +58,10 @@ from fastppo.kernels._common import (
     check_same_device,
     check_same_shape,
     check_tensor,
+    tl,
+    triton,
     use_triton,
 )
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover - exercised only where triton is missing
-    triton = None
 
 
 # --------------------------------------------------------------------------- kernel

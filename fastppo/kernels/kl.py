@@ -48,12 +48,11 @@ from fastppo.kernels._common import (
     check_same_shape,
     check_temperature,
     check_tensor,
+    tl,
+    triton,
     use_triton,
 )
 
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "mse")
 

@@ -80,16 +80,12 @@ from fastppo.kernels._common import (
     INDEX_DTYPES,
     check_index_range,
     check_same_device,
-    check_tensor,
     check_temperature,
+    check_tensor,
+    tl,
+    triton,
     use_triton,
 )
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover - exercised only where triton is missing
-    triton = None
 
 
 # --------------------------------------------------------------------------- kernels
