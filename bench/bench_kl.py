@@ -1,7 +1,7 @@
 """kl_penalty and fused_full_kl against their PyTorch references.
 
-Run: ``pytest bench/bench_kl.py --benchmark-group-by=group`` (GPU cases skip
-without CUDA; ``--quick`` shrinks the CPU case).
+Run: ``pytest bench/bench_kl.py --benchmark-group-by=group`` (GPU cases skip without CUDA;
+``--quick`` shrinks the CPU case; ``--smoke`` runs the GPU cases' code on the CPU).
 
 Floors (the ``% floor`` column of the summary):
   * kl_penalty: bytes it must move (fwd: read logp, ref, write kl = 12 B/token;
@@ -14,10 +14,12 @@ Floors (the ``% floor`` column of the summary):
 import pytest
 import torch
 
-from benchutil import cuda_event_median, requires_cuda
+import peers
+from benchutil import assert_agrees, device_median, dtype_name
 from fastppo.kernels import fused_full_kl, fused_full_kl_reference, kl_penalty, kl_penalty_reference
 
 ESTIMATOR = "k3"  # the one with transcendental math in both passes
+PASSES = pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
 
 
 def logprob_pair(shape, device, requires_grad):
@@ -39,46 +41,47 @@ def test_kl_penalty_cpu(measure, quick):
             group=f"kl: kl_penalty {ESTIMATOR} fwd cpu {list(shape)} fp32", impl="reference", device="cpu")
 
 
-@requires_cuda
-@pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("shape", [(64, 4096), (512, 4096)], ids=str)
+@PASSES
 @pytest.mark.parametrize("impl", ["reference", "reference torch.compile", "fastppo triton"])
-def test_kl_penalty_cuda(measure, copy_bandwidth, impl, shape, passes):
+def test_kl_penalty_gpu(measure, gpu_device, copy_bandwidth, penalty_shape, impl, passes):
     backward = passes == "fwd+bwd"
-    logp, ref = logprob_pair(shape, "cuda", requires_grad=backward)
-    upstream = torch.randn(shape, device="cuda")
+    logp, ref = logprob_pair(penalty_shape, gpu_device, requires_grad=backward)
+    upstream = torch.randn(penalty_shape, device=gpu_device)
     fn = {
         "reference": kl_penalty_reference,
-        "reference torch.compile": torch.compile(kl_penalty_reference),
+        "reference torch.compile": peers.compiled(kl_penalty_reference, gpu_device),
         "fastppo triton": kl_penalty,
     }[impl]
     call = penalty_call(fn, logp, ref, backward, upstream)
-    call()  # compile / JIT outside the timed region
+    assert_agrees(call(), penalty_call(kl_penalty_reference, logp, ref, backward, upstream)(), impl,
+                  atol=1e-5, rtol=1e-4)  # also compiles / JITs outside the timed region
     bytes_moved = logp.numel() * (32 if backward else 12)
-    measure(call, group=f"kl: kl_penalty {ESTIMATOR} {passes} cuda {list(shape)} fp32", impl=impl,
-            device="cuda", floor_s=bytes_moved / copy_bandwidth)
+    measure(call, group=f"kl: kl_penalty {ESTIMATOR} {passes} {gpu_device} {list(penalty_shape)} fp32", impl=impl,
+            device=gpu_device, floor_s=bytes_moved / copy_bandwidth)
 
 
-@requires_cuda
-@pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("hid,vocab", [(2048, 32000), (4096, 128256)], ids=lambda v: str(v))
+@PASSES
 @pytest.mark.parametrize("impl", ["reference", "fastppo triton"])
-def test_fused_full_kl_cuda(measure, impl, hid, vocab, passes):
-    n_tokens, dtype = 4096, torch.bfloat16
+def test_fused_full_kl_gpu(measure, gpu_device, full_kl_shape, impl, passes):
+    n_tokens, hid, vocab = full_kl_shape
+    dtype = torch.bfloat16 if gpu_device == "cuda" else torch.float32
     backward = passes == "fwd+bwd"
-    hidden = torch.randn(n_tokens, hid, device="cuda", dtype=dtype)
-    weight = (torch.randn(vocab, hid, device="cuda", dtype=dtype) / hid**0.5).requires_grad_(backward)
+    hidden = torch.randn(n_tokens, hid, device=gpu_device, dtype=dtype)
+    weight = (torch.randn(vocab, hid, device=gpu_device, dtype=dtype) / hid**0.5).requires_grad_(backward)
     hidden.requires_grad_(backward)
     ref_hidden = hidden.detach() + 0.1 * torch.randn_like(hidden)
     ref_weight = weight.detach() + 0.01 * torch.randn_like(weight) / hid**0.5
-    upstream = torch.randn(n_tokens, device="cuda")
-    fn = fused_full_kl if impl == "fastppo triton" else fused_full_kl_reference
+    upstream = torch.randn(n_tokens, device=gpu_device)
 
-    def call():
-        kl = fn(hidden, weight, ref_hidden, ref_weight, 1.0)
-        if backward:
-            return torch.autograd.grad(kl, (hidden, weight), upstream)
-        return kl
+    def call_of(fn):
+        def call():
+            kl = fn(hidden, weight, ref_hidden, ref_weight, 1.0)
+            return torch.autograd.grad(kl, (hidden, weight), upstream) if backward else kl
+        return call
+
+    call = call_of(fused_full_kl if impl == "fastppo triton" else fused_full_kl_reference)
+    # Compared relative to each output's scale: bf16 GEMMs on the kernel's side, fp32 in the reference.
+    assert_agrees(call(), call_of(fused_full_kl_reference)(), impl, rtol=5e-2, atol_of_max=3e-2)
 
     def bare_gemms():
         with torch.no_grad():
@@ -89,7 +92,7 @@ def test_fused_full_kl_cuda(measure, impl, hid, vocab, passes):
                 logits.t() @ hidden
             return ref_logits
 
-    call()  # Triton JIT outside the timed region
-    floor_s = cuda_event_median(bare_gemms, repeats=10)
-    measure(call, group=f"kl: fused_full_kl {passes} cuda N={n_tokens} H={hid} V={vocab} bf16", impl=impl,
-            device="cuda", floor_s=floor_s, rounds=10)
+    floor_s = device_median(bare_gemms, gpu_device, repeats=10)
+    measure(call, group=f"kl: fused_full_kl {passes} {gpu_device} N={n_tokens} H={hid} V={vocab} "
+                        f"{dtype_name(dtype)}",
+            impl=impl, device=gpu_device, floor_s=floor_s, rounds=10)

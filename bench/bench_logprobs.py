@@ -1,57 +1,46 @@
-"""token_logprobs and fused_token_logprobs against their PyTorch references.
+"""token_logprobs and fused_token_logprobs against their PyTorch references and the peers.
 
-Run: ``pytest bench/bench_logprobs.py --benchmark-group-by=group`` (GPU cases
-skip without CUDA; ``--quick`` shrinks the CPU cases, which time the reference
-only: on CPU tensors there is no fast path, the Triton kernels run on CUDA).
+Run: ``pytest bench/bench_logprobs.py --benchmark-group-by=group`` (GPU cases skip without CUDA;
+``--quick``: the headline shapes only, or small CPU shapes; ``--smoke``: the GPU cases' code on the CPU).
 
-Shapes are the issue's: logits [8192, 128256] bf16 for ``token_logprobs``;
-N=8192, H=4096, V=128256 bf16 for ``fused_token_logprobs``.
+Shapes (``benchutil.SHAPES``): logits [16, 512, V] for ``token_logprobs`` with V in {32,000,
+128,256, 151,936} (headline: V=128,256, bf16); the LM-head grid N in {4,096, 16,384}, H in {2,048,
+4,096}, V in {32,000, 128,256, 151,936} plus the headline N=8192, H=4096, V=128,256 (bf16) for
+``fused_token_logprobs``.
 
-References:
-  * token_logprobs: ``token_logprobs_reference`` (fp32 log_softmax of the
-    materialised logits, gather, entropy from the same log-probabilities);
-  * fused_token_logprobs: what a trainer does without the fused op (TRL,
-    verl): bf16 logits = hidden @ weight.T, then ``token_logprobs_reference``.
-    ``fused_token_logprobs_reference`` upcasts hidden and weight to fp32 first
-    (it is the accuracy oracle), which would make the baseline needlessly slow.
-  * Liger-Kernel's fused linear cross-entropy (reduction="none") as a peer,
-    entropy off only (it has none). Its per-token loss is −logprob at T = 1.
-    Upstream gradients are all ones (``.sum()``) for every implementation:
-    Liger's reduction="none" backward scales by the first upstream element only.
+Implementations (each checked against the reference on the same inputs before it is timed):
+  * token_logprobs: ``token_logprobs_reference`` (fp32 log_softmax of the materialised logits,
+    gather, entropy from the same log-probabilities) and its ``torch.compile``; TRL's
+    ``selective_log_softmax`` + ``entropy_from_logits``; Liger-Kernel's
+    ``fused_selective_log_softmax`` (forward only, no entropy); flash-attn's Triton cross-entropy
+    (no entropy).
+  * fused_token_logprobs: what a trainer does without the fused op (TRL, verl): bf16 logits =
+    hidden @ weight.T, then ``token_logprobs_reference`` — and its ``torch.compile`` (headline
+    shape only: one compile per shape costs more than the case); Liger-Kernel's fused linear
+    cross-entropy, reduction="none" (no entropy). ``fused_token_logprobs_reference`` upcasts hidden
+    and weight to fp32 first (it is the accuracy oracle), which would make the baseline needlessly
+    slow. Upstream gradients are all ones for every implementation (see ``peers.liger_flce_logprobs``).
 
 Floors (the ``% floor`` column of the summary):
-  * token_logprobs: one read of the logits (fwd), plus one read of the logits
-    and one write of their gradient (fwd+bwd), at the measured copy bandwidth;
-  * fused_token_logprobs: the bare bf16 GEMMs, timed in the same run: hidden @
-    weight.T (fwd), plus dlogits @ weight and dlogitsᵀ @ hidden (fwd+bwd).
+  * token_logprobs: one read of the logits (fwd), plus one read of the logits and one write of
+    their gradient (fwd+bwd), at the measured copy bandwidth;
+  * fused_token_logprobs: the bare bf16 GEMMs, timed in the same run: hidden @ weight.T (fwd),
+    plus dlogits @ weight and dlogitsᵀ @ hidden (fwd+bwd).
 """
 import pytest
 import torch
 
-from benchutil import cuda_event_median, requires_cuda
-from fastppo.kernels import (
-    fused_token_logprobs,
-    token_logprobs,
-    token_logprobs_reference,
-)
+import peers
+from benchutil import HEADLINE_LM_HEAD, assert_agrees, device_median, dtype_name, with_backward
+from fastppo.kernels import fused_token_logprobs, token_logprobs, token_logprobs_reference
 
-try:
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-except Exception:  # liger is a GPU extra; its import can fail without CUDA/triton
-    LigerFusedLinearCrossEntropyLoss = None
-
-N_TOKENS, HIDDEN, VOCAB = 8192, 4096, 128256
+ENTROPY = pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no-entropy"])
+PASSES = pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
 
 
-def _outputs_sum(out):
-    return sum(o.sum() for o in out) if isinstance(out, tuple) else out.sum()
-
-
-def _call(fn, inputs, backward):
-    """fn() → outputs; with ``backward``, also the gradients to ``inputs`` (upstream ones)."""
-    if not backward:
-        return fn
-    return lambda: torch.autograd.grad(_outputs_sum(fn()), inputs)
+def _dtype(device):
+    # bf16 is what users have on a GPU; the CPU smoke run keeps fp32 (the interpreter's bf16 is numpy's).
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 # --------------------------------------------------------------------------- token_logprobs
@@ -65,24 +54,49 @@ def test_token_logprobs_cpu(measure, quick):
             group=f"logprobs: token_logprobs+entropy fwd cpu {list(shape)} fp32", impl="reference", device="cpu")
 
 
-@requires_cuda
-@pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("impl", ["reference", "reference torch.compile", "fastppo triton"])
-def test_token_logprobs_cuda(measure, copy_bandwidth, impl, passes):
-    backward = passes == "fwd+bwd"
-    logits = torch.randn(N_TOKENS, VOCAB, device="cuda", dtype=torch.bfloat16).requires_grad_(backward)
-    index = torch.randint(0, VOCAB, (N_TOKENS,), device="cuda")
+TOKEN_IMPLS = ["reference", "reference torch.compile", "fastppo triton", "trl selective_log_softmax",
+               "liger fused_selective_log_softmax", "flash-attn cross_entropy"]
+
+
+def _token_logprobs_impl(impl, device, logits, index, entropy, backward):
+    """A zero-argument call of one implementation; skips what it cannot do."""
+    if impl in ("liger fused_selective_log_softmax", "flash-attn cross_entropy") and entropy:
+        pytest.skip(f"{impl} has no entropy output")
+    if impl == "liger fused_selective_log_softmax":
+        if backward:
+            pytest.skip(f"{impl} is forward-only (no gradient)")
+        # Its own input: the causal LM's logits, one position longer; the same B·T rows are scored.
+        longer = torch.cat([logits.detach(), logits.detach()[:, -1:]], dim=1)
+        return lambda: peers.liger_selective_logprobs(longer, index)
+    if impl == "flash-attn cross_entropy":
+        return lambda: peers.flash_attn_token_logprobs(logits, index)
     fn = {
         "reference": token_logprobs_reference,
-        "reference torch.compile": torch.compile(token_logprobs_reference),
+        "reference torch.compile": peers.compiled(token_logprobs_reference, device),
         "fastppo triton": token_logprobs,
+        "trl selective_log_softmax": peers.trl_token_logprobs,
     }[impl]
-    call = _call(lambda: fn(logits, index, 1.0, return_entropy=True), (logits,), backward)
-    call()  # compile / JIT outside the timed region
+    return lambda: fn(logits, index, 1.0, return_entropy=entropy)
+
+
+@ENTROPY
+@PASSES
+@pytest.mark.parametrize("impl", TOKEN_IMPLS)
+def test_token_logprobs_gpu(measure, gpu_device, copy_bandwidth, logits_shape, impl, passes, entropy):
+    backward = passes == "fwd+bwd"
+    logits = torch.randn(logits_shape, device=gpu_device, dtype=_dtype(gpu_device)).requires_grad_(backward)
+    index = torch.randint(0, logits_shape[-1], logits_shape[:-1], device=gpu_device)
+    fn = _token_logprobs_impl(impl, gpu_device, logits, index, entropy, backward)
+    # Correct first (this also compiles / JITs outside the timed region).
+    assert_agrees(fn(), token_logprobs_reference(logits, index, 1.0, return_entropy=entropy), impl)
+    call = with_backward(fn, (logits,), backward)
+    call()
     # copy_bandwidth counts read + write bytes; fwd reads the logits once, bwd reads them and writes the grad.
     bytes_moved = logits.numel() * logits.element_size() * (3 if backward else 1)
-    measure(call, group=f"logprobs: token_logprobs+entropy {passes} cuda [{N_TOKENS}, {VOCAB}] bf16", impl=impl,
-            device="cuda", floor_s=bytes_moved / copy_bandwidth, rounds=10)
+    name = "+entropy" if entropy else ""
+    measure(call, group=f"logprobs: token_logprobs{name} {passes} {gpu_device} {list(logits_shape)} "
+                        f"{dtype_name(logits.dtype)}",
+            impl=impl, device=gpu_device, floor_s=bytes_moved / copy_bandwidth, rounds=10)
 
 
 # --------------------------------------------------------------------------- fused_token_logprobs
@@ -102,28 +116,38 @@ def test_fused_token_logprobs_cpu(measure, quick):
             device="cpu")
 
 
-@requires_cuda
-@pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no-entropy"])
-@pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("impl", ["reference", "fastppo triton", "liger flce"])
-def test_fused_token_logprobs_cuda(measure, impl, passes, entropy):
-    backward = passes == "fwd+bwd"
+FUSED_IMPLS = ["reference", "reference torch.compile", "fastppo triton", "liger flce"]
+
+
+def _fused_impl(impl, device, shape, hidden, weight, index, entropy):
     if impl == "liger flce":
         if entropy:
             pytest.skip("Liger's fused linear cross-entropy has no entropy output")
-        if LigerFusedLinearCrossEntropyLoss is None:
-            pytest.skip("liger_kernel is not importable")
-    dtype = torch.bfloat16
-    hidden = torch.randn(N_TOKENS, HIDDEN, device="cuda", dtype=dtype).requires_grad_(backward)
-    weight = (torch.randn(VOCAB, HIDDEN, device="cuda", dtype=dtype) / HIDDEN**0.5).requires_grad_(backward)
-    index = torch.randint(0, VOCAB, (N_TOKENS,), device="cuda")
-    if impl == "liger flce":
-        loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
-        fn = lambda: loss(weight, hidden, index)  # noqa: E731
-    else:
-        op = fused_token_logprobs if impl == "fastppo triton" else _materialised_reference
-        fn = lambda: op(hidden, weight, index, 1.0, return_entropy=entropy)  # noqa: E731
-    call = _call(fn, (hidden, weight), backward)
+        return lambda: peers.liger_flce_logprobs(hidden, weight, index)
+    if impl == "reference torch.compile" and device == "cuda" and shape != HEADLINE_LM_HEAD:
+        pytest.skip("the torch.compile peer is timed at the headline shape only (a compile per shape)")
+    op = {
+        "reference": _materialised_reference,
+        "reference torch.compile": peers.compiled(_materialised_reference, device),
+        "fastppo triton": fused_token_logprobs,
+    }[impl]
+    return lambda: op(hidden, weight, index, 1.0, return_entropy=entropy)
+
+
+@ENTROPY
+@PASSES
+@pytest.mark.parametrize("impl", FUSED_IMPLS)
+def test_fused_token_logprobs_gpu(measure, gpu_device, lm_head_shape, impl, passes, entropy):
+    backward = passes == "fwd+bwd"
+    n_tokens, hid, vocab = lm_head_shape
+    dtype = _dtype(gpu_device)
+    hidden = torch.randn(n_tokens, hid, device=gpu_device, dtype=dtype).requires_grad_(backward)
+    weight = (torch.randn(vocab, hid, device=gpu_device, dtype=dtype) / hid**0.5).requires_grad_(backward)
+    index = torch.randint(0, vocab, (n_tokens,), device=gpu_device)
+    fn = _fused_impl(impl, gpu_device, lm_head_shape, hidden, weight, index, entropy)
+    assert_agrees(fn(), _materialised_reference(hidden, weight, index, return_entropy=entropy), impl)
+    call = with_backward(fn, (hidden, weight), backward)
+    call()
 
     def bare_gemms():
         with torch.no_grad():
@@ -133,8 +157,8 @@ def test_fused_token_logprobs_cuda(measure, impl, passes, entropy):
                 logits.t() @ hidden
             return logits
 
-    call()  # Triton JIT outside the timed region
-    floor_s = cuda_event_median(bare_gemms, repeats=10)
+    floor_s = device_median(bare_gemms, gpu_device, repeats=10)
     name = "+entropy" if entropy else ""
-    measure(call, group=f"logprobs: fused_token_logprobs{name} {passes} cuda N={N_TOKENS} H={HIDDEN} V={VOCAB} bf16",
-            impl=impl, device="cuda", floor_s=floor_s, rounds=10)
+    measure(call, group=f"logprobs: fused_token_logprobs{name} {passes} {gpu_device} N={n_tokens} H={hid} V={vocab} "
+                        f"{dtype_name(dtype)}",
+            impl=impl, device=gpu_device, floor_s=floor_s, rounds=10)

@@ -38,8 +38,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IMPLS = {"fastppo": FASTPPO_IMPL_NAME, "trl": TRL_IMPL_NAME}
 
 
-def e2e_config(quick: bool) -> tuple[E2EConfig, int]:
-    """(config, interleaved rounds). Sizes follow the issue: a small model, batch 16-32, 12-16 tokens."""
+def e2e_config(quick: bool, smoke: bool = False) -> tuple[E2EConfig, int]:
+    """(config, interleaved rounds). Sizes follow the issue: a small model, batch 16-32, 12-16 tokens.
+
+    ``smoke``: the smallest run that still goes through both trainers' loops (checks the harness only)."""
+    if smoke:
+        return E2EConfig(per_device_train_batch_size=4, gradient_accumulation_steps=1, num_ppo_epochs=1,
+                         response_length=6, iterations=2, warmup_iterations=1), 1
     if quick:
         return E2EConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_ppo_epochs=1,
                          response_length=12, iterations=5, warmup_iterations=1), 1
@@ -51,9 +56,9 @@ def e2e_config(quick: bool) -> tuple[E2EConfig, int]:
 
 
 @pytest.fixture(scope="session")
-def e2e_runs(quick):
+def e2e_runs(quick, smoke):
     """Every run of both trainers, interleaved, once per session: {"fastppo": [...], "trl": [...]}."""
-    cfg, rounds = e2e_config(quick)
+    cfg, rounds = e2e_config(quick, smoke)
     impls = ("fastppo", "trl") if trl_version() else ("fastppo",)
     return cfg, compare(cfg, rounds=rounds, impls=impls)
 

@@ -12,7 +12,15 @@ Every case goes through :func:`measure`, which
     each implementation's time and memory relative to the group's reference.
 
 Run ``pytest bench/ --benchmark-group-by=group`` for pytest-benchmark's tables,
-``--quick`` for small CPU shapes, ``--benchmark-json=out.json`` for raw data.
+``--quick`` for the headline shapes (small shapes on a CPU),
+``--benchmark-json=out.json`` for raw data. ``--smoke`` runs the GPU cases'
+code on the CPU at tiny shapes through the Triton interpreter (what CI does to
+keep the GPU cases working without a GPU); its timings are not measurements.
+
+CPU memory is measured end to end only (``bench_train.py``, peak resident set):
+a single CPU kernel's peak is not observable reliably (glibc keeps freed
+blocks resident, and the C++ op allocates its large outputs outside torch's
+allocator, where the profiler does not see them).
 """
 from __future__ import annotations
 
@@ -21,43 +29,86 @@ import os
 import pytest
 import torch
 
-# Benchmarks measure the real paths: never the Triton interpreter.
-os.environ.setdefault("TRITON_INTERPRET", "0")
+from benchutil import HAS_CUDA, REGISTRY, SHAPES, Result, cuda_event_median, device_median, peak_extra_bytes, shape_id
 
-from benchutil import HAS_CUDA, REGISTRY, Result, cuda_event_median, peak_extra_bytes
+# Benchmarks measure the real paths: never the Triton interpreter (but see --smoke).
+os.environ.setdefault("TRITON_INTERPRET", "0")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--quick", action="store_true", help="small shapes so a CPU run takes a couple of minutes")
+    group = parser.getgroup("fastppo bench")
+    group.addoption("--quick", action="store_true",
+                    help="the headline shapes only on a GPU; small shapes so a CPU run takes a couple of minutes")
+    group.addoption("--smoke", action="store_true",
+                    help="run the GPU cases on the CPU at tiny shapes through the Triton interpreter: checks the "
+                         "bench's code, measures nothing")
+
+
+def pytest_configure(config):
+    REGISTRY.smoke = config.getoption("--smoke")
+    if REGISTRY.smoke:
+        # Triton reads this when a kernel is decorated: before any bench module imports fastppo.kernels.
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def shape_mode(config) -> str:
+    if config.getoption("--smoke"):
+        return "smoke"
+    return "quick" if config.getoption("--quick") else "full"
+
+
+def pytest_generate_tests(metafunc):
+    """A case that takes ``<kind>_shape`` runs at every shape of SHAPES[kind] for the mode."""
+    for kind, by_mode in SHAPES.items():
+        name = f"{kind}_shape"
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, by_mode[shape_mode(metafunc.config)], ids=shape_id)
 
 
 @pytest.fixture(scope="session")
 def quick(request) -> bool:
-    return request.config.getoption("--quick")
+    """Small shapes for the CPU cases (also under --smoke)."""
+    return request.config.getoption("--quick") or request.config.getoption("--smoke")
 
 
 @pytest.fixture(scope="session")
-def copy_bandwidth() -> float:
+def smoke(request) -> bool:
+    return request.config.getoption("--smoke")
+
+
+@pytest.fixture(scope="session")
+def gpu_device(smoke) -> str:
+    """Where a GPU case runs: "cuda", or "cpu" under --smoke; skips otherwise."""
+    if HAS_CUDA:
+        return "cuda"
+    if smoke:
+        return "cpu"
+    pytest.skip("GPU case: needs a CUDA device (--smoke runs its code on the CPU, without timing anything)")
+
+
+@pytest.fixture(scope="session")
+def copy_bandwidth(gpu_device) -> float:
     """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
-    if not HAS_CUDA:
-        pytest.skip("copy bandwidth is measured on a CUDA device")
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    n = (1 << 30) if gpu_device == "cuda" else (1 << 24)
+    x = torch.empty(n, dtype=torch.uint8, device=gpu_device)
     y = torch.empty_like(x)
-    seconds = cuda_event_median(lambda: y.copy_(x), repeats=20)
+    seconds = device_median(lambda: y.copy_(x), gpu_device, repeats=20, warmup=3)
     return 2 * x.numel() / seconds
 
 
 @pytest.fixture
-def measure(benchmark):
+def measure(benchmark, smoke):
     """``measure(fn, group=, impl=, device=, floor_s=None, rounds=None)``.
 
     ``impl`` names the implementation; the one named "reference..." is the
     group's baseline. ``device`` is where ``fn`` runs ("cpu" or "cuda").
     ``rounds`` switches to a fixed number of rounds for slow cases.
+    ``event_timing=False`` keeps pytest-benchmark's synchronised wall clock
+    only (no CUDA-event re-timing, no memory run): for calls of seconds.
     """
 
     def run(fn, *, group: str, impl: str, device: str, floor_s: float | None = None, rounds: int | None = None,
-            note: str = ""):
+            note: str = "", event_timing: bool = True):
         benchmark.group = group
         benchmark.name = impl
         on_cuda = torch.device(device).type == "cuda"
@@ -68,13 +119,18 @@ def measure(benchmark):
                 return out
         else:
             call = fn
+        if smoke:
+            rounds = 1
         if rounds is None:
             benchmark(call)
         else:
-            benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
-        median = benchmark.stats.stats.median
+            benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=0 if smoke else 1)
+        if benchmark.stats is not None:
+            median = benchmark.stats.stats.median
+        else:  # --benchmark-disable: pytest-benchmark ran the call once and kept no time
+            median = device_median(fn, device, repeats=1, warmup=0)
         peak = None
-        if on_cuda:
+        if on_cuda and event_timing:
             # Slow cases (fixed rounds) get as many event timings as rounds, not 50.
             median = cuda_event_median(fn) if rounds is None else cuda_event_median(fn, repeats=max(rounds, 3), warmup=1)
             peak = peak_extra_bytes(fn)
@@ -103,13 +159,22 @@ def pytest_terminal_summary(terminalreporter):
     write = terminalreporter.write_line
     write("")
     write("fastppo bench summary (speedup and memory relative to each group's 'reference' row)")
-    header = f"{'group':<46} {'impl':<26} {'median':>11} {'speedup':>8} {'peak mem':>11} {'mem ratio':>9} {'% floor':>8}"
+    if REGISTRY.smoke:
+        write("SMOKE RUN (--smoke): GPU cases on the CPU through the Triton interpreter, tiny shapes, one round. "
+              "These timings are not measurements.")
+    width = max(len(g) for g in REGISTRY.groups)
+    impl_width = max(len(r.impl) for results in REGISTRY.groups.values() for r in results)
+    header = (f"{'group':<{width}} {'impl':<{impl_width}} {'median':>11} {'speedup':>8} {'peak mem':>11} "
+              f"{'mem ratio':>9} {'% floor':>8}")
     write(header)
     write("-" * len(header))
     for group, results in sorted(REGISTRY.groups.items()):
-        ref = next((r for r in results if r.impl.startswith("reference")), None)
+        ref = next((r for r in results if r.impl == "reference"), None) or next(
+            (r for r in results if r.impl.startswith("reference")), None)
         for r in results:
             speed = f"{ref.median_s / r.median_s:.2f}x" if ref else "-"
             mem = f"{r.peak_bytes / ref.peak_bytes:.3f}" if ref and ref.peak_bytes and r.peak_bytes is not None else "-"
             floor = f"{100 * r.floor_s / r.median_s:.0f}%" if r.floor_s else "-"
-            write(f"{group:<46} {r.impl:<26} {_fmt_time(r.median_s):>11} {speed:>8} {_fmt_bytes(r.peak_bytes):>11} {mem:>9} {floor:>8}")
+            write(f"{group:<{width}} {r.impl:<{impl_width}} {_fmt_time(r.median_s):>11} {speed:>8} "
+                  f"{_fmt_bytes(r.peak_bytes):>11} "
+                  f"{mem:>9} {floor:>8}" + (f"  {r.note}" if r.note else ""))

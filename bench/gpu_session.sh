@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# One GPU lease, one call: install, check the compiled kernels against their
-# references, then time everything; full logs and JSON under $OUT (or ./gpu-out).
+# A GPU lease in as few calls as possible: install, check the compiled kernels against their
+# references, then time; full logs and JSON under $OUT (or ./gpu-out).
 #
-# Usage on a lent GPU machine (device tool), from the repo root:
-#   bash bench/gpu_session.sh            # tests + full bench
-#   QUICK=1 bash bench/gpu_session.sh    # tests + the headline shapes only
-# Wheels missing from the image (datasets, liger-kernel, trl) may be carried in
-# .whl/ (see the device README); they are installed to /tmp/site when present.
+# Usage on a lent GPU machine (device tool; at most 10 minutes a call), from the repo root:
+#   bash bench/gpu_session.sh --quick                      # call 1: tests + every kernel at its headline shape
+#   SKIP_TESTS=1 TAG=logprobs bash bench/gpu_session.sh bench/bench_logprobs.py     # call 2: the LM-head grid
+#   SKIP_TESTS=1 TAG=rest bash bench/gpu_session.sh bench/bench_kl.py bench/bench_gae.py \
+#       bench/bench_masking.py bench/bench_train.py                                  # call 3: the other full shapes
+# Arguments go to `pytest bench/` (paths, -k, --quick). Wheels missing from the image
+# (datasets, liger-kernel, trl, accelerate) may be carried in .whl/ (see the device README);
+# they are installed to /tmp/site when present.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
+TAG=${TAG:-bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 
@@ -17,18 +21,23 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; git rev-parse HEAD; date -u; } | tee "$OUT/env.txt"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; python3 -c "import fastppo.kernels as k; print('extension', k.extension_backend())"; git rev-parse HEAD; date -u; } | tee "$OUT/env-$TAG.txt"
 
 # 1. Correctness of the compiled kernels and the CUDA op on CUDA tensors.
-python3 -m pytest tests/test_masking.py tests/test_logprobs.py tests/test_kl.py tests/test_gae.py tests/test_stats.py \
-  -q -x -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
-tests_status=${PIPESTATUS[0]}
+tests_status=0
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest tests/test_masking.py tests/test_logprobs.py tests/test_kl.py tests/test_gae.py tests/test_stats.py \
+    -q -x -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
+  tests_status=${PIPESTATUS[0]}
+fi
 
-# 2. Benchmarks (only meaningful if the kernels are correct).
+# 2. Benchmarks (only meaningful if the kernels are correct). Each case checks its own output
+#    against the reference before it is timed; the summary table is printed last.
 if [ "$tests_status" -eq 0 ]; then
-  select=()
-  [ "${QUICK:-0}" = 1 ] && select=(-k "8192 or B=1024 or B=512")
-  python3 -m pytest bench/ -q -p no:cacheprovider --benchmark-group-by=group --benchmark-columns=median,iqr,rounds \
-    --benchmark-json="$OUT/bench.json" "${select[@]}" 2>&1 | tee "$OUT/bench.log"
+  has_path=0
+  for arg in "$@"; do [[ $arg == bench/* ]] && has_path=1; done
+  [ "$has_path" = 1 ] || set -- bench/ "$@"
+  python3 -m pytest "$@" -q -rs -p no:cacheprovider --benchmark-group-by=group --benchmark-columns=median,iqr,rounds \
+    --benchmark-json="$OUT/$TAG.json" 2>&1 | tee "$OUT/$TAG.log"
 fi
 echo "tests exit status: $tests_status"

@@ -443,10 +443,11 @@ def measure_in_subprocess(impl: str, cfg: E2EConfig, timeout: float = 600) -> di
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["TRITON_INTERPRET"] = "0"  # end to end times the real paths, never Triton's interpreter (even under --smoke)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, "--config", json.dumps(dataclasses.asdict(cfg))]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     marker = "E2E_RESULT "
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(marker)]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{impl} run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return json.loads(lines[-1][len(marker):])
