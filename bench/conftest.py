@@ -160,8 +160,8 @@ def pytest_terminal_summary(terminalreporter):
     write("")
     write("fastppo bench summary (speedup and memory relative to each group's 'reference' row)")
     if REGISTRY.smoke:
-        write("SMOKE RUN (--smoke): GPU cases on the CPU through the Triton interpreter, tiny shapes, one round. "
-              "These timings are not measurements.")
+        where = "" if HAS_CUDA else "GPU cases on the CPU through the Triton interpreter, "
+        write(f"SMOKE RUN (--smoke): {where}tiny shapes, one round. These timings are not measurements.")
     width = max(len(g) for g in REGISTRY.groups)
     impl_width = max(len(r.impl) for results in REGISTRY.groups.values() for r in results)
     header = (f"{'group':<{width}} {'impl':<{impl_width}} {'median':>11} {'speedup':>8} {'peak mem':>11} "
