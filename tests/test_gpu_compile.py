@@ -41,6 +41,18 @@ _COMPILE_SCRIPT = textwrap.dedent(
             dict(HAS_BIAS=True, COMPUTE_ENTROPY=True, DOT_PRECISION="ieee", DOT_UPCAST=False, BLOCK_N=64,
                  BLOCK_V=128, BLOCK_H=64, **acc), num_warps=8, num_stages=3)
 
+    # fp64 (gradcheck's dtype): the fp64 accumulator and dot. Triton < 3.7 rejected it (tl.dot's fp32 default).
+    f64 = dict(ACC_DTYPE=tl.float64)
+    compile(L._token_logprobs_fwd_kernel,
+            dict(X="*fp64", stride_x="i64", IDX="*i64", LOGP="*fp64", LSE="*fp64", ENT="*fp64", n_cols="i32",
+                 temperature="fp32"), dict(COMPUTE_ENTROPY=True, BLOCK_V=4096, **f64), num_warps=8)
+    compile(L._fused_logprobs_fwd_kernel,
+            dict(HID="*fp64", stride_hn="i64", stride_hh="i64", W="*fp64", stride_wv="i64", stride_wh="i64",
+                 B="*fp64", IDX="*i64", M_OUT="*fp64", S_OUT="*fp64", T_OUT="*fp64", PICK_OUT="*fp64", N="i32",
+                 V="i32", H="i32", temperature="fp32", tiles_per_split="i32"),
+            dict(HAS_BIAS=True, COMPUTE_ENTROPY=True, DOT_PRECISION="ieee", DOT_UPCAST=False, BLOCK_N=32,
+                 BLOCK_V=32, BLOCK_H=16, **f64), num_warps=4, num_stages=3)
+
     # kl.py: elementwise estimators, every estimator code
     for est in range(4):
         compile(K._kl_penalty_fwd_kernel, dict(logp_ptr="*bf16", ref_ptr="*bf16", out_ptr="*fp32", n="i32"),

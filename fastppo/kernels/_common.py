@@ -26,6 +26,37 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = tl = None
     HAS_TRITON = False
 
+
+
+def _interpreter_index_backport() -> None:
+    """Let Triton < 3.7's interpreter loop over runtime bounds with NumPy >= 2.4.
+
+    That interpreter turns a scalar (a shape-(1,) array) into a Python index
+    with ``int(array)``, which NumPy 2.4 refuses, so ``range(0, n, BLOCK)``
+    fails under TRITON_INTERPRET=1 (Triton 3.6 is what GPU images ship).
+    Triton 3.7+ squeezes first; this does the same. It touches the
+    interpreter only, never compiled kernels, and nothing on newer Triton.
+    """
+    try:
+        from triton.runtime import interpreter
+        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    except (ImportError, ValueError):  # pragma: no cover
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if (major, minor) >= (3, 7) or patch is None or getattr(patch, "_fastppo_index", False):
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    _patch_lang_tensor._fastppo_index = True
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+if HAS_TRITON:
+    _interpreter_index_backport()
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 # Masks: bool, or 0/1 in any integer or float dtype (nonzero = real token).
