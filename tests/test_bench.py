@@ -45,7 +45,9 @@ def test_smoke_run_covers_every_kernel_with_its_reference(smoke_run):
     rows = {(b["group"], b["name"]) for b in report["benchmarks"]}
     groups = {g for g, _ in rows}
     impls = {g: {name for group, name in rows if group == g} for g in groups}
-    for g, names in impls.items():  # every group has the baseline its speedups are relative to
+    for g, names in impls.items():  # every kernel group has the baseline its speedups are relative to
+        if g.startswith("e2e"):
+            continue  # its reference, TRL, is a peer that may be missing: test_end_to_end_runs_both_trainers
         assert any(name.startswith("reference") for name in names), f"{g}: no reference row"
     for prefix in KERNEL_GROUPS:  # every kernel is timed beside its reference
         assert any(g.startswith(prefix) and any(n.startswith("fastppo") for n in names) for g, names in impls.items()), \
