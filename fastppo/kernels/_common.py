@@ -27,15 +27,14 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     HAS_TRITON = False
 
 
-
 def _interpreter_index_backport() -> None:
-    """Let Triton < 3.7's interpreter loop over runtime bounds with NumPy >= 2.4.
+    """Let older Triton interpreters (3.6 here) loop over runtime bounds with NumPy >= 2.4.
 
     That interpreter turns a scalar (a shape-(1,) array) into a Python index
     with ``int(array)``, which NumPy 2.4 refuses, so ``range(0, n, BLOCK)``
     fails under TRITON_INTERPRET=1 (Triton 3.6 is what GPU images ship).
-    Triton 3.7+ squeezes first; this does the same. It touches the
-    interpreter only, never compiled kernels, and nothing on newer Triton.
+    Triton 3.9 squeezes first; this does the same on older ones. It touches
+    the interpreter only, never compiled kernels, and nothing on Triton 3.9+.
     """
     try:
         from triton.runtime import interpreter
@@ -43,7 +42,7 @@ def _interpreter_index_backport() -> None:
     except (ImportError, ValueError):  # pragma: no cover
         return
     patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if (major, minor) >= (3, 7) or patch is None or getattr(patch, "_fastppo_index", False):
+    if (major, minor) >= (3, 9) or patch is None or getattr(patch, "_fastppo_index", False):
         return
 
     def _patch_lang_tensor(tensor, scope):

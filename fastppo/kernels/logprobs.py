@@ -236,7 +236,7 @@ if HAS_TRITON:
                     # products, which bf16 → fp32 represents exactly.
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
-                # out_dtype explicitly: Triton < 3.7 defaults it to fp32 and rejects an fp64 acc.
+                # out_dtype explicitly: Triton 3.6 defaults it to fp32 and rejects an fp64 acc.
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
             if HAS_BIAS:
                 acc += tl.load(B + cols, mask=col_mask, other=0.0).to(ACC_DTYPE)[None, :]
