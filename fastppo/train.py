@@ -1507,6 +1507,9 @@ def train(config: PPOConfig) -> TrainResult:
             save_checkpoint(config.output_dir, policy, value_model, tokenizer, config)
             plot_curves(logger.history, os.path.join(config.output_dir, "curves.png"), log)
             log(f"done: {episode} episodes in {time.perf_counter() - start:.1f}s; model saved to {config.output_dir}")
+        # DDP's reducer holds the process group: release it here, while every rank is alive, rather than
+        # when this frame unwinds after destroy_process_group (a rank once hung in that late teardown).
+        del model
         _barrier()
         return TrainResult(logger.history, sizes, config.output_dir, policy, value_model)
     finally:

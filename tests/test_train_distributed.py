@@ -11,7 +11,8 @@ import pytest
 import torch
 
 WORKER = """
-import json, os, sys
+import faulthandler, json, os, sys
+faulthandler.dump_traceback_later(240, exit=True)  # a hung rank prints every thread's stack, then exits
 import torch
 from fastppo.train import PPOConfig, train
 
