@@ -25,33 +25,25 @@ _COMPILE_SCRIPT = textwrap.dedent(
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         print("compiled", fn.__name__, consts)
 
-    # logprobs.py
-    acc = dict(ACC_DTYPE=tl.float32)
-    compile(L._token_logprobs_fwd_kernel,
-            dict(X="*bf16", stride_x="i64", IDX="*i64", LOGP="*fp32", LSE="*fp32", ENT="*fp32", n_cols="i32",
-                 temperature="fp32"), dict(COMPUTE_ENTROPY=True, BLOCK_V=4096, **acc), num_warps=8)
-    compile(L._token_logprobs_bwd_kernel,
-            dict(X="*fp32", stride_x="i64", DX="*bf16", stride_dx="i64", IDX="*i64", LSE="*fp32", ENT="*fp32",
-                 G_LOGP="*fp32", G_ENT="*fp32", col_offset="i32", n_cols="i32", temperature="fp32"),
-            dict(HAS_G_LOGP=True, HAS_G_ENT=True, BLOCK_V=1024, **acc), num_warps=4)
-    compile(L._fused_logprobs_fwd_kernel,
-            dict(HID="*bf16", stride_hn="i64", stride_hh="i64", W="*bf16", stride_wv="i64", stride_wh="i64",
-                 B="*bf16", IDX="*i64", M_OUT="*fp32", S_OUT="*fp32", T_OUT="*fp32", PICK_OUT="*fp32", N="i32",
-                 V="i32", H="i32", temperature="fp32", tiles_per_split="i32"),
-            dict(HAS_BIAS=True, COMPUTE_ENTROPY=True, DOT_PRECISION="ieee", DOT_UPCAST=False, BLOCK_N=64,
-                 BLOCK_V=128, BLOCK_H=64, **acc), num_warps=8, num_stages=3)
-
-    # fp64 (gradcheck's dtype): the fp64 accumulator and dot. Triton < 3.7 rejected it (tl.dot's fp32 default).
-    f64 = dict(ACC_DTYPE=tl.float64)
-    compile(L._token_logprobs_fwd_kernel,
-            dict(X="*fp64", stride_x="i64", IDX="*i64", LOGP="*fp64", LSE="*fp64", ENT="*fp64", n_cols="i32",
-                 temperature="fp32"), dict(COMPUTE_ENTROPY=True, BLOCK_V=4096, **f64), num_warps=8)
-    compile(L._fused_logprobs_fwd_kernel,
-            dict(HID="*fp64", stride_hn="i64", stride_hh="i64", W="*fp64", stride_wv="i64", stride_wh="i64",
-                 B="*fp64", IDX="*i64", M_OUT="*fp64", S_OUT="*fp64", T_OUT="*fp64", PICK_OUT="*fp64", N="i32",
-                 V="i32", H="i32", temperature="fp32", tiles_per_split="i32"),
-            dict(HAS_BIAS=True, COMPUTE_ENTROPY=True, DOT_PRECISION="ieee", DOT_UPCAST=False, BLOCK_N=32,
-                 BLOCK_V=32, BLOCK_H=16, **f64), num_warps=4, num_stages=3)
+    # logprobs.py, as launched for bf16 inputs (fp32 accumulators) and fp64 inputs (gradcheck's dtype: fp64
+    # accumulators and dot, which Triton 3.6 rejected while tl.dot's out_dtype defaulted to fp32)
+    for x, out, tl_acc, fused_tile, fused_warps in (("*bf16", "*fp32", tl.float32, (64, 128, 64), 8),
+                                                    ("*fp64", "*fp64", tl.float64, (32, 32, 16), 4)):
+        acc = dict(ACC_DTYPE=tl_acc)
+        compile(L._token_logprobs_fwd_kernel,
+                dict(X=x, stride_x="i64", IDX="*i64", LOGP=out, LSE=out, ENT=out, n_cols="i32", temperature="fp32"),
+                dict(COMPUTE_ENTROPY=True, BLOCK_V=4096, **acc), num_warps=8)
+        compile(L._token_logprobs_bwd_kernel,
+                dict(X=out, stride_x="i64", DX=x, stride_dx="i64", IDX="*i64", LSE=out, ENT=out, G_LOGP=out,
+                     G_ENT=out, col_offset="i32", n_cols="i32", temperature="fp32"),
+                dict(HAS_G_LOGP=True, HAS_G_ENT=True, BLOCK_V=1024, **acc), num_warps=4)
+        block_n, block_v, block_h = fused_tile
+        compile(L._fused_logprobs_fwd_kernel,
+                dict(HID=x, stride_hn="i64", stride_hh="i64", W=x, stride_wv="i64", stride_wh="i64", B=x,
+                     IDX="*i64", M_OUT=out, S_OUT=out, T_OUT=out, PICK_OUT=out, N="i32", V="i32", H="i32",
+                     temperature="fp32", tiles_per_split="i32"),
+                dict(HAS_BIAS=True, COMPUTE_ENTROPY=True, DOT_PRECISION="ieee", DOT_UPCAST=False, BLOCK_N=block_n,
+                     BLOCK_V=block_v, BLOCK_H=block_h, **acc), num_warps=fused_warps, num_stages=3)
 
     # kl.py: elementwise estimators, every estimator code
     for est in range(4):
