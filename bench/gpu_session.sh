@@ -7,9 +7,9 @@
 #   SKIP_TESTS=1 TAG=logprobs bash bench/gpu_session.sh bench/bench_logprobs.py     # call 2: the LM-head grid
 #   SKIP_TESTS=1 TAG=rest bash bench/gpu_session.sh bench/bench_kl.py bench/bench_gae.py \
 #       bench/bench_masking.py bench/bench_train.py                                  # call 3: the other full shapes
-# Arguments go to `pytest bench/` (paths, -k, --quick). Wheels missing from the image
-# (datasets, liger-kernel, trl, accelerate) may be carried in .whl/ (see the device README);
-# they are installed to /tmp/site when present.
+# Arguments go to `pytest bench/` (paths, -k, --quick). The wheels the image lacks (datasets,
+# liger-kernel, trl and their missing needs) come from `bash bench/fetch_wheels.sh`, run here
+# beforehand; name `.whl` in the device call's carry and they are installed to /tmp/site.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 TAG=${TAG:-bench}
@@ -21,7 +21,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; python3 -c "import fastppo.kernels as k; print('extension', k.extension_backend())"; git rev-parse HEAD; date -u; } | tee "$OUT/env-$TAG.txt"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; python3 -c "import fastppo.kernels as k; print('extension', k.extension_backend())"; for m in datasets liger_kernel trl transformers; do python3 -c "import importlib.metadata as md, $m; print('$m', md.version('${m/_/-}'))" 2>&1 | tail -1; done; git rev-parse HEAD; date -u; } | tee "$OUT/env-$TAG.txt"
 
 # 1. Correctness of the compiled kernels and the CUDA op on CUDA tensors.
 tests_status=0
