@@ -93,3 +93,25 @@ def test_without_a_gpu_the_gpu_cases_skip_with_a_reason(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "GPU case: needs a CUDA device" in proc.stdout
     assert "2 passed" in proc.stdout  # the CPU cases: reference and the C++ op
+
+
+@pytest.mark.parametrize("kernel", ["fused_token_logprobs", "token_logprobs", "fused_full_kl"])
+def test_tuner_checks_and_times_every_candidate(tmp_path, kernel):
+    out = tmp_path / "tune.json"
+    proc = subprocess.run([sys.executable, "bench/tune.py", kernel, "--smoke", "--passes", "fwd+bwd", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert len(report["rows"]) == 2 and all(r["median_s"] > 0 for r in report["rows"]), report
+    assert sum(r["default"] for r in report["rows"]) == 1  # the current tile is among those timed
+    assert "<- default" in proc.stdout
+
+
+def test_tuner_without_a_gpu_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = subprocess.run([sys.executable, "bench/tune.py", "token_logprobs"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr

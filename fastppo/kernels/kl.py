@@ -272,27 +272,37 @@ class _FullKLConfig(NamedTuple):
     bwd_chunk_v: int  # vocab columns per backward chunk: dlogits memory is N × bwd_chunk_v
 
 
-def _full_kl_config(n_rows: int, vocab: int, device: torch.device) -> _FullKLConfig:
-    """Every block-size decision of ``fused_full_kl`` in one place.
+class FullKLTile(NamedTuple):
+    """``fused_full_kl``'s tile and launch choice (what a tuner varies; ``bench/tune.py``)."""
 
-    This is where ``triton.autotune`` would go once there are GPU benchmarks
-    behind the choice (keyed on H and V); the CUDA numbers below are the
-    common 64×64×64, 4-warp tensor-core tile, not tuned. The forward keeps
-    four [BLOCK_N, BLOCK_V] fp32 tiles live (both logit tiles, their
-    difference, the exponentials), which is what bounds BLOCK_V; a larger
-    BLOCK_N would cut the N/BLOCK_N re-reads of the weights.
-    """
+    block_n: int
+    block_v: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+
+
+def _full_kl_tile(device: torch.device) -> FullKLTile:
+    """The CUDA tile is the common 64×64×64, 4-warp tensor-core tile, not tuned. The forward keeps
+    four [BLOCK_N, BLOCK_V] fp32 tiles live (both logit tiles, their difference, the exponentials),
+    which is what bounds BLOCK_V; a larger BLOCK_N would cut the N/BLOCK_N re-reads of the weights.
+    Under the Triton interpreter: the smallest tiles tl.dot accepts (16)."""
     if device.type == "cuda":
-        block_n, block_v, block_h, num_warps, num_stages = 64, 64, 64, 4, 3
+        return FullKLTile(64, 64, 64, 4, 3)
+    return FullKLTile(16, 32, 16, 1, 1)
+
+
+def _full_kl_config(n_rows: int, vocab: int, device: torch.device) -> _FullKLConfig:
+    """Every block-size decision of ``fused_full_kl`` in one place (the tile in :func:`_full_kl_tile`)."""
+    block_n, block_v, block_h, num_warps, num_stages = _full_kl_tile(device)
+    if device.type == "cuda":
         # Enough programs to fill the GPU twice over: few row blocks (small N)
         # are compensated by splitting V. Device properties are cached by torch: no sync.
         target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
         dlogits_budget = 1 << 25  # elements of the [N, chunk] dlogits buffer (64 MiB in bf16)
     else:
-        # Triton interpreter: the smallest tiles tl.dot accepts (16), two V
-        # slices and narrow backward chunks, so small test shapes still walk
+        # Two V slices and narrow backward chunks, so small test shapes still walk
         # the split-merge and multi-chunk code paths.
-        block_n, block_v, block_h, num_warps, num_stages = 16, 32, 16, 1, 1
         target_programs = 2
         dlogits_budget = 0
     n_row_blocks = triton.cdiv(n_rows, block_n)

@@ -71,6 +71,7 @@ CPU tensors take.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -271,8 +272,8 @@ def _sm_count(device_index: int) -> int:
 
 # Block sizes. Under the interpreter they are small so the tests cover several
 # tiles (and the multi-split / multi-chunk paths) with tiny tensors. On GPU
-# they are reasonable fixed choices; autotuning (triton.autotune keyed on V,
-# H and dtype) would replace these functions once there are GPU benchmarks.
+# they are reasonable fixed choices, not yet tuned: `bench/tune.py` sweeps
+# _row_block and _fused_tile on a GPU, and its winners belong here.
 
 
 def _row_block(n_cols: int, on_gpu: bool) -> tuple[int, int]:
@@ -283,28 +284,42 @@ def _row_block(n_cols: int, on_gpu: bool) -> tuple[int, int]:
     return block, (8 if block >= 2048 else 4)
 
 
+class FusedTile(NamedTuple):
+    """The fused forward's tile and launch choice (what a tuner varies; ``bench/tune.py``)."""
+
+    block_n: int
+    block_v: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+
+
+def _fused_tile(dtype: torch.dtype, device: torch.device) -> FusedTile:
+    """Tile sizes and launch options of the fused forward, by dtype."""
+    if device.type != "cuda":
+        return FusedTile(16, 16, 16, 1, 1)  # tl.dot's minimum
+    if dtype == torch.float64:
+        return FusedTile(32, 32, 16, 4, 3)
+    if dtype == torch.float32:
+        return FusedTile(64, 64, 32, 8, 3)
+    return FusedTile(64, 128, 64, 8, 3)
+
+
 def _fused_blocks(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> dict:
     """Tile sizes, warps and the number of vocabulary splits for the fused forward."""
+    tile = _fused_tile(dtype, device)
     if device.type != "cuda":
-        block_n = block_v = block_h = 16  # tl.dot's minimum
-        meta = dict(num_warps=1, num_stages=1)
         target_programs = 4  # enough to exercise the split combine
     else:
-        if dtype == torch.float64:
-            block_n, block_v, block_h = 32, 32, 16
-        elif dtype == torch.float32:
-            block_n, block_v, block_h = 64, 64, 32
-        else:
-            block_n, block_v, block_h = 64, 128, 64
-        meta = dict(num_warps=4 if dtype == torch.float64 else 8, num_stages=3)
         target_programs = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    row_blocks = triton.cdiv(n_rows, block_n)
-    v_tiles = triton.cdiv(vocab, block_v)
+    row_blocks = triton.cdiv(n_rows, tile.block_n)
+    v_tiles = triton.cdiv(vocab, tile.block_v)
     splits = max(1, min(v_tiles, triton.cdiv(target_programs, row_blocks)))
     tiles_per_split = triton.cdiv(v_tiles, splits)
     splits = triton.cdiv(v_tiles, tiles_per_split)  # no empty splits
-    return dict(BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, splits=splits,
-                tiles_per_split=tiles_per_split, row_blocks=row_blocks, **meta)
+    return dict(BLOCK_N=tile.block_n, BLOCK_V=tile.block_v, BLOCK_H=tile.block_h, splits=splits,
+                tiles_per_split=tiles_per_split, row_blocks=row_blocks, num_warps=tile.num_warps,
+                num_stages=tile.num_stages)
 
 
 def _bwd_chunk_cols(n_rows: int, vocab: int, on_gpu: bool) -> int:
