@@ -307,15 +307,12 @@ def run_trl(cfg: E2EConfig, output_dir: str) -> dict:
 
 
 def run_fastppo(cfg: E2EConfig, output_dir: str) -> dict:
-    """Train ``fastppo.train`` (the embedded default) on the same config; per-iteration stamps and metrics.
+    """Train fastppo's PPOTrainer (the embedded default) on the same config; per-iteration stamps and
+    metrics, taken by the same callback as TRL's run."""
+    from transformers import AutoTokenizer, TrainerCallback
 
-    Iteration k's stamp is recovered from its logged ``eps`` (episodes so far / seconds since the loop
-    started, measured after the iteration's update and metrics).
-    """
-    from fastppo.train import PPOConfig, train
-
+    from fastppo import PPOConfig, PPOTrainer
     from fastppo.embedded import embedded_model_path
-    from transformers import AutoTokenizer
 
     _, width = padded_prompts(AutoTokenizer.from_pretrained(embedded_model_path()))
     config = PPOConfig(
@@ -324,11 +321,22 @@ def run_fastppo(cfg: E2EConfig, output_dir: str) -> dict:
         pad_to_multiple_of=width,  # every query batch as wide as TRL's (the longest prompt)
         save_steps=10**9,
     )
-    result = train(config)
-    history = result.history
-    # stamps relative to the loop's start: episode / eps
-    stamps = [m["episode"] / m["eps"] for m in history]
-    return {"start": 0.0, "stamps": stamps, "history": history, "context_length": width}
+    clock = _IterationClock()
+    history: list[dict] = []
+
+    class Stamp(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            clock.start = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "objective/scores" in logs:
+                history.append(dict(logs))
+
+        def on_step_end(self, args, state, control, **kw):  # once per PPO iteration, after its metrics
+            clock.stamps.append(time.perf_counter())
+
+    PPOTrainer(args=config, callbacks=[Stamp()]).train()
+    return {"start": clock.start, "stamps": clock.stamps, "history": history, "context_length": width}
 
 
 RUNNERS = {"trl": run_trl, "fastppo": run_fastppo}

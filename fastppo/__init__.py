@@ -1,3 +1,27 @@
-"""fastppo: a fast, trustworthy PPO (RLHF) trainer for causal language models."""
+"""fastppo: a fast, trustworthy PPO (RLHF) trainer for causal language models.
+
+    from fastppo import PPOConfig, PPOTrainer                 # TRL 0.26's and legacy TRL's APIs
+    from fastppo import AutoModelForCausalLMWithValueHead     # the policy with a value head on its trunk
+    from fastppo.kernels import fused_token_logprobs, gae, ...  # the kernels, for other trainers
+"""
 
 __version__ = "0.1.0"
+
+__all__ = ["AutoModelForCausalLMWithValueHead", "PPOConfig", "PPOTrainer"]
+
+
+def __getattr__(name: str):
+    # lazy: `import fastppo.kernels` (other trainers) should not import transformers
+    if name == "PPOConfig":
+        from fastppo.config import PPOConfig
+
+        return PPOConfig
+    if name == "PPOTrainer":
+        from fastppo.train import PPOTrainer
+
+        return PPOTrainer
+    if name == "AutoModelForCausalLMWithValueHead":
+        from fastppo.models import AutoModelForCausalLMWithValueHead
+
+        return AutoModelForCausalLMWithValueHead
+    raise AttributeError(f"module 'fastppo' has no attribute {name!r}")

@@ -1,15 +1,24 @@
-"""Rule-based reward functions, usable as ``--reward_fn fastppo.rewards:NAME``.
+"""Rewards: rule-based reward functions (``--reward_fn fastppo.rewards:NAME``), calling a reward
+function or a reward model on completions, and legacy TRL's score scaling.
 
-The trainer calls a reward function once per rollout batch with keyword
-arguments and expects one finite float per completion::
+The trainer calls a reward function once per rollout batch, as TRL's GRPOTrainer does, and expects
+one finite float per completion::
 
-    fn(prompts=list[str], completions=list[str]) -> list[float] | torch.Tensor
+    fn(prompts=list[str], completions=list[str], prompt_ids=list[list[int]],
+       completion_ids=list[list[int]], **dataset_columns) -> list[float] | torch.Tensor
 
-``prompts[i]`` is the decoded query and ``completions[i]`` the decoded response
-(special tokens skipped, cut after the stop token). Functions written for TRL's
-GRPOTrainer (``def reward(prompts, completions, **kwargs)``) fit this signature.
+``prompts[i]`` is the decoded query and ``completions[i]`` the decoded response (special tokens
+skipped, cut after the stop token, which ``completion_ids[i]`` keeps). A function without
+``**kwargs`` gets only the keywords it names.
 """
 from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+
+import torch
 
 # A toy sentiment lexicon: the embedded default's task is TRL's classic
 # "make GPT-2 write positive movie reviews", with a word count in place of a
@@ -43,3 +52,174 @@ def positive_words(prompts: list[str], completions: list[str], **kwargs) -> list
 def completion_length(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
     """Number of words of each completion (a trivially learnable reward for tests)."""
     return [float(len(text.split())) for text in completions]
+
+
+# ============================================================================ scoring completions
+
+
+class RewardFunctionError(RuntimeError):
+    """The user's reward function raised."""
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """``module:function`` to the function."""
+    module_name, _, fn_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward_fn {spec!r}: cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"reward_fn {spec!r}: module {module_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def reward_fn_name(fn: Callable) -> str:
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _accepted_kwargs(fn: Callable, kwargs: dict) -> dict:
+    """All of ``kwargs`` for a function with ``**kwargs`` (TRL's GRPO convention), else the ones it names."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins, some C callables: pass everything
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], device,
+                   **columns) -> torch.Tensor:
+    """[B] fp32 scores from a reward function; any failure is an error that names the function.
+
+    Called as TRL's GRPOTrainer calls reward functions: keywords ``prompts``, ``completions`` and
+    the ``columns`` (``prompt_ids``, ``completion_ids``, the dataset row's other columns).
+    """
+    kwargs = _accepted_kwargs(fn, dict(prompts=prompts, completions=completions, **columns))
+    try:
+        out = fn(**kwargs)
+    except Exception as e:
+        raise RewardFunctionError(f"reward_fn {name!r} raised {type(e).__name__}: {e}") from e
+    try:
+        scores = torch.as_tensor(out if isinstance(out, torch.Tensor) else list(out), dtype=torch.float32)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"reward_fn {name!r} must return a list of floats or a tensor, got {type(out).__name__}") from e
+    scores = scores.reshape(-1) if scores.dim() > 1 and scores.numel() == len(completions) else scores
+    if scores.dim() != 1 or scores.shape[0] != len(completions):
+        raise ValueError(
+            f"reward_fn {name!r} returned {tuple(scores.shape)} scores for {len(completions)} completions; "
+            "expected one float per completion"
+        )
+    bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(
+            f"reward_fn {name!r} returned non-finite scores at rows {bad[:8]} (e.g. {scores[bad[0]].item()}) for "
+            f"completion {completions[bad[0]]!r}; refusing to update on them"
+        )
+    return scores.to(device)
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, query_responses, attention_mask, position_ids, last_index,
+                        chunk: int) -> torch.Tensor:
+    """[B] score of a sequence-classification model read at ``last_index`` (the last real token)."""
+    from fastppo.models import backbone_and_head
+
+    backbone, head = backbone_and_head(reward_model)
+    scores = []
+    for i in range(0, query_responses.shape[0], chunk):
+        hidden = backbone(
+            input_ids=query_responses[i : i + chunk], attention_mask=attention_mask[i : i + chunk],
+            position_ids=position_ids[i : i + chunk], use_cache=False,
+        ).last_hidden_state
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        scores.append(head(hidden[rows, last_index[i : i + chunk]]).squeeze(-1).float())
+    return torch.cat(scores)
+
+
+def resolve_reward(reward, config) -> tuple[Callable | None, str | None, str | None]:
+    """(reward function, its name, reward model path) from the trainer's ``reward_model`` argument
+    (a model: all None here; a function; ``"module:function"``; a path) or the config."""
+    import os
+
+    import torch.nn as nn
+
+    from fastppo.embedded import DEFAULT_REWARD_FN
+
+    if isinstance(reward, nn.Module):
+        return None, None, None
+    if callable(reward):
+        return reward, reward_fn_name(reward), None
+    if isinstance(reward, str):
+        if ":" in reward and not os.path.exists(reward):
+            return load_reward_fn(reward), reward, None
+        return None, None, reward
+    if config.reward_model_path is not None:
+        return None, None, config.reward_model_path
+    spec = config.reward_fn or DEFAULT_REWARD_FN
+    return load_reward_fn(spec), spec, None
+
+
+def reward_fn_columns(query_responses, attention_mask, context_length: int, rows=None) -> dict:
+    """The keywords a reward function gets beside the texts: ``prompt_ids`` and ``completion_ids`` (real
+    tokens; the completion up to and including its stop token) and the dataset ``rows``' other columns."""
+    real = attention_mask.bool().cpu()
+    ids = query_responses.cpu()
+    columns = {
+        "prompt_ids": [q[m].tolist() for q, m in zip(ids[:, :context_length], real[:, :context_length])],
+        "completion_ids": [r[m].tolist() for r, m in zip(ids[:, context_length:], real[:, context_length:])],
+    }
+    if rows is not None:
+        for name in rows.column_names:
+            if name not in columns and name not in ("prompts", "completions"):
+                columns[name] = rows[name]
+    return columns
+
+
+# ============================================================================ score transforms (legacy TRL)
+
+
+class RunningMoments:
+    """Running mean and std of the scores over all processes (legacy TRL use_score_scaling)."""
+
+    def __init__(self):
+        self.mean, self.var, self.std, self.count = 0.0, 1.0, 1.0, 1e-24
+
+    def update(self, xs: torch.Tensor) -> None:
+        from fastppo.dist import all_reduce
+
+        xs = xs.double()
+        sums = torch.stack([xs.sum(), torch.tensor(float(xs.numel()), dtype=torch.float64, device=xs.device)])
+        all_reduce(sums)
+        n = sums[1].item()
+        batch_mean = sums[0].item() / n
+        sq = ((xs - batch_mean) ** 2).sum().reshape(1)
+        all_reduce(sq)
+        batch_var = sq.item() / n
+        delta, total = batch_mean - self.mean, self.count + n
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var = m2 / total
+        self.std = math.sqrt(self.var * total / max(total - 1, 1))
+        self.count = total
+
+    def state_dict(self) -> dict:
+        return dict(mean=self.mean, var=self.var, std=self.std, count=self.count)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.std, self.count = state["mean"], state["var"], state["std"], state["count"]
+
+
+def transform_scores(scores, use_score_scaling: bool, use_score_norm: bool, score_clip: float | None,
+                     moments: RunningMoments | None) -> torch.Tensor:
+    """Legacy TRL score scaling / normalisation (running moments, this batch included) and clipping."""
+    if use_score_scaling:
+        moments.update(scores)
+        scale = moments.std + torch.finfo(scores.dtype).eps
+        scores = (scores - moments.mean) / scale if use_score_norm else scores / scale
+    if score_clip is not None:
+        scores = scores.clamp(-score_clip, score_clip)
+    return scores

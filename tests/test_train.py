@@ -15,29 +15,22 @@ import pytest
 import torch
 
 from fastppo import embedded
+from fastppo.config import EMBEDDED_PRESET, PPOConfig, derive_sizes
+from fastppo.data import left_pad, prompt_batches
+from fastppo.models import load_tokenizer
+from fastppo.metrics import STAT, STAT_NAMES
+from fastppo.rewards import call_reward_fn, reward_model_scores
 from fastppo.train import (
-    STAT_NAMES,
     AdaptiveKLController,
-    PolicyAndValue,
-    PPOConfig,
-    Reference,
-    call_reward_fn,
+    PPOTrainer,
+    Targets,
     compute_advantages,
-    derive_sizes,
-    generate_responses,
-    left_pad,
-    load_models,
-    load_tokenizer,
     make_rollout,
-    parse_args,
     per_token_rewards,
     position_ids_of,
     ppo_losses,
     ppo_update,
-    prompt_batches,
-    reward_model_scores,
     score_rollout,
-    train,
 )
 
 pytestmark = pytest.mark.usefixtures("reference_path")
@@ -64,8 +57,11 @@ def embedded_cache(tmp_path_factory):
 
 
 def tiny(tmp_path, **overrides) -> PPOConfig:
-    """A run of a few seconds: 8 episodes per iteration, 6-token responses."""
+    """A run of a few seconds on the embedded preset: 8 episodes per iteration, 6-token responses."""
     base = dict(
+        **EMBEDDED_PRESET,
+    )
+    base.update(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
         num_ppo_epochs=2, response_length=6, total_episodes=16, num_sample_generations=0, disable_tqdm=True,
         local_rollout_forward_batch_size=8, save_steps=10**6, logging_steps=1,
@@ -74,65 +70,22 @@ def tiny(tmp_path, **overrides) -> PPOConfig:
     return PPOConfig(**base)
 
 
+def train(config: PPOConfig) -> PPOTrainer:
+    trainer = PPOTrainer(args=config)
+    trainer.train()
+    return trainer
+
+
+def history(trainer: PPOTrainer) -> list[dict]:
+    return trainer.state.log_history
+
+
 def write_module(tmp_path, monkeypatch, name: str, source: str) -> None:
     (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
 # ---------------------------------------------------------------------------- flags and sizes
-
-
-def test_help_lists_every_flag_with_help(capsys):
-    import dataclasses
-
-    with pytest.raises(SystemExit):
-        parse_args(["--help"])
-    out = capsys.readouterr().out
-    for f in dataclasses.fields(PPOConfig):
-        assert f"--{f.name}" in out, f.name
-        assert f.metadata.get("help"), f"{f.name} has no help text"
-
-
-def test_trl_defaults_unless_embedded():
-    from fastppo.train import EMBEDDED_DEFAULTS, TRL_DEFAULTS
-
-    # A command line with a real model gets TRL's defaults.
-    trl_style = parse_args(["--model_name_or_path", "some/model"])
-    assert {k: getattr(trl_style, k) for k in TRL_DEFAULTS} == TRL_DEFAULTS
-    # The embedded default has its own, but a value set explicitly is kept, even TRL's.
-    embedded_run = parse_args(["--gradient_accumulation_steps", "1"])
-    assert embedded_run.gradient_accumulation_steps == 1
-    assert embedded_run.learning_rate == EMBEDDED_DEFAULTS["learning_rate"] != TRL_DEFAULTS["learning_rate"]
-
-
-@pytest.mark.parametrize("argv, expected", [([], None), (["--bf16"], True), (["--bf16", "false"], False),
-                                            (["--bf16", "--seed", "3"], True)])
-def test_bf16_flag_bare_or_with_value(argv, expected):
-    assert parse_args(argv).bf16 is expected
-
-
-def test_trl_command_line_parses():
-    config = parse_args([
-        "--sft_model_path", "x", "--reward_model_path", "y", "--stop_token", "eos", "--missing_eos_penalty", "1.0",
-        "--kl_coef", "0.1", "--num_mini_batches", "2", "--stop_token_id", "5", "7", "--adap_kl_ctrl",
-        "--target", "3", "--horizon", "500", "--report_to", "tensorboard",
-    ])
-    assert config.stop_token == "eos" and config.stop_token_id == [5, 7]
-    assert config.adaptive_kl and config.target_kl == 3.0 and config.kl_horizon == 500.0
-    assert config.report_to == ["tensorboard"]
-
-
-def test_derive_sizes():
-    s = derive_sizes(PPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=4, num_mini_batches=2,
-                               total_episodes=100), world_size=2, num_prompts=10)
-    assert (s.local_batch_size, s.batch_size, s.local_mini_batch_size, s.micro_steps) == (16, 32, 8, 2)
-    assert s.num_total_batches == 3
-    with pytest.raises(ValueError, match="divisible by num_mini_batches"):
-        derive_sizes(PPOConfig(per_device_train_batch_size=3, gradient_accumulation_steps=1, num_mini_batches=2),
-                     1, 100)
-    with pytest.raises(ValueError, match="gradient_accumulation_steps must be divisible"):
-        derive_sizes(PPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=1, num_mini_batches=2),
-                     1, 100)
 
 
 def test_prompt_batches_shard_disjointly_with_equal_counts():
@@ -155,7 +108,7 @@ def test_left_pad_and_positions():
 def test_per_token_rewards_put_the_score_on_the_last_real_token():
     kl = torch.ones(2, 4)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    rewards, nsr = per_token_rewards(kl, torch.tensor([3.0, 5.0]), mask, torch.tensor([2, 4]), kl_coef=0.5)
+    rewards, nsr = per_token_rewards(kl, torch.tensor([3.0, 5.0]), mask, torch.tensor([1, 3]), kl_coef=0.5)
     assert rewards.tolist() == [[-0.5, 2.5, 0.0, 0.0], [-0.5, -0.5, -0.5, 4.5]]
     assert nsr.tolist() == [[-0.5, -0.5, 0.0, 0.0], [-0.5] * 4]
 
@@ -211,50 +164,50 @@ def test_reward_fn_validation_names_the_function():
 # ---------------------------------------------------------------------------- one rollout, by hand
 
 
-def build_rollout(config: PPOConfig, model_path: str, n: int = 8):
-    """Models, a rollout of n prompts, scored; what train() does for steps 1-2."""
-    tokenizer = load_tokenizer(model_path, print)
-    policy, ref_model, value_model, _ = load_models(config, model_path, tokenizer, torch.device("cpu"), print)
-    module = PolicyAndValue(policy, value_model)
-    prompts = [tokenizer(p)["input_ids"] for p in ["the movie was", "i think the plot is", "overall the cast"] * 3]
-    queries, qmask = left_pad(prompts[:n], tokenizer.pad_token_id)
-    module.eval()
-    responses = generate_responses(policy, queries, qmask, config.response_length, config.temperature, [],
-                                   tokenizer.pad_token_id, chunk=config.local_rollout_forward_batch_size)
-    rollout = make_rollout(queries, qmask, responses, [], tokenizer.pad_token_id)
-    score_rollout(module, Reference(ref_model, policy), rollout, config.temperature, config.kl_estimator,
-                  config.local_rollout_forward_batch_size)
-    return module, rollout
+def build_rollout(config: PPOConfig, n: int = 8):
+    """A trainer on the embedded model and one scored rollout of n prompts (its steps 1-2)."""
+    trainer = PPOTrainer(args=config)
+    prompts = [trainer.tokenizer(p)["input_ids"] for p in ["the movie was", "i think the plot is", "overall the cast"] * 3]
+    batch = trainer.rollout(prompts[:n])
+    experience = score_rollout(trainer.actor_critic, trainer.reference, batch.rollout, config.temperature,
+                               config.kl_estimator, config.local_rollout_forward_batch_size)
+    return trainer, batch.rollout, experience
+
+
+def targets_for(rollout, experience, scores):
+    rewards, nsr = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index, 0.05)
+    adv, ret = compute_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
+    return Targets(rewards, nsr, adv, ret)
 
 
 def test_first_ratio_is_one(tmp_path, embedded_cache):
     """Rollout scoring and the training forward share kernel and layout: ρ = 1 before any step,
     even with a different chunking (8 rows scored together, 4 trained together, shuffled)."""
     config = tiny(tmp_path, local_rollout_forward_batch_size=8, per_device_train_batch_size=4, temperature=0.7)
-    module, rollout = build_rollout(config, embedded_cache)
+    trainer, rollout, experience = build_rollout(config)
+    module = trainer.actor_critic
     module.train()
     rows = torch.tensor([5, 2, 7, 0])
     new_logprobs, _, new_values, _ = module(
         rollout.query_responses[rows], rollout.attention_mask[rows], rollout.position_ids[rows],
         rollout.context_length, config.temperature, return_entropy=True,
     )
-    torch.testing.assert_close(new_logprobs, rollout.logprobs[rows], atol=1e-6, rtol=0)
-    ratio = torch.exp(new_logprobs - rollout.logprobs[rows])
+    torch.testing.assert_close(new_logprobs, experience.logprobs[rows], atol=1e-6, rtol=0)
+    ratio = torch.exp(new_logprobs - experience.logprobs[rows])
     assert (ratio - 1).abs().max().item() < 1e-5
-    torch.testing.assert_close(new_values, rollout.values[rows], atol=1e-6, rtol=0)
+    torch.testing.assert_close(new_values * rollout.response_mask[rows], experience.values[rows], atol=1e-6, rtol=0)
 
 
 def test_update_decreases_both_losses_on_its_batch(tmp_path, embedded_cache):
     config = tiny(tmp_path, num_ppo_epochs=6, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                   learning_rate=3e-3)
-    module, rollout = build_rollout(config, embedded_cache)
-    scores = torch.linspace(-1, 1, 8)
-    rewards, _ = per_token_rewards(rollout.kl, scores, rollout.response_mask, rollout.lengths, 0.05)
-    adv, ret = compute_advantages(rewards, rollout.values, rollout.response_mask, 1.0, 0.95, False)
+    trainer, rollout, experience = build_rollout(config)
+    targets = targets_for(rollout, experience, torch.linspace(-1, 1, 8))
+    module = trainer.actor_critic
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=config.learning_rate)
     sizes = derive_sizes(config, 1, 8)
-    result = ppo_update(module, optimizer, rollout, adv, ret, config, sizes, torch.Generator().manual_seed(0))
-    pg, vf = result.stats[STAT_NAMES.index("pg_loss")], result.stats[STAT_NAMES.index("vf_loss")]
+    result = ppo_update(module, optimizer, rollout, experience, targets, config, sizes, torch.Generator().manual_seed(0))
+    pg, vf = result.stats[STAT["pg_loss"]], result.stats[STAT["vf_loss"]]
     assert pg[-1].mean() < pg[0].mean() - 1e-3
     assert vf[-1].mean() < vf[0].mean()
     assert result.skipped_steps == 0 and result.optimizer_steps == 6
@@ -262,11 +215,13 @@ def test_update_decreases_both_losses_on_its_batch(tmp_path, embedded_cache):
 
 def test_nonfinite_loss_skips_the_step_and_keeps_weights(tmp_path, embedded_cache, capsys):
     config = tiny(tmp_path, num_ppo_epochs=2, per_device_train_batch_size=8, gradient_accumulation_steps=1)
-    module, rollout = build_rollout(config, embedded_cache)
+    trainer, rollout, experience = build_rollout(config)
+    module = trainer.actor_critic
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    adv = torch.full_like(rollout.values, float("nan"))
+    nan = torch.full_like(experience.values, float("nan"))
+    targets = Targets(nan, nan, nan, experience.values)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
-    result = ppo_update(module, optimizer, rollout, adv, rollout.values, config, derive_sizes(config, 1, 8),
+    result = ppo_update(module, optimizer, rollout, experience, targets, config, derive_sizes(config, 1, 8),
                         torch.Generator().manual_seed(0))
     assert result.skipped_steps == 2 and result.optimizer_steps == 0
     assert "step skipped" in capsys.readouterr().out
@@ -282,7 +237,8 @@ def test_reward_model_is_read_at_the_last_real_token(tmp_path, embedded_cache):
     rm = AutoModelForSequenceClassification.from_config(cfg).eval()
     queries, qmask = left_pad([[3, 4, 5], [6]], pad_id=0)
     rollout = make_rollout(queries, qmask, torch.tensor([[7, 1, 9], [8, 9, 10]]), stop_ids=[1], pad_id=0)
-    got = reward_model_scores(rm, rollout, chunk=1)
+    got = reward_model_scores(rm, rollout.query_responses, rollout.attention_mask, rollout.position_ids,
+                              rollout.context_length + rollout.score_index, chunk=1)
     with torch.no_grad():
         alone = [rm(input_ids=torch.tensor([seq])).logits[0, 0] for seq in ([3, 4, 5, 7, 1], [6, 8, 9, 10])]
     torch.testing.assert_close(got, torch.stack(alone), atol=1e-5, rtol=1e-5)
@@ -295,7 +251,7 @@ def test_reward_model_is_read_at_the_last_real_token(tmp_path, embedded_cache):
 def test_scores_rise_on_a_learnable_reward(tmp_path):
     config = tiny(tmp_path, per_device_train_batch_size=16, gradient_accumulation_steps=2, num_ppo_epochs=4,
                   response_length=8, total_episodes=32 * 14, learning_rate=3e-3, local_rollout_forward_batch_size=32)
-    history = train(config).history
+    history = [m for m in train(config).state.log_history]
     scores = [m["objective/scores"] for m in history]
     print("scores", [round(x, 2) for x in scores])
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 1.0, scores
@@ -304,11 +260,11 @@ def test_scores_rise_on_a_learnable_reward(tmp_path):
 def test_every_metric_present_finite_and_outputs_written(tmp_path):
     config = tiny(tmp_path, total_episodes=24, save_steps=2, num_sample_generations=2, report_to=["tensorboard"])
     result = train(config)
-    assert len(result.history) == 3
-    for m in result.history:
+    assert len(history(result)) == 3
+    for m in history(result):
         assert set(TRL_METRICS + EXTRA_METRICS) <= set(m), set(TRL_METRICS + EXTRA_METRICS) - set(m)
         assert all(math.isfinite(v) for v in m.values()), m
-    assert [m["episode"] for m in result.history] == [8, 16, 24]
+    assert [m["episode"] for m in history(result)] == [8, 16, 24]
     out = tmp_path / "out"
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["episode"] for line in lines] == [8, 16, 24]
@@ -328,10 +284,10 @@ def test_every_metric_present_finite_and_outputs_written(tmp_path):
 
 
 def test_adaptive_kl_moves_beta_toward_target_in_a_run(tmp_path):
-    run = train(tiny(tmp_path, adaptive_kl=True, kl_coef=0.1, target_kl=1e-4, kl_horizon=100, total_episodes=32,
+    run = train(tiny(tmp_path, adaptive_kl=True, kl_coef=0.1, kl_target=1e-4, kl_horizon=100, total_episodes=32,
                      learning_rate=1e-2))
-    betas = [m["kl_coef"] for m in run.history]
-    kls = [m["objective/kl"] for m in run.history]
+    betas = [m["kl_coef"] for m in history(run)]
+    kls = [m["objective/kl"] for m in history(run)]
     assert kls[0] == 0.0  # policy == reference before the first update
     assert betas[1] < betas[0]  # KL 0 is below the target: β went down after iteration 1
     assert all(k > 1e-4 for k in kls[1:]) and betas[-1] > betas[1]  # then above it: β goes up
@@ -339,9 +295,9 @@ def test_adaptive_kl_moves_beta_toward_target_in_a_run(tmp_path):
 
 @pytest.mark.parametrize("estimator", ["k3", "full"])
 def test_kl_estimators_run(tmp_path, estimator):
-    history = train(tiny(tmp_path, kl_estimator=estimator, total_episodes=16, learning_rate=1e-2)).history
-    assert history[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)
-    assert history[1]["objective/kl"] > 0
+    runs = history(train(tiny(tmp_path, kl_estimator=estimator, total_episodes=16, learning_rate=1e-2)))
+    assert runs[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)
+    assert runs[1]["objective/kl"] > 0
 
 
 def test_peft_run_trains_adapters_and_uses_the_base_as_reference(tmp_path, embedded_cache):
@@ -350,7 +306,7 @@ def test_peft_run_trains_adapters_and_uses_the_base_as_reference(tmp_path, embed
     config = tiny(tmp_path, use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"],
                   learning_rate=1e-2, total_episodes=24)
     result = train(config)
-    kls = [m["objective/kl"] for m in result.history]
+    kls = [m["objective/kl"] for m in history(result)]
     assert kls[0] == 0.0 and kls[-1] > 0  # the reference is the base model, adapter off
     out = tmp_path / "out"
     assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
@@ -373,9 +329,9 @@ def test_stop_token_and_local_dataset_files(tmp_path, fmt):
         datasets.Dataset.from_dict(rows).to_json(data)
     else:
         datasets.Dataset.from_dict(rows).to_parquet(data)
-    history = train(tiny(tmp_path, dataset_name=str(data), dataset_text_field="question", stop_token="eos",
-                         missing_eos_penalty=1.0, pad_to_multiple_of=8)).history
-    assert len(history) == 2 and all(m["val/num_eos_tokens"] >= 0 for m in history)
+    runs = history(train(tiny(tmp_path, dataset_name=str(data), dataset_text_field="question", stop_token="eos",
+                              missing_eos_penalty=1.0, pad_to_multiple_of=8)))
+    assert len(runs) == 2 and all(m["val/num_eos_tokens"] >= 0 for m in runs)
 
 
 def test_reward_model_path_run(tmp_path, embedded_cache):
@@ -385,8 +341,8 @@ def test_reward_model_path_run(tmp_path, embedded_cache):
     cfg = AutoConfig.from_pretrained(embedded_cache, num_labels=1)
     AutoModelForSequenceClassification.from_config(cfg).save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(embedded_cache).save_pretrained(rm_dir)
-    history = train(tiny(tmp_path, reward_model_path=str(rm_dir), value_model_path=str(rm_dir))).history
-    assert all(math.isfinite(m["objective/scores"]) for m in history)
+    runs = history(train(tiny(tmp_path, reward_model_path=str(rm_dir), value_model_path=str(rm_dir))))
+    assert all(math.isfinite(m["objective/scores"]) for m in runs)
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -416,6 +372,8 @@ def test_missing_dataset_file(tmp_path):
         (dict(kl_estimator="k9"), "unknown kl_estimator 'k9'"),
         (dict(per_device_train_batch_size=3, gradient_accumulation_steps=1, num_mini_batches=2),
          "divisible by num_mini_batches"),
+        (dict(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2),
+         "whole number of per_device_train_batch_size micro-batches"),
         (dict(stop_token="eos", stop_token_id=[3]), "mutually exclusive"),
         (dict(reward_fn="no_colon"), "module:function"),
         (dict(reward_fn="fastppo.rewards:nope"), "has no function 'nope'"),
@@ -463,10 +421,10 @@ def test_other_architectures_and_a_tokenizer_without_pad_token(tmp_path, embedde
     model_dir = tmp_path / arch
     no_pad.save_pretrained(model_dir)
     model.save_pretrained(model_dir)
-    history = train(tiny(tmp_path, model_name_or_path=str(model_dir), stop_token="eos", num_ppo_epochs=1,
-                         gradient_accumulation_steps=1, per_device_train_batch_size=8)).history
-    assert len(history) == 2
-    assert history[0]["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # one epoch, one step: ρ is 1 throughout
+    runs = history(train(tiny(tmp_path, model_name_or_path=str(model_dir), stop_token="eos", num_ppo_epochs=1,
+                              gradient_accumulation_steps=1, per_device_train_batch_size=8)))
+    assert len(runs) == 2
+    assert runs[0]["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # one epoch, one step: ρ is 1 throughout
     assert "no pad token: using its eos token" in capsys.readouterr().out
 
 

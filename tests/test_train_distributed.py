@@ -14,17 +14,17 @@ WORKER = """
 import faulthandler, json, os, sys
 faulthandler.dump_traceback_later(240, exit=True)  # a hung rank prints every thread's stack, then exits
 import torch
-from fastppo.train import PPOConfig, train
+from fastppo import PPOConfig, PPOTrainer
 
-config = PPOConfig(**json.loads(sys.argv[1]))
-result = train(config)
+trainer = PPOTrainer(args=PPOConfig(**json.loads(sys.argv[1])))
+trainer.train()
 rank = int(os.environ["RANK"])
 out = sys.argv[2]
-torch.save({"policy": {k: v.detach().clone() for k, v in result.policy.state_dict().items()},
-            "value": {k: v.detach().clone() for k, v in result.value_model.state_dict().items()}},
+torch.save({"policy": {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()},
+            "value": {k: v.detach().clone() for k, v in trainer.value_model.state_dict().items()}},
            os.path.join(out, f"weights{rank}.pt"))
 with open(os.path.join(out, f"history{rank}.json"), "w") as f:
-    json.dump(result.history, f)
+    json.dump(trainer.state.log_history, f)
 """
 
 
@@ -35,7 +35,7 @@ def test_torchrun_two_processes_keep_identical_weights(tmp_path):
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=4,
         num_mini_batches=2, num_ppo_epochs=2, response_length=6, total_episodes=48, num_sample_generations=0,
         disable_tqdm=True, local_rollout_forward_batch_size=8, learning_rate=1e-2, use_score_scaling=True,
-        adaptive_kl=True, target_kl=0.5, kl_horizon=100,
+        adaptive_kl=True, kl_target=0.5, kl_horizon=100, logging_steps=1,
     )
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1",
                FASTPPO_CACHE=os.environ.get("FASTPPO_CACHE", str(tmp_path / "cache")))

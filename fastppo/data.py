@@ -1,0 +1,159 @@
+"""Prompts: loading a dataset (Hub, local file, in-memory), tokenizing it, and drawing batches."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+
+SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")  # what datasets' save_to_disk writes
+DATASET_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+
+
+def looks_local(path: str) -> bool:
+    """A Hub id is 'name' or 'org/name'; anything else that is not on disk was meant as a local path."""
+    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or "\\" in path
+
+
+def load_prompt_dataset(name: str, split: str, config_name: str | None = None):
+    """The ``split`` of a Hub dataset, a local file or a ``save_to_disk`` directory, as a ``datasets.Dataset``."""
+    import datasets
+
+    if os.path.isfile(name):
+        ext = os.path.splitext(name)[1].lower()
+        if ext not in DATASET_BUILDERS:
+            raise ValueError(f"dataset file {name!r}: unsupported extension {ext!r}; use one of {sorted(DATASET_BUILDERS)}")
+        data = datasets.load_dataset(DATASET_BUILDERS[ext], data_files={split: name})
+    elif os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in SAVED_DATASET_FILES):
+        data = datasets.load_from_disk(name)
+    elif os.path.isdir(name):
+        data = datasets.load_dataset(name, config_name)
+    else:
+        if looks_local(name):
+            raise FileNotFoundError(f"--dataset_name {name!r}: no such file or directory")
+        try:
+            data = datasets.load_dataset(name, config_name)
+        except Exception as e:
+            raise ValueError(f"could not load dataset {name!r} (not a local path; Hub load failed: {e})") from e
+    if isinstance(data, (datasets.DatasetDict, dict)):
+        if split not in data:
+            raise ValueError(f"dataset {name!r} has no split {split!r}; splits: {sorted(data.keys())}")
+        data = data[split]
+    return data
+
+
+def as_dataset(data, what: str = "train_dataset"):
+    """A ``datasets.Dataset`` from a Dataset or a list of dicts."""
+    import datasets
+
+    if isinstance(data, datasets.Dataset):
+        return data
+    if isinstance(data, (list, tuple)) and all(isinstance(row, dict) for row in data):
+        if not data:
+            raise ValueError(f"{what} is empty")
+        return datasets.Dataset.from_list(list(data))
+    if isinstance(data, torch.utils.data.Dataset) and hasattr(data, "__len__"):
+        return datasets.Dataset.from_list([dict(data[i]) for i in range(len(data))])
+    raise TypeError(f"{what} must be a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
+
+
+def prompt_column(dataset, text_field: str, name: str) -> str:
+    """The column to read prompts from: ``text_field``, else pre-tokenized ``input_ids`` (TRL 0.26's format)."""
+    if text_field in dataset.column_names:
+        return text_field
+    if "input_ids" in dataset.column_names:
+        return "input_ids"
+    raise ValueError(
+        f"dataset {name!r} has no column {text_field!r} (set --dataset_text_field) and no 'input_ids'; "
+        f"its columns are {dataset.column_names}"
+    )
+
+
+def tokenize_prompts(dataset, column: str, tokenizer) -> list[list[int]]:
+    """Token ids of every prompt: token-id lists as they are, chat messages through the chat template."""
+    ids = []
+    for value in dataset[column]:
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            tokens = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True)
+            if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
+                tokens = tokens["input_ids"]
+        elif isinstance(value, list) and all(isinstance(t, int) for t in value):
+            tokens = value
+        elif isinstance(value, str):
+            tokens = tokenizer(value)["input_ids"]
+        else:
+            raise ValueError(
+                f"column {column!r} must hold strings, chat messages or token ids, got {type(value).__name__}"
+            )
+        ids.append(list(tokens))
+    kept = [t for t in ids if len(t) > 0]
+    if not kept:
+        raise ValueError(f"every prompt in column {column!r} tokenizes to zero tokens")
+    return kept
+
+
+def prompt_batches(num_prompts: int, local_batch_size: int, rank: int, world_size: int,
+                   seed: int) -> Iterator[list[int]]:
+    """Endless per-process batches of prompt indices, like DistributedSampler with drop_last.
+
+    Every epoch all processes draw one shared permutation (seeded by ``seed`` and the epoch) and
+    process ``rank`` takes every ``world_size``-th index from ``rank``: disjoint shards of equal size,
+    so every process runs the same number of episodes.
+    """
+    shard = num_prompts // world_size
+    if shard == 0:
+        raise ValueError(f"{num_prompts} prompts cannot be shared by {world_size} processes")
+    buffer: list[int] = []
+    epoch = 0
+    while True:
+        while len(buffer) < local_batch_size:
+            g = torch.Generator().manual_seed(seed + epoch)
+            perm = torch.randperm(num_prompts, generator=g)[: shard * world_size]
+            buffer.extend(perm[rank::world_size].tolist())
+            epoch += 1
+        yield buffer[:local_batch_size]
+        buffer = buffer[local_batch_size:]
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, multiple_of: int | None = None):
+    """[B, L] ids and attention mask, left-padded (L rounded up to ``multiple_of``)."""
+    width = max(len(s) for s in sequences)
+    if multiple_of:
+        width = -(-width // multiple_of) * multiple_of
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if len(s):
+            ids[i, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def right_pad(sequences: Sequence[torch.Tensor | Sequence[int]], pad_id: int):
+    """[B, T] ids and bool mask, right-padded to the longest row (T >= 1)."""
+    width = max(1, max(len(s) for s in sequences))
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        if len(s):
+            ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            mask[i, : len(s)] = True
+    return ids, mask
+
+
+def load_prompts(dataset, config, tokenizer, what: str = "train_dataset"):
+    """(token ids of every prompt, the dataset): ``dataset`` is a Dataset, a list of dicts, a path, or
+    None for ``config.dataset_name`` (default: the built-in prompts). Its other columns go to reward
+    functions."""
+    from fastppo.embedded import PROMPTS_PATH
+
+    if dataset is None or isinstance(dataset, str):
+        name = dataset or config.dataset_name or PROMPTS_PATH
+        dataset = load_prompt_dataset(name, config.dataset_train_split, config.dataset_config)
+    else:
+        name = what
+        dataset = as_dataset(dataset, what)
+    column = prompt_column(dataset, config.dataset_text_field, name)
+    if len(dataset) == 0:
+        raise ValueError(f"dataset {name!r} split {config.dataset_train_split!r} is empty")
+    return tokenize_prompts(dataset, column, tokenizer), dataset

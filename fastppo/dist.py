@@ -1,0 +1,61 @@
+"""Processes: torchrun's environment to a process group and a device; the few collectives the trainer uses.
+
+torchrun (or ``accelerate launch``) sets RANK / WORLD_SIZE / LOCAL_RANK; fastppo then uses NCCL on
+GPUs and Gloo on CPUs. A single process (``python -m fastppo.train``) needs no process group.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistState:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    initialized_here: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed() -> DistState:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: then NCCL on GPUs, Gloo on CPU. Else one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    initialized_here = False
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+        initialized_here = True
+    return DistState(rank, world, local_rank, device, initialized_here)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
+    """In-place all-reduce (sum by default); a no-op in a single process."""
+    if is_distributed():
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
+    return all_reduce(t, dist.ReduceOp.MIN if dist.is_available() else None)
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()

@@ -1,0 +1,225 @@
+"""Metrics: the per-micro-batch statistics of the update, gathered once per iteration into TRL's
+metric names (and legacy TRL's ``step()`` stats); the loggers, the sample table and the curves."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fastppo.dist import all_reduce
+
+# One row per statistic of ppo_losses, kept per (epoch, minibatch, micro-step); NaN where not run.
+STAT_NAMES = (
+    "approxkl", "policykl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio",
+    "advantages_mean", "returns_mean", "returns_var", "vpred_mean", "vf_error", "values_mean", "values_var",
+    "ratio_skipped",
+)
+STAT = {name: i for i, name in enumerate(STAT_NAMES)}
+
+
+@dataclass
+class UpdateResult:
+    stats: torch.Tensor  # [len(STAT_NAMES), epochs, minibatches, micro_steps], NaN where not run
+    skipped_steps: int  # optimizer steps skipped for a non-finite loss or gradient
+    optimizer_steps: int
+    epochs_run: int
+
+
+def objective_sums(kl, logprobs, non_score_reward, response_mask, raw_scores, eos_count) -> torch.Tensor:
+    """Per-process values of TRL's objective/* metrics: per-sequence sums over real tokens, batch means."""
+    mask = response_mask
+    return torch.stack([
+        (kl * mask).sum(1).mean(),
+        (-logprobs * mask).sum(1).mean(),
+        (non_score_reward * mask).sum(1).mean(),
+        raw_scores.mean(),
+        eos_count.float(),
+    ]).float()
+
+
+def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int) -> dict[str, float]:
+    """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration."""
+    stats = result.stats.flatten(1)  # [S, n]
+    ran = torch.isfinite(stats)
+    counts = ran.sum(1).float()
+    sums = torch.where(ran, stats, torch.zeros_like(stats)).sum(1)
+    ratio_row = stats[STAT["ratio"]]
+    ratio = torch.where(ran[STAT["ratio"]], ratio_row, torch.zeros_like(ratio_row))
+    packed = torch.cat([
+        objective, sums, counts, (ratio**2).sum().reshape(1),
+        torch.tensor([result.skipped_steps], dtype=torch.float32, device=objective.device),
+    ])
+    packed = all_reduce(packed).tolist()
+    n_obj, n = objective.numel(), len(STAT_NAMES)
+    kl, entropy, nsr, scores, num_eos = packed[:n_obj]
+    sums, counts = packed[n_obj : n_obj + n], packed[n_obj + n : n_obj + 2 * n]
+    ratio_sq, skipped = packed[n_obj + 2 * n], packed[n_obj + 2 * n + 1]
+    mean = {name: (s / c if c else float("nan")) for name, s, c in zip(STAT_NAMES, sums, counts)}
+    c = counts[STAT["ratio"]]
+    ratio_var = (ratio_sq - c * mean["ratio"] ** 2) / (c - 1) if c > 1 else 0.0
+    w = world_size
+    return {
+        "objective/kl": kl / w,
+        "objective/entropy": entropy / w,
+        "objective/non_score_reward": nsr / w,
+        "objective/rlhf_reward": (nsr + scores) / w,
+        "objective/scores": scores / w,
+        "policy/approxkl_avg": mean["approxkl"],
+        "policy/clipfrac_avg": mean["pg_clipfrac"],
+        "loss/policy_avg": mean["pg_loss"],
+        "loss/value_avg": mean["vf_loss"],
+        "val/clipfrac_avg": mean["vf_clipfrac"],
+        "policy/entropy_avg": mean["entropy"],
+        "val/ratio": mean["ratio"],
+        "val/ratio_var": max(ratio_var, 0.0),
+        "val/num_eos_tokens": num_eos,
+        "train/skipped_steps": skipped / w,
+        "train/ratio_skipped_microbatches": sums[STAT["ratio_skipped"]],
+    }
+
+
+def legacy_stats(metrics: dict[str, float], stats_mean: dict[str, float], extra: dict) -> dict:
+    """The stats dict legacy TRL's ``step()`` returned (its key names), beside fastppo's own names."""
+    out = dict(metrics)
+    vf_coef = extra["vf_coef"]
+    out.update({
+        "objective/kl": metrics["objective/kl"],
+        "objective/kl_coef": extra["kl_coef"],
+        "objective/entropy": metrics["objective/entropy"],
+        "ppo/mean_non_score_reward": extra["mean_non_score_reward"],
+        "ppo/mean_scores": extra["mean_scores"],
+        "ppo/std_scores": extra["std_scores"],
+        "ppo/loss/policy": stats_mean["pg_loss"],
+        "ppo/loss/value": stats_mean["vf_loss"],
+        "ppo/loss/total": stats_mean["pg_loss"] + vf_coef * stats_mean["vf_loss"],
+        "ppo/policy/entropy": stats_mean["entropy"],
+        "ppo/policy/approxkl": stats_mean["approxkl"],
+        "ppo/policy/policykl": stats_mean["policykl"],
+        "ppo/policy/clipfrac": stats_mean["pg_clipfrac"],
+        "ppo/policy/advantages_mean": stats_mean["advantages_mean"],
+        "ppo/returns/mean": stats_mean["returns_mean"],
+        "ppo/returns/var": stats_mean["returns_var"],
+        "ppo/val/vpred": stats_mean["vpred_mean"],
+        "ppo/val/error": stats_mean["vf_error"],
+        "ppo/val/clipfrac": stats_mean["vf_clipfrac"],
+        "ppo/val/mean": stats_mean["values_mean"],
+        "ppo/val/var": stats_mean["values_var"],
+        "ppo/val/var_explained": 1.0 - stats_mean["vf_error"] / stats_mean["returns_var"]
+        if stats_mean["returns_var"] else float("nan"),
+        "ppo/learning_rate": extra["learning_rate"],
+    })
+    out.update(extra["arrays"])
+    return out
+
+
+def stats_means(result: UpdateResult) -> dict[str, float]:
+    """Mean of each statistic over the micro-batches that ran, on this process."""
+    stats = result.stats.flatten(1)
+    ran = torch.isfinite(stats)
+    sums = torch.where(ran, stats, torch.zeros_like(stats)).sum(1)
+    counts = ran.sum(1).clamp(min=1)
+    return dict(zip(STAT_NAMES, (sums / counts).tolist()))
+
+
+class MetricsLogger:
+    """metrics.jsonl always; tensorboard / wandb when asked for and installed (rank 0 only)."""
+
+    def __init__(self, config, is_main: bool, log: Callable[[str], None]):
+        self.is_main = is_main
+        self.history: list[dict] = []
+        self.tb = self.wandb = None
+        if not is_main:
+            return
+        os.makedirs(config.output_dir, exist_ok=True)
+        self.path = os.path.join(config.output_dir, "metrics.jsonl")
+        self.file = open(self.path, "w")
+        targets = {t.lower() for t in config.report_to}
+        everything = "all" in targets
+        if everything or "tensorboard" in targets:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(config.output_dir, "runs", config.run_name or "fastppo"))
+            except ImportError:
+                if not everything:
+                    log("report_to tensorboard: tensorboard is not installed; skipping it")
+        if everything or "wandb" in targets:
+            try:
+                import wandb
+
+                self.wandb = wandb.init(name=config.run_name, project=config.tracker_project_name,
+                                        config=dataclasses.asdict(config))
+            except ImportError:
+                if not everything:
+                    log("report_to wandb: wandb is not installed; skipping it")
+
+    def log(self, metrics: dict, step: int) -> None:
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.history.append(scalars)
+        if not self.is_main:
+            return
+        self.file.write(json.dumps(scalars) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.is_main:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> None:
+    """PNG of scores / RLHF reward, KL and entropy against episodes."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no curves.png")
+        return
+    history = [m for m in history if "episode" in m and "objective/scores" in m]
+    if not history:
+        return
+    episodes = [m["episode"] for m in history]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, keys, title in (
+        (axes[0], ("objective/scores", "objective/rlhf_reward"), "reward"),
+        (axes[1], ("objective/kl",), "KL to reference (nats / sequence)"),
+        (axes[2], ("objective/entropy",), "entropy (nats / sequence)"),
+    ):
+        for key in keys:
+            ax.plot(episodes, [m[key] for m in history], label=key)
+        ax.set_title(title)
+        ax.set_xlabel("episode")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_samples(console, prompts, completions, scores, update: int, path: str, n: int = 6) -> None:
+    """A rich table of sample completions, also appended to samples.jsonl."""
+    from rich.table import Table
+
+    table = Table(title=f"samples at iteration {update}", show_lines=False)
+    table.add_column("query", overflow="fold")
+    table.add_column("response", overflow="fold")
+    table.add_column("score", justify="right")
+    with open(path, "a") as f:
+        for p, c, s in list(zip(prompts, completions, scores))[:n]:
+            table.add_row(p, c, f"{s:.3f}")
+            f.write(json.dumps({"iteration": update, "query": p, "response": c, "score": s}) + "\n")
+    console.print(table)

@@ -1,0 +1,465 @@
+"""Models: loading the policy, reference, value and reward models; the actor-critic forward the
+scoring and training passes share; the legacy value head on the policy's own trunk.
+
+Every log-prob comes from the decoder's last hidden state and the LM-head weight through
+``fused_token_logprobs``: the ``[tokens, vocab]`` logits never exist, and the scoring and the
+training forward run the same module on the same layout (so the first PPO ratio is exactly 1).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from fastppo.kernels import fused_token_logprobs
+
+VALUE_HEAD_PREFIX = "v_head."
+VALUE_HEAD_FILE = "v_head.safetensors"  # where a PEFT policy's value head goes (the weights file holds the adapter)
+
+
+# ============================================================================ the value head on the trunk (legacy TRL)
+
+
+class ValueHead(nn.Module):
+    """A scalar per position from the trunk's last hidden state (legacy TRL's ``v_head``: ``summary``
+    is Linear(hidden, 1) in fp32; its dropout is zeroed like every dropout in PPO training)."""
+
+    def __init__(self, hidden_size: int, dropout: float = 0.1):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.summary = nn.Linear(hidden_size, 1, dtype=torch.float32)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.summary(self.dropout(hidden).to(self.summary.weight.dtype)).squeeze(-1)
+
+
+def _hidden_size(config) -> int:
+    return getattr(config, "word_embed_proj_dim", None) or config.hidden_size
+
+
+class AutoModelForCausalLMWithValueHead(nn.Module):
+    """A causal LM with a value head on its own trunk: one network, one forward for log-probs and values.
+
+    The legacy TRL class of the same name, with its checkpoint format: ``save_pretrained`` writes the
+    LM's weights with the head's ``v_head.summary.weight``/``bias`` beside them (plain transformers
+    loads the directory as the LM and ignores the head); ``from_pretrained`` reads a head back from
+    ``model.safetensors``, ``pytorch_model.bin``, a sharded index or ``v_head.safetensors`` (PEFT).
+    """
+
+    def __init__(self, pretrained_model: nn.Module, summary_dropout_prob: float | None = None):
+        super().__init__()
+        self.pretrained_model = pretrained_model
+        config = pretrained_model.config
+        dropout = getattr(config, "summary_dropout_prob", None)
+        dropout = summary_dropout_prob if dropout is None and summary_dropout_prob is not None else dropout
+        self.v_head = ValueHead(_hidden_size(config), 0.1 if dropout is None else dropout)
+        device = next(pretrained_model.parameters()).device
+        self.v_head.to(device)
+
+    @property
+    def config(self):
+        return self.pretrained_model.config
+
+    @property
+    def is_peft_model(self) -> bool:
+        return hasattr(self.pretrained_model, "disable_adapter")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, summary_dropout_prob: float | None = None,
+                        **kwargs) -> AutoModelForCausalLMWithValueHead:
+        """From a directory, a Hub id or a transformers model; a saved ``v_head`` is loaded back."""
+        from transformers import AutoModelForCausalLM
+
+        if isinstance(pretrained_model_name_or_path, nn.Module):
+            return cls(pretrained_model_name_or_path, summary_dropout_prob)
+        base = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = cls(base, summary_dropout_prob)
+        state = read_value_head(str(pretrained_model_name_or_path))
+        if state is not None:
+            model.v_head.load_state_dict(state)
+        return model
+
+    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, return_past_key_values=False,
+                **kwargs):
+        """(lm_logits fp32, loss, value [B, L]) as legacy TRL's wrapper returns them."""
+        kwargs["output_hidden_states"] = True
+        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask,
+                                    past_key_values=past_key_values, **kwargs)
+        value = self.v_head(out.hidden_states[-1])
+        result = (out.logits.float(), getattr(out, "loss", None), value)
+        return (*result, out.past_key_values) if return_past_key_values else result
+
+    def generate(self, *args, **kwargs):
+        return self.pretrained_model.generate(*args, **kwargs)
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        causal_lm_of(self).gradient_checkpointing_enable(**kwargs)
+
+    def save_pretrained(self, save_directory: str, **kwargs) -> None:
+        """The LM's files with ``v_head.*`` in its weights (legacy layout), or beside a PEFT adapter."""
+        head = {VALUE_HEAD_PREFIX + k: v.detach().contiguous() for k, v in self.v_head.state_dict().items()}
+        if self.is_peft_model:
+            from safetensors.torch import save_file
+
+            self.pretrained_model.save_pretrained(save_directory, **kwargs)
+            save_file(head, os.path.join(save_directory, VALUE_HEAD_FILE))
+            return
+        state = {k: v for k, v in self.pretrained_model.state_dict().items()}
+        state.update(head)
+        self.pretrained_model.save_pretrained(save_directory, state_dict=state, **kwargs)
+
+
+def read_value_head(path: str) -> dict[str, torch.Tensor] | None:
+    """The ``v_head.*`` tensors (prefix removed) of a local checkpoint, or None when it has none."""
+    from safetensors.torch import load_file
+
+    if not os.path.isdir(path):
+        return None
+    files = []
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if os.path.isfile(os.path.join(path, index)):
+            with open(os.path.join(path, index)) as f:
+                weight_map = json.load(f)["weight_map"]
+            files += sorted({file for key, file in weight_map.items() if key.startswith(VALUE_HEAD_PREFIX)})
+    files += [f for f in (VALUE_HEAD_FILE, "model.safetensors", "pytorch_model.bin") if f not in files]
+    for name in files:
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            continue
+        state = load_file(full) if name.endswith(".safetensors") else torch.load(full, map_location="cpu",
+                                                                                  weights_only=True)
+        head = {k[len(VALUE_HEAD_PREFIX):]: v for k, v in state.items() if k.startswith(VALUE_HEAD_PREFIX)}
+        if head:
+            return head
+    return None
+
+
+# ============================================================================ the pieces of a causal LM
+
+
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers CausalLM inside a value-head wrapper and/or a PEFT wrapper (LoRA stays active)."""
+    if isinstance(model, AutoModelForCausalLMWithValueHead):
+        model = model.pretrained_model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def lm_of(model: nn.Module) -> nn.Module:
+    """The language model to generate with (PEFT wrapper kept), without a value-head wrapper."""
+    return model.pretrained_model if isinstance(model, AutoModelForCausalLMWithValueHead) else model
+
+
+def lm_head_of(model: nn.Module) -> nn.Module:
+    head = causal_lm_of(model).get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(f"{type(model).__name__} has no linear output embedding (LM head)")
+    return head
+
+
+def response_hidden(model: nn.Module, input_ids, attention_mask, position_ids, context_length: int):
+    """Last hidden states that predict the response tokens: [B, T, H] for x+y of length L = context + T.
+
+    The decoder body runs without the LM head: the fused kernel applies the head tile by tile
+    and the [B, T, V] logits never exist.
+    """
+    decoder = causal_lm_of(model).get_decoder()
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+    return hidden[:, context_length - 1 : -1]
+
+
+def backbone_and_head(seq_cls_model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """Body and scalar head of an AutoModelForSequenceClassification (value or reward model)."""
+    backbone = getattr(seq_cls_model, seq_cls_model.base_model_prefix, None)
+    head = getattr(seq_cls_model, "score", None) or getattr(seq_cls_model, "classifier", None)
+    if backbone is None or head is None:
+        raise ValueError(f"{type(seq_cls_model).__name__}: cannot find its body and 'score' head")
+    return backbone, head
+
+
+def token_logprobs_from_hidden(model, hidden, targets, temperature: float, return_entropy: bool):
+    head = lm_head_of(model)
+    bias = getattr(head, "bias", None)
+    return fused_token_logprobs(
+        hidden,
+        head.weight.to(hidden.dtype),
+        targets,
+        temperature,
+        bias=None if bias is None else bias.to(hidden.dtype),
+        return_entropy=return_entropy,
+    )
+
+
+# ============================================================================ the two forwards of PPO
+
+
+class PolicyAndValue(nn.Module):
+    """What DDP wraps: one forward gives the policy's log-probs (and entropy) of the response tokens
+    and the value of every response state, so every trained parameter, the LM head included, is
+    used inside ``forward`` and DDP syncs all their gradients.
+
+    ``value_model=None``: the policy is an ``AutoModelForCausalLMWithValueHead`` and the values come
+    from its ``v_head`` on the same hidden states as the log-probs (one trunk, one forward).
+    """
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module | None):
+        super().__init__()
+        if value_model is None and not isinstance(policy, AutoModelForCausalLMWithValueHead):
+            raise ValueError("without a value model the policy must be an AutoModelForCausalLMWithValueHead")
+        self.policy = policy
+        self.value_model = value_model
+
+    def forward(self, input_ids, attention_mask, position_ids, context_length: int, temperature: float,
+                return_entropy: bool = False, return_hidden: bool = False):
+        hidden = response_hidden(self.policy, input_ids, attention_mask, position_ids, context_length)
+        targets = input_ids[:, context_length:]
+        out = token_logprobs_from_hidden(self.policy, hidden, targets, temperature, return_entropy)
+        logprobs, entropy = out if return_entropy else (out, None)
+        if self.value_model is None:
+            values = self.policy.v_head(hidden).float()
+        else:
+            backbone, head = backbone_and_head(self.value_model)
+            value_hidden = backbone(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state[:, context_length - 1 : -1]
+            values = head(value_hidden).squeeze(-1).float()
+        return logprobs, entropy, values, (hidden if return_hidden else None)
+
+
+class Reference:
+    """log π_ref of the response tokens: a frozen copy, or the PEFT policy with its adapter disabled."""
+
+    def __init__(self, ref_model: nn.Module | None, policy: nn.Module):
+        self.ref_model = ref_model
+        self.policy = policy
+
+    def _context(self):
+        return lm_of(self.policy).disable_adapter() if self.ref_model is None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def __call__(self, input_ids, attention_mask, position_ids, context_length, temperature, with_hidden=False):
+        model = self.policy if self.ref_model is None else self.ref_model
+        with self._context():
+            hidden = response_hidden(model, input_ids, attention_mask, position_ids, context_length)
+            logprobs = token_logprobs_from_hidden(model, hidden, input_ids[:, context_length:], temperature, False)
+        head = lm_head_of(model) if with_hidden else None
+        return logprobs, (hidden, head) if with_hidden else None
+
+
+# ============================================================================ loading and preparing
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """p = 0 everywhere (TRL does the same): with dropout on, the rollout and training forwards differ."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "attn_pdrop", "hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout"):
+        if config is not None and isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+
+
+def check_lm_head(model: nn.Module, vocab_size: int, device) -> None:
+    """The fused path assumes logits = h·Wᵀ (+b). Models that rescale or soft-cap logits break that: refuse them."""
+    lm = lm_of(model)
+    ids = torch.arange(min(8, vocab_size), device=device).unsqueeze(0)
+    mask = torch.ones_like(ids)
+    pos = torch.arange(ids.shape[1], device=device).unsqueeze(0)
+    with torch.no_grad():
+        logits = lm(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        hidden = response_hidden(model, ids, mask, pos, 1)
+        got = token_logprobs_from_hidden(model, hidden, ids[:, 1:], 1.0, False)
+    if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
+        raise ValueError(
+            f"{type(causal_lm_of(model)).__name__}: log-probs from the last hidden state and the LM head do not "
+            "match the model's logits (logit scaling or soft-capping?); fastppo's fused path cannot train it"
+        )
+
+
+def load_error(what: str, path: str, e: Exception) -> Exception:
+    return OSError(f"could not load the {what} from {path!r}: {e}")
+
+
+def load_tokenizer(path: str, log: Callable[[str], None]):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise load_error("tokenizer", path, e) from e
+    return tokenizer
+
+
+def ensure_pad_token(tokenizer, log: Callable[[str], None]) -> None:
+    """A tokenizer without a pad token gets one (eos reused, else a new '<pad>'), and we say so."""
+    if tokenizer.pad_token_id is not None:
+        return
+    if tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+        log(f"tokenizer has no pad token: using its eos token {tokenizer.eos_token!r} "
+            f"(id {tokenizer.eos_token_id}) for padding")
+    else:
+        tokenizer.add_special_tokens({"pad_token": "<pad>"})
+        log(f"tokenizer has no pad or eos token: added pad token '<pad>' (id {tokenizer.pad_token_id}); "
+            "model embeddings are resized to match")
+
+
+def pretrained_kwargs(config) -> dict:
+    """Keyword arguments of every from_pretrained call."""
+    import importlib.util
+
+    kwargs = dict(attn_implementation=config.attn_implementation, dtype=torch.float32)
+    if config.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        kwargs["attn_implementation"] = "sdpa"
+    return kwargs
+
+
+def load_causal_lm(path: str, config, what: str, value_head: bool = False) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    loader = AutoModelForCausalLMWithValueHead if value_head else AutoModelForCausalLM
+    try:
+        return loader.from_pretrained(path, **pretrained_kwargs(config))
+    except (OSError, ValueError) as e:
+        raise load_error(what, path, e) from e
+
+
+def load_seq_cls(path: str, config, tokenizer, what: str) -> nn.Module:
+    from transformers import AutoModelForSequenceClassification
+
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **pretrained_kwargs(config))
+    except (OSError, ValueError) as e:
+        raise load_error(what, path, e) from e
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """The reference: a frozen deep copy of the policy's language model (TRL's create_reference_model)."""
+    ref = copy.deepcopy(lm_of(model))
+    return ref.eval().requires_grad_(False)
+
+
+def apply_liger(models, log) -> None:
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        log("use_liger_kernel: liger_kernel is not installed; going on without it")
+        return
+    for model in models:
+        try:
+            _apply_liger_kernel_to_instance(model=causal_lm_of(model) if hasattr(model, "pretrained_model") else model)
+        except Exception as e:  # unsupported architecture: Liger raises or warns
+            log(f"use_liger_kernel: could not patch {type(model).__name__}: {e}")
+
+
+def apply_peft(policy: nn.Module, peft_config, config) -> nn.Module:
+    """LoRA on the policy's language model (inside a value-head wrapper, the head stays fully trainable)."""
+    from peft import LoraConfig, get_peft_model
+
+    if peft_config is None:
+        if config.lora_target_modules and "lm_head" in config.lora_target_modules:
+            raise ValueError("lora_target_modules may not include lm_head: log-probs use the LM head weight directly")
+        peft_config = LoraConfig(
+            r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+            target_modules=config.lora_target_modules, task_type="CAUSAL_LM",
+        )
+    if isinstance(policy, AutoModelForCausalLMWithValueHead):
+        policy.pretrained_model = get_peft_model(policy.pretrained_model, peft_config)
+        return policy
+    return get_peft_model(policy, peft_config)
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(lm_of(model), "disable_adapter")
+
+
+def prepare_models(policy, ref_model, value_model, reward_model, tokenizer, config, device, log):
+    """Resize embeddings to the tokenizer, patch (Liger), zero dropout, place, freeze the frozen ones."""
+    for model in (policy, ref_model, value_model, reward_model):
+        if model is not None and causal_lm_of(model).get_input_embeddings().weight.shape[0] < len(tokenizer):
+            causal_lm_of(model).resize_token_embeddings(len(tokenizer))
+    if config.use_liger_kernel:
+        if device.type == "cuda":
+            apply_liger([m for m in (policy, value_model) if m is not None], log)
+        else:
+            log("use_liger_kernel: Liger-Kernel's Triton kernels need a CUDA device; ignored on CPU")
+    for model in (policy, ref_model, value_model, reward_model):
+        if model is not None:
+            disable_dropout(model)
+            model.to(device)
+    for frozen in (ref_model, reward_model):
+        if frozen is not None:
+            frozen.eval().requires_grad_(False)
+    if config.gradient_checkpointing:
+        for model in (causal_lm_of(policy), value_model):
+            if model is not None:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    check_lm_head(policy, len(tokenizer), device)
+
+
+def freeze_shared_layers(policy: nn.Module, num_shared_layers: int) -> None:
+    """Legacy ``num_shared_layers``: the policy's parameters before layer k stay frozen (legacy TRL
+    "shares" them with the reference; it keeps the reference whole and freezes them in the policy)."""
+    patterns = ("transformer.h.{}.", "model.decoder.layers.{}.", "gpt_neox.layers.{}.", "model.layers.{}.")
+    names = [n for n, _ in causal_lm_of(policy).named_parameters()]
+    marker = next((p.format(num_shared_layers) for p in patterns
+                   if any(p.format(num_shared_layers) in n for n in names)), None)
+    if marker is None:
+        raise ValueError(f"num_shared_layers={num_shared_layers}: the policy has no layer {num_shared_layers}")
+    for name, p in causal_lm_of(policy).named_parameters():
+        if marker in name:
+            break
+        p.requires_grad_(False)
+
+
+def build_models(bound: dict, config, policy_path: str | None, tokenizer, reward_path: str | None, legacy: bool,
+                 device, log) -> tuple[nn.Module, nn.Module | None, nn.Module | None, nn.Module | None]:
+    """(policy, reference, value model, reward model) from the trainer's arguments (objects or paths),
+    falling back to the config's paths; prepared and placed on ``device``.
+
+    The reference is None where the PEFT policy with its adapter disabled plays it; the value model
+    is None where the value head sits on the policy's trunk (legacy API, ``shared_value_head``, or a
+    policy passed as an ``AutoModelForCausalLMWithValueHead``)."""
+    model = bound.get("model")
+    shared = legacy or config.shared_value_head or isinstance(model, AutoModelForCausalLMWithValueHead)
+    if isinstance(model, nn.Module):
+        policy = model
+        if shared and not isinstance(policy, AutoModelForCausalLMWithValueHead):
+            policy = AutoModelForCausalLMWithValueHead(policy)
+    else:
+        policy = load_causal_lm(policy_path, config, "policy", value_head=shared)
+    ref_model = bound.get("ref_model")
+    if ref_model is not None and ref_model is model:
+        raise ValueError("model and ref_model are the same object: pass a copy, or None for a frozen copy")
+    if isinstance(ref_model, str):
+        ref_model = load_causal_lm(ref_model, config, "reference model")
+    peft_config = None if legacy else bound.get("peft_config")
+    want_peft = peft_config is not None or config.use_peft
+    if is_peft(policy) or want_peft:
+        ref_model = None  # the policy with its adapter disabled
+    elif ref_model is None:
+        ref_model = frozen_copy(policy)
+    value_model = None if shared else bound.get("value_model")
+    if not shared and not isinstance(value_model, nn.Module):
+        value_path = value_model or config.value_model_path or policy_path or getattr(
+            causal_lm_of(policy).config, "_name_or_path", None)
+        value_model = load_seq_cls(value_path, config, tokenizer, "value model")
+    reward = bound.get("reward_model")
+    reward_model = reward if isinstance(reward, nn.Module) else (
+        load_seq_cls(reward_path, config, tokenizer, "reward model") if reward_path else None)
+    if want_peft and not is_peft(policy):
+        policy = apply_peft(policy, peft_config, config)
+    if legacy and bound.get("num_shared_layers") is not None:
+        freeze_shared_layers(policy, bound["num_shared_layers"])
+    prepare_models(policy, ref_model, value_model, reward_model, tokenizer, config, device, log)
+    return policy, ref_model, value_model, reward_model
