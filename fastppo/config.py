@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import difflib
 import inspect
+import json
 import math
 import os
 import sys
@@ -91,6 +92,21 @@ class PPOConfig:
                   "tokenizer's chat template is applied with a generation prompt). A dataset with an "
                   "'input_ids' column and no such column is used pre-tokenized, as TRL 0.26's example does."},
     )
+    dtype: str | None = field(
+        default=None,
+        metadata={"aliases": ["--torch_dtype"], "choices": ("auto", "bfloat16", "float16", "float32"),
+                  "help": "Load every model's weights in this dtype (TRL's ModelConfig.dtype). Default: fp32 weights for "
+                  "the trained models and, under bf16, bf16 for the frozen reference and reward models."},
+    )
+    model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit) on the Hub."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow models and tokenizers with their own modeling code on the Hub."}
+    )
+    allow_untrained_heads: bool = field(
+        default=False,
+        metadata={"help": "Accept a reward model (or a value_model_path) whose scalar head is freshly initialised, "
+                  "e.g. a causal LM loaded as sequence classification. Refused by default: such a reward is noise."},
+    )
     attn_implementation: str = field(
         default="sdpa",
         metadata={"help": "Attention implementation passed to from_pretrained: sdpa, eager, or "
@@ -125,6 +141,10 @@ class PPOConfig:
         metadata={"help": "Recompute activations in the backward pass to save memory, at about a third more compute. "
                   "(TRL: True; off here because fastppo favours speed: turn it on for models that do not fit.)"},
     )
+    gradient_checkpointing_kwargs: dict | None = field(
+        default=None,
+        metadata={"help": "JSON keyword arguments of gradient_checkpointing_enable. Default: {\"use_reentrant\": false}."},
+    )
 
     # ------------------------------------------------------------------ batch sizes and schedule
     learning_rate: float = field(
@@ -136,12 +156,32 @@ class PPOConfig:
         default="linear",
         metadata={"help": "Scheduler name for transformers.get_scheduler, stepped once per PPO iteration."},
     )
+    lr_scheduler_kwargs: dict | None = field(
+        default=None,
+        metadata={"help": "JSON keyword arguments of the scheduler, e.g. '{\"min_lr\": 1e-6}' for cosine_with_min_lr."},
+    )
+    warmup_steps: float = field(
+        default=0,
+        metadata={"help": "Linear warmup over this many PPO iterations (the scheduler's steps); a value in (0, 1) is a "
+                  "fraction of all iterations (transformers 5)."},
+    )
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "Linear warmup over this fraction of all PPO iterations (transformers 4)."}
+    )
+    optim: str = field(
+        default="adamw_torch_fused",
+        metadata={"choices": ("adamw_torch", "adamw_torch_fused"),
+                  "help": "AdamW implementation: adamw_torch_fused (one fused kernel where the device has one) or "
+                  "adamw_torch (foreach)."},
+    )
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW β1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW β2."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float | None = field(
         default=1.0,
-        metadata={"help": "Clip the gradient norm to this value (0 or None: no clipping). TRL's PPOTrainer "
-                  "never clips whatever this says."},
+        metadata={"help": "Clip the gradient norm to this value; 0 means no clipping (negative values are an error). "
+                  "TRL's PPOTrainer never clips whatever this says."},
     )
     per_device_train_batch_size: int = field(
         default=8,
@@ -164,6 +204,11 @@ class PPOConfig:
     num_train_epochs: float = field(
         default=3.0,
         metadata={"help": "Passes over the prompt set when total_episodes is not given."},
+    )
+    max_steps: int = field(
+        default=-1,
+        metadata={"help": "If > 0, the number of PPO iterations, overriding total_episodes and num_train_epochs "
+                  "(transformers' meaning: steps of the scheduler; TRL's PPOTrainer ignores it)."},
     )
     local_rollout_forward_batch_size: int = field(
         default=64, metadata={"help": "Per-process batch of the no-grad generation and scoring passes."}
@@ -188,6 +233,11 @@ class PPOConfig:
         default=0.7,
         metadata={"help": "Sampling temperature; samples are drawn from softmax(logits / temperature) exactly."},
     )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "Keep only the last this many tokens of a longer prompt (the count is logged). Prompt plus "
+                  "response_length must fit the model's positions; a run that would not is refused before loading."},
+    )
     pad_to_multiple_of: int | None = field(
         default=None,
         metadata={"help": "Left-pad every query batch to a multiple of this many tokens, so accelerators see few "
@@ -197,6 +247,14 @@ class PPOConfig:
         default=None,
         metadata={"help": "Subtracted from the score of responses that contain no stop token (eos when no stop "
                   "token is set). Must be >= 0."},
+    )
+    non_eos_penalty: bool = field(
+        default=False,
+        metadata={"help": "TRL PPOv2's EOS trick: the score of a response without a stop token becomes "
+                  "penalty_reward_value (exclusive with missing_eos_penalty)."},
+    )
+    penalty_reward_value: float = field(
+        default=-1.0, metadata={"help": "The score non_eos_penalty gives a response without a stop token."}
     )
 
     # ------------------------------------------------------------------ rewards, KL, advantages
@@ -262,8 +320,14 @@ class PPOConfig:
         default=42, metadata={"help": "Random seed (each process samples with seed + rank·100003)."}
     )
     logging_steps: int = field(default=10, metadata={"help": "Log metrics every this many PPO iterations."})
+    logging_first_step: bool = field(default=False, metadata={"help": "Also log the first iteration."})
     save_steps: int = field(
         default=500, metadata={"help": "Checkpoint every this many PPO iterations (and always at the end)."}
+    )
+    save_total_limit: int | None = field(
+        default=None,
+        metadata={"help": "Keep at most this many checkpoint-N directories; older ones are deleted once a newer one "
+                  "is complete."},
     )
     report_to: list[str] = field(
         default_factory=lambda: ["none"],
@@ -275,6 +339,12 @@ class PPOConfig:
         default=10, metadata={"help": "How many times per run to print a table of sample completions (0: never)."}
     )
     disable_tqdm: bool = field(default=False, metadata={"help": "Hide the progress bar."})
+    ddp_timeout: int = field(
+        default=1800,
+        metadata={"help": "Seconds a process waits in a collective for the others before failing with an error "
+                  "(a frozen or dead rank must not block the rest forever)."},
+    )
+    use_cpu: bool = field(default=False, metadata={"help": "Train on the CPU even when a GPU is visible."})
     num_threads: int | None = field(
         default=None,
         metadata={"help": "CPU threads for torch ops (torch.set_num_threads). Default: torch's choice (the embedded "
@@ -313,8 +383,10 @@ class PPOConfig:
     )
 
     def __post_init__(self):
-        # `given` holds the fields set explicitly; __init__ (wrapped below) fills it from its keywords
+        # `given` holds the fields set explicitly; __init__ (wrapped below) fills it from its keywords,
+        # `ignored` the TRL fields accepted without a meaning here (logged once by the trainer)
         self.__dict__.setdefault("given", frozenset())
+        self.__dict__.setdefault("ignored", {})
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -337,13 +409,76 @@ _dataclass_init = PPOConfig.__init__
 
 
 def _init_recording_given(self, **kwargs) -> None:
+    ignored = {k: kwargs.pop(k) for k in list(kwargs) if k in IGNORED_TRL_FIELDS}
+    for name in kwargs:
+        if name in UNSUPPORTED_TRL_FIELDS:
+            raise ValueError(f"{name}: {UNSUPPORTED_TRL_FIELDS[name]}")
+        if name not in _FIELD_NAMES:
+            close = difflib.get_close_matches(name, sorted(_FIELD_NAMES), n=3, cutoff=0.6)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise TypeError(f"PPOConfig got an unexpected keyword argument {name!r}{hint}")
     _dataclass_init(self, **kwargs)
     self.__dict__["given"] = frozenset(kwargs)
+    self.__dict__["ignored"] = ignored
 
 
 _init_recording_given.__doc__ = _dataclass_init.__doc__
 _init_recording_given.__signature__ = inspect.signature(_dataclass_init)
 PPOConfig.__init__ = _init_recording_given
+
+
+# TRL 0.26's PPOConfig / ScriptArguments / ModelConfig fields (and TrainingArguments') that fastppo takes
+# on a command line or in PPOConfig(...) without giving them a meaning: each is logged once as ignored.
+IGNORED_TRL_FIELDS: dict[str, str] = {
+    **dict.fromkeys((
+        "accelerator_config", "auto_find_batch_size", "average_tokens_across_devices", "batch_eval_metrics",
+        "bf16_full_eval", "data_seed", "dataloader_drop_last", "dataloader_in_order", "dataloader_multiprocessing_context",
+        "dataloader_num_workers", "dataloader_persistent_workers", "dataloader_pin_memory", "dataloader_prefetch_factor",
+        "dataset_num_proc", "dataset_streaming", "ddp_backend", "ddp_broadcast_buffers", "ddp_bucket_cap_mb",
+        "ddp_find_unused_parameters", "ddp_static_graph", "debug", "do_eval", "do_predict", "do_train",
+        "enable_jit_checkpoint", "eval_accumulation_steps", "eval_delay", "eval_do_concat_batches", "eval_on_start",
+        "eval_steps", "eval_strategy", "eval_use_gather_object", "fp16_full_eval", "full_determinism",
+        "greater_is_better", "hub_always_push", "hub_model_id", "hub_private_repo", "hub_revision", "hub_strategy",
+        "hub_token", "ignore_bias_buffers", "ignore_data_skip", "include_for_metrics", "include_num_input_tokens_seen",
+        "label_names", "label_smoothing_factor", "length_column_name", "load_best_model_at_end", "log_level",
+        "log_level_replica", "log_on_each_node", "logging_nan_inf_filter", "logging_strategy", "metric_for_best_model",
+        "neftune_noise_alpha", "optim_args", "per_device_eval_batch_size", "prediction_loss_only", "project",
+        "remove_unused_columns", "restore_callback_states_from_checkpoint", "save_on_each_node", "save_only_model",
+        "save_strategy", "skip_memory_metrics", "tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode",
+        "torch_empty_cache_steps", "trackio_bucket_id", "trackio_space_id", "trackio_static_space_id",
+        "train_sampling_strategy", "use_cache", "dataset_test_split", "liger_kernel_config",
+        "local_rank",  # torch.distributed.launch passes it; torchrun's LOCAL_RANK is what is read
+    ), "no meaning in fastppo's PPO loop"),
+    **dict.fromkeys(("world_size", "num_total_batches", "local_batch_size", "micro_batch_size",
+                     "local_mini_batch_size"), "derived from the batch flags, as in TRL (which overwrites it too)"),
+    "compare_steps": "legacy push_to_hub_if_best only",
+    "optimize_cuda_cache": "legacy TRL ignores it too", "optimize_device_cache": "no cache flushing in fastppo",
+    "tracker_kwargs": "legacy tracker options", "accelerator_kwargs": "no accelerate Accelerator here",
+    "project_kwargs": "legacy tracker options", "push_to_hub_if_best_kwargs": "no Hub pushes",
+    "task_name": "tracking only in legacy TRL",
+    "is_encoder_decoder": "decoder-only models only", "is_peft_model": "derived from the model",
+    "backward_batch_size": "derived", "global_backward_batch_size": "derived", "global_batch_size": "derived",
+}
+# Fields whose meaning fastppo does not implement: setting one is an error, never a silent change.
+UNSUPPORTED_TRL_FIELDS: dict[str, str] = {
+    "fp16": "fp16 mixed precision is not supported: use --bf16 (or --dtype float16 to load weights in fp16)",
+    "fsdp": "FSDP is not supported: use --deepspeed (ZeRO-2/3) to shard models",
+    "fsdp_config": "FSDP is not supported: use --deepspeed (ZeRO-2/3) to shard models",
+    "parallelism_config": "use torchrun (DDP) or --deepspeed",
+    "load_in_4bit": "quantized policies are not supported", "load_in_8bit": "quantized policies are not supported",
+    "bnb_4bit_quant_type": "quantized policies are not supported",
+    "bnb_4bit_quant_storage": "quantized policies are not supported",
+    "use_bnb_nested_quant": "quantized policies are not supported",
+    "model_adapter_name": "multi-adapter PEFT is not supported (the reference is the policy with its adapter off)",
+    "ref_adapter_name": "multi-adapter PEFT is not supported (the reference is the policy with its adapter off)",
+    "push_to_hub": "pushing to the Hub is not supported; upload output_dir yourself",
+    "optim_target_modules": "only AdamW (--optim adamw_torch or adamw_torch_fused)",
+    "lora_target_parameters": "LoRA on parameters is not supported; use lora_target_modules",
+    "use_dora": "DoRA is not supported", "use_rslora": "rsLoRA is not supported",
+    "lora_modules_to_save": "modules_to_save is not supported", "lora_task_type": "always CAUSAL_LM",
+    "activation_checkpointing": "use --gradient_checkpointing", "activation_checkpointing_kwargs":
+    "use --gradient_checkpointing_kwargs", "gradient_checkpointing_use_reentrant": "use --gradient_checkpointing_kwargs",
+}
 
 
 # The embedded default (no model given on the command line): a randomly initialised tiny model that
@@ -401,9 +536,9 @@ def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
     total_episodes = config.total_episodes
     if total_episodes is None:
         total_episodes = int(config.num_train_epochs * num_prompts)
-    if total_episodes < 1:
+    if total_episodes < 1 and config.max_steps <= 0:
         raise ValueError(f"total_episodes must be >= 1, got {total_episodes}")
-    num_total_batches = math.ceil(total_episodes / batch_size)
+    num_total_batches = config.max_steps if config.max_steps > 0 else math.ceil(total_episodes / batch_size)
     freq = max(1, num_total_batches // config.num_sample_generations) if config.num_sample_generations > 0 else 0
     return Sizes(
         world_size=world_size,
@@ -519,6 +654,16 @@ def _str_to_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _argument(f: dataclasses.Field, hint) -> dict:
     """argparse keyword arguments for one field, from its type and metadata."""
     meta = {k: v for k, v in f.metadata.items() if k not in ("section",)}
@@ -536,6 +681,8 @@ def _argument(f: dataclasses.Field, hint) -> dict:
         kwargs.update(type=type(args[0]), choices=args)
     elif hint in (int, float, str):
         kwargs["type"] = hint
+    elif hint is dict:
+        kwargs.update(type=_json_dict, metavar="JSON")
     else:
         kwargs["type"] = str
     kwargs.update(meta)
@@ -547,6 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     so that the parsed namespace holds exactly the flags given."""
     parser = argparse.ArgumentParser(
         prog="python -m fastppo.train",
+        usage="%(prog)s [flags]  (python -m fastppo.train --help lists every flag)",
         description="PPO (RLHF) for causal language models. Flags follow TRL 0.26's PPOConfig.",
         argument_default=argparse.SUPPRESS,
         allow_abbrev=False,  # a typo must not silently set a longer flag (--learning_rat 3 was lr 3)
@@ -572,13 +720,31 @@ def parse_args(argv: Sequence[str] | None = None) -> PPOConfig:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     namespace, unknown = parser.parse_known_args(argv)
-    if unknown:
-        flags = [a.split("=", 1)[0] for a in unknown if a.startswith("--")]
-        known = [f"--{name}" for name in _FIELD_NAMES]
-        hints = {flag: difflib.get_close_matches(flag, known, n=3, cutoff=0.6) for flag in flags}
-        detail = "; ".join(f"{flag} (did you mean {', '.join(m)}?)" if m else flag for flag, m in hints.items())
-        parser.error(f"unrecognized arguments: {detail or ' '.join(unknown)}")
-    return PPOConfig(**vars(namespace))
+    ignored, problems = {}, []
+    i = 0
+    while i < len(unknown):
+        token = unknown[i]
+        name, has_value, value = token[2:].partition("=") if token.startswith("--") else (None, "", None)
+        value = value if has_value else None
+        if name is None:
+            problems.append(token)
+            i += 1
+            continue
+        if not has_value and i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
+            value, i = unknown[i + 1], i + 1
+        i += 1
+        if name in UNSUPPORTED_TRL_FIELDS:
+            parser.error(f"--{name}: {UNSUPPORTED_TRL_FIELDS[name]}")
+        if name in IGNORED_TRL_FIELDS:
+            ignored[name] = True if value is None else value
+        else:
+            close = difflib.get_close_matches(f"--{name}", [f"--{n}" for n in sorted(_FIELD_NAMES)], n=3, cutoff=0.6)
+            problems.append(f"--{name} (did you mean {', '.join(close)}?)" if close else f"--{name}")
+    if problems:
+        parser.error(f"unrecognized arguments: {'; '.join(problems)}")
+    config = PPOConfig(**vars(namespace))
+    config.__dict__["ignored"] = ignored
+    return config
 
 
 def cli_config(argv: Sequence[str] | None = None) -> PPOConfig:
@@ -605,36 +771,141 @@ def check_path(path: str | None, flag: str) -> None:
         raise FileNotFoundError(f"--{flag} {path!r}: no such directory")
 
 
-def validate_config(config: PPOConfig) -> None:
-    """Cheap checks of the settings alone, before any model or dataset is loaded."""
-    if config.response_length < 1:
-        raise ValueError(f"response_length must be >= 1, got {config.response_length}")
-    if config.kl_estimator not in KL_ESTIMATOR_CHOICES:
-        choices = ", ".join(KL_ESTIMATOR_CHOICES)
-        raise ValueError(f"unknown kl_estimator {config.kl_estimator!r}; choose one of {choices}")
-    if config.stop_token is not None and config.stop_token_id:
-        raise ValueError("stop_token and stop_token_id are mutually exclusive; set one")
-    if config.stop_token not in (None, "eos"):
-        raise ValueError(f"stop_token must be 'eos' or unset, got {config.stop_token!r}")
-    if not config.temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {config.temperature}")
-    if config.missing_eos_penalty is not None and config.missing_eos_penalty < 0:
-        raise ValueError(f"missing_eos_penalty must be >= 0 (it is subtracted), got {config.missing_eos_penalty}")
-    if config.reward_model_path is not None and config.reward_fn is not None:
-        raise ValueError("reward_model_path and reward_fn are mutually exclusive; set one")
-    if config.reward_fn is not None and ":" not in config.reward_fn:
-        raise ValueError(f"reward_fn must look like 'module:function', got {config.reward_fn!r}")
-    if config.adaptive_kl and not config.kl_target > 0:
-        raise ValueError(f"kl_target must be > 0 with adaptive_kl, got {config.kl_target}")
-    if config.adaptive_kl and not config.kl_horizon > 0:
-        raise ValueError(f"kl_horizon must be > 0, got {config.kl_horizon}")
-    if config.pad_to_multiple_of is not None and config.pad_to_multiple_of < 1:
-        raise ValueError(f"pad_to_multiple_of must be >= 1, got {config.pad_to_multiple_of}")
-    if config.local_rollout_forward_batch_size < 1:
-        raise ValueError("local_rollout_forward_batch_size must be >= 1")
-    if config.logging_steps < 1 or config.save_steps < 1:
-        raise ValueError("logging_steps and save_steps must be >= 1")
-    if config.use_peft and config.lora_target_modules and "lm_head" in config.lora_target_modules:
-        raise ValueError("lora_target_modules may not include lm_head: log-probs are computed from the LM head weight")
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _as_json_dict(config: PPOConfig, name: str) -> None:
+    """TRL accepts these as a dict or a JSON string (its command line passes strings)."""
+    value = getattr(config, name)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be a JSON object, got {value!r} ({e})") from e
+        config.__dict__[name] = value
+    _check(value is None or isinstance(value, dict), f"{name} must be a dict (JSON object), got {value!r}")
+
+
+SCHEDULERS_NEEDING_METRICS = ("reduce_lr_on_plateau",)
+REPORT_TO = ("none", "tensorboard", "wandb", "all")
+
+
+def _check_scheduler(config: PPOConfig) -> None:
+    """Build the scheduler once on a throw-away optimizer: a bad name or missing kwargs fail now, not after loading."""
+    import torch
+    from transformers import get_scheduler
+
+    _check(config.lr_scheduler_type not in SCHEDULERS_NEEDING_METRICS,
+           f"lr_scheduler_type {config.lr_scheduler_type!r} steps on an evaluation metric; PPO has none: use linear, "
+           "cosine, constant, constant_with_warmup, cosine_with_min_lr (with --lr_scheduler_kwargs), ...")
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=10,
+                      scheduler_specific_kwargs=config.lr_scheduler_kwargs or {})
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"lr_scheduler_type {config.lr_scheduler_type!r} with lr_scheduler_kwargs "
+                         f"{config.lr_scheduler_kwargs or {}}: {e}") from e
+
+
+def _check_output_dir(path: str) -> None:
+    _check(not os.path.isfile(path), f"--output_dir {path!r} is a file; expected a directory")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    _check(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK),
+           f"--output_dir {path!r} is not writable ({parent!r} does not let this user create files)")
+
+
+def validate_config(config: PPOConfig) -> list[str]:
+    """Checks of the settings alone, before any model or dataset is loaded: a ValueError naming the
+    setting for anything that would crash later or silently train wrong. Returns notes to log."""
+    c = config
+    for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
+        _as_json_dict(c, name)
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
+                 "response_length", "local_rollout_forward_batch_size", "logging_steps", "save_steps", "ddp_timeout"):
+        value = getattr(c, name)
+        _check(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+    for name in ("save_total_limit", "max_prompt_length", "pad_to_multiple_of", "num_threads", "total_episodes"):
+        value = getattr(c, name)
+        _check(value is None or (isinstance(value, int) and value >= 1), f"{name} must be >= 1 (or unset), got {value!r}")
+    _check(c.max_steps == -1 or c.max_steps >= 1, f"max_steps must be >= 1, or -1 for none, got {c.max_steps}")
+    _check(c.num_sample_generations >= 0, f"num_sample_generations must be >= 0, got {c.num_sample_generations}")
+    _check(_is_finite(c.num_train_epochs) and c.num_train_epochs > 0,
+           f"num_train_epochs must be > 0, got {c.num_train_epochs}")
+    # the optimisation
+    _check(_is_finite(c.learning_rate) and c.learning_rate > 0, f"learning_rate must be > 0, got {c.learning_rate}")
+    _check(c.max_grad_norm is None or (_is_finite(c.max_grad_norm) and c.max_grad_norm >= 0),
+           f"max_grad_norm must be >= 0 (0: no clipping), got {c.max_grad_norm}; a negative limit would flip the "
+           "gradient's sign")
+    for name in ("adam_beta1", "adam_beta2"):
+        _check(_is_finite(getattr(c, name)) and 0 <= getattr(c, name) < 1, f"{name} must be in [0, 1), got "
+               f"{getattr(c, name)}")
+    _check(_is_finite(c.adam_epsilon) and c.adam_epsilon > 0, f"adam_epsilon must be > 0, got {c.adam_epsilon}")
+    _check(_is_finite(c.weight_decay) and c.weight_decay >= 0, f"weight_decay must be >= 0, got {c.weight_decay}")
+    _check(_is_finite(c.warmup_steps) and c.warmup_steps >= 0, f"warmup_steps must be >= 0, got {c.warmup_steps}")
+    _check(_is_finite(c.warmup_ratio) and 0 <= c.warmup_ratio <= 1, f"warmup_ratio must be in [0, 1], got "
+           f"{c.warmup_ratio}")
+    _check(not (c.warmup_steps and c.warmup_ratio), "set warmup_steps or warmup_ratio, not both")
+    _check(c.optim in ("adamw_torch", "adamw_torch_fused"),
+           f"optim {c.optim!r} is not supported; use adamw_torch or adamw_torch_fused")
+    _check_scheduler(c)
+    # sampling
+    _check(_is_finite(c.temperature) and c.temperature > 0, f"temperature must be a finite number > 0, got "
+           f"{c.temperature}")
+    _check(c.stop_token in (None, "eos"), f"stop_token must be 'eos' or unset, got {c.stop_token!r}")
+    _check(not (c.stop_token is not None and c.stop_token_id), "stop_token and stop_token_id are mutually exclusive; "
+           "set one")
+    for token in c.stop_token_id or []:
+        _check(isinstance(token, int) and 0 <= token < 2**63, f"stop_token_id {token!r} is not a token id (>= 0)")
+    # rewards, KL, advantages
+    _check(c.kl_estimator in KL_ESTIMATOR_CHOICES,
+           f"unknown kl_estimator {c.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATOR_CHOICES)}")
+    _check(_is_finite(c.kl_coef) and c.kl_coef >= 0, f"kl_coef must be >= 0 (β multiplies a penalty), got {c.kl_coef}")
+    if c.adaptive_kl:
+        _check(_is_finite(c.kl_target) and c.kl_target > 0, f"kl_target must be > 0 with adaptive_kl, got {c.kl_target}")
+        _check(_is_finite(c.kl_horizon) and c.kl_horizon > 0, f"kl_horizon must be > 0, got {c.kl_horizon}")
+    _check(_is_finite(c.target_kl) and c.target_kl > 0, f"target_kl must be > 0, got {c.target_kl}")
+    for name in ("gamma", "lam"):
+        _check(_is_finite(getattr(c, name)) and 0 <= getattr(c, name) <= 1,
+               f"{name} must be in [0, 1], got {getattr(c, name)}")
+    _check(c.missing_eos_penalty is None or (_is_finite(c.missing_eos_penalty) and c.missing_eos_penalty >= 0),
+           f"missing_eos_penalty must be >= 0 (it is subtracted), got {c.missing_eos_penalty}")
+    _check(not (c.non_eos_penalty and c.missing_eos_penalty is not None),
+           "non_eos_penalty (PPOv2: replace the score) and missing_eos_penalty (TRL 0.26: subtract from it) are "
+           "two versions of one idea; set one")
+    _check(_is_finite(c.penalty_reward_value), f"penalty_reward_value must be finite, got {c.penalty_reward_value}")
+    _check(c.score_clip is None or (_is_finite(c.score_clip) and c.score_clip > 0),
+           f"score_clip must be > 0, got {c.score_clip}")
+    _check(c.reward_model_path is None or c.reward_fn is None,
+           "reward_model_path and reward_fn are mutually exclusive; set one")
+    _check(c.reward_fn is None or ":" in c.reward_fn, f"reward_fn must look like 'module:function', got {c.reward_fn!r}")
+    # the loss
+    for name in ("cliprange", "cliprange_value", "vf_coef"):
+        _check(_is_finite(getattr(c, name)) and getattr(c, name) >= 0, f"{name} must be >= 0, got {getattr(c, name)}")
+    _check(_is_finite(c.entropy_coef), f"entropy_coef must be finite, got {c.entropy_coef}")
+    _check(isinstance(c.ratio_threshold, (int, float)) and c.ratio_threshold > 0,
+           f"ratio_threshold must be > 0 (the mean ratio is about 1; {c.ratio_threshold} would zero every "
+           "minibatch); use inf to never skip")
+    # models and output
+    _check(c.dtype in (None, "auto", "bfloat16", "float16", "float32"),
+           f"dtype must be auto, bfloat16, float16 or float32, got {c.dtype!r}")
+    _check(not (c.use_peft and c.lora_target_modules and "lm_head" in c.lora_target_modules),
+           "lora_target_modules may not include lm_head: log-probs are computed from the LM head weight")
+    bad_report = [r for r in c.report_to if r.lower() not in REPORT_TO]
+    _check(not bad_report, f"report_to {bad_report} not supported; use {', '.join(REPORT_TO)}")
+    _check_output_dir(c.output_dir)
     for flag in ("model_name_or_path", "sft_model_path", "reward_model_path", "value_model_path"):
-        check_path(getattr(config, flag), flag)
+        check_path(getattr(c, flag), flag)
+    notes = [f"--{name} is a TRL flag with no meaning in fastppo ({IGNORED_TRL_FIELDS[name]}): ignored"
+             for name in c.ignored]
+    if "target_kl" in c.given and not c.early_stopping:
+        notes.append("target_kl is the early-stopping threshold (legacy TRL); without --early_stopping it has no "
+                     "effect (the adaptive controller's target is --kl_target)")
+    return notes

@@ -23,6 +23,8 @@ def load_prompt_dataset(name: str, split: str, config_name: str | None = None):
         ext = os.path.splitext(name)[1].lower()
         if ext not in DATASET_BUILDERS:
             raise ValueError(f"dataset file {name!r}: unsupported extension {ext!r}; use one of {sorted(DATASET_BUILDERS)}")
+        if ext in (".jsonl", ".json"):
+            check_json_file(name)
         data = datasets.load_dataset(DATASET_BUILDERS[ext], data_files={split: name})
     elif os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in SAVED_DATASET_FILES):
         data = datasets.load_from_disk(name)
@@ -40,6 +42,31 @@ def load_prompt_dataset(name: str, split: str, config_name: str | None = None):
             raise ValueError(f"dataset {name!r} has no split {split!r}; splits: {sorted(data.keys())}")
         data = data[split]
     return data
+
+
+def check_json_file(path: str) -> None:
+    """A JSON (lines) file that ``datasets`` would reject gets an error naming the file and the line."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        raise ValueError(f"no prompts in {path!r}: the file is empty")
+    if path.endswith(".json") and text.lstrip().startswith(("[", "{")):
+        try:
+            json.loads(text)
+            return
+        except json.JSONDecodeError:
+            if text.lstrip().startswith("["):
+                raise
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {number}: expected a JSON object per line, got {type(row).__name__}")
 
 
 def as_dataset(data, what: str = "train_dataset"):
@@ -70,7 +97,8 @@ def prompt_column(dataset, text_field: str, name: str) -> str:
 
 
 def tokenize_prompts(dataset, column: str, tokenizer) -> list[list[int]]:
-    """Token ids of every prompt: token-id lists as they are, chat messages through the chat template."""
+    """Token ids of every prompt (empty ones included): token-id lists as they are, chat messages through
+    the chat template."""
     ids = []
     for value in dataset[column]:
         if isinstance(value, list) and value and isinstance(value[0], dict):
@@ -86,10 +114,7 @@ def tokenize_prompts(dataset, column: str, tokenizer) -> list[list[int]]:
                 f"column {column!r} must hold strings, chat messages or token ids, got {type(value).__name__}"
             )
         ids.append(list(tokens))
-    kept = [t for t in ids if len(t) > 0]
-    if not kept:
-        raise ValueError(f"every prompt in column {column!r} tokenizes to zero tokens")
-    return kept
+    return ids
 
 
 def prompt_batches(num_prompts: int, local_batch_size: int, rank: int, world_size: int,
@@ -141,10 +166,11 @@ def right_pad(sequences: Sequence[torch.Tensor | Sequence[int]], pad_id: int):
     return ids, mask
 
 
-def load_prompts(dataset, config, tokenizer, what: str = "train_dataset"):
+def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=print):
     """(token ids of every prompt, the dataset): ``dataset`` is a Dataset, a list of dicts, a path, or
     None for ``config.dataset_name`` (default: the built-in prompts). Its other columns go to reward
-    functions."""
+    functions. Empty prompts are dropped and prompts longer than ``max_prompt_length`` keep their last
+    tokens; both counts are logged."""
     from fastppo.embedded import PROMPTS_PATH
 
     if dataset is None or isinstance(dataset, str):
@@ -155,5 +181,19 @@ def load_prompts(dataset, config, tokenizer, what: str = "train_dataset"):
         dataset = as_dataset(dataset, what)
     column = prompt_column(dataset, config.dataset_text_field, name)
     if len(dataset) == 0:
-        raise ValueError(f"dataset {name!r} split {config.dataset_train_split!r} is empty")
-    return tokenize_prompts(dataset, column, tokenizer), dataset
+        raise ValueError(f"no prompts in dataset {name!r} (split {config.dataset_train_split!r} is empty)")
+    ids = tokenize_prompts(dataset, column, tokenizer)
+    keep = [i for i, t in enumerate(ids) if t]
+    if not keep:
+        raise ValueError(f"no prompts in dataset {name!r}: every row of column {column!r} tokenizes to zero tokens")
+    if len(keep) < len(ids):
+        log(f"{what}: dropped {len(ids) - len(keep)} empty prompt(s) of {len(ids)}")
+        ids, dataset = [ids[i] for i in keep], dataset.select(keep)
+    limit = config.max_prompt_length
+    if limit is not None:
+        long = sum(len(t) > limit for t in ids)
+        if long:
+            log(f"{what}: {long} of {len(ids)} prompt(s) longer than max_prompt_length={limit} keep their last "
+                f"{limit} tokens")
+            ids = [t[-limit:] for t in ids]
+    return ids, dataset

@@ -5,6 +5,7 @@ GPUs and Gloo on CPUs. A single process (``python -m fastppo.train``) needs no p
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -25,18 +26,21 @@ class DistState:
         return self.rank == 0
 
 
-def setup_distributed() -> DistState:
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: then NCCL on GPUs, Gloo on CPU. Else one process."""
+def setup_distributed(timeout_s: int = 1800, use_cpu: bool = False) -> DistState:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: then NCCL on GPUs, Gloo on CPU. Else one process.
+
+    ``timeout_s`` (``--ddp_timeout``) bounds every collective: a rank that waits longer for a frozen or
+    dead peer fails with an error instead of blocking forever."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not use_cpu
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     initialized_here = False
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
         initialized_here = True
     return DistState(rank, world, local_rank, device, initialized_here)
 

@@ -1,34 +1,73 @@
-"""Sampling responses from the policy."""
+"""Sampling responses from the policy: y_t ~ softmax(logits_t / T), exactly.
+
+The rollout's own decode loop over the model's KV cache, instead of ``transformers``' ``generate``:
+
+* the distribution is softmax(logits / temperature) and nothing else. ``generate`` merges the
+  checkpoint's ``generation_config.json`` into the one it is given (transformers 5: every field left
+  unset; 4.5x: every field equal to the global default), so a ``top_k``, ``top_p``, ``min_p`` or
+  ``repetition_penalty`` that a released checkpoint ships would silently become part of the
+  sampler, while the old log-probs are recomputed under plain softmax(logits/T): the first ratio
+  still reads 1, but the policy gradient and every sampled KL estimate are biased;
+* only the last position's logits are computed (``logits_to_keep=1``), never [B, L, V];
+* the loop ends as soon as every row has emitted a stop token.
+
+Token choice is ``torch.multinomial`` over the same fp32 probabilities as ``generate``'s
+sampling, so with the same random state the two draw the same tokens.
+"""
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn as nn
 
 
+def _accepts_logits_to_keep(lm) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(lm.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 @torch.no_grad()
 def sample_responses(lm, queries, query_mask, response_length: int, temperature: float,
                      stop_ids: list[int], pad_id: int, chunk: int) -> torch.Tensor:
-    """[B, T] sampled tokens (T = response_length), pure sampling with a KV cache.
-
-    top_k=0 and top_p=1 keep the sampling distribution softmax(logits/T), the one scored later.
-    Each row stops at its first stop id (pad after it); with no stop ids exactly T tokens
-    (``eos_token_id=[]`` keeps transformers from stopping at the model's own eos).
-    """
-    from transformers import GenerationConfig
-
-    gen = GenerationConfig(
-        max_new_tokens=response_length, min_new_tokens=0, do_sample=True, temperature=temperature,
-        top_k=0, top_p=1.0, eos_token_id=list(stop_ids), pad_token_id=pad_id, use_cache=True,
-    )
-    out = []
-    for i in range(0, queries.shape[0], chunk):
-        q, m = queries[i : i + chunk], query_mask[i : i + chunk]
-        seq = lm.generate(input_ids=q, attention_mask=m, generation_config=gen)
-        resp = seq[:, q.shape[1]:]
-        if resp.shape[1] < response_length:  # every row stopped early
-            resp = nn.functional.pad(resp, (0, response_length - resp.shape[1]), value=pad_id)
-        out.append(resp)
+    """[B, T] sampled tokens (T = ``response_length``), ``chunk`` rows at a time; after a row's first stop
+    token every position holds ``pad_id``. With no stop ids every row has exactly T tokens."""
+    out = [_sample_chunk(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, temperature,
+                         stop_ids, pad_id) for i in range(0, queries.shape[0], chunk)]
     return torch.cat(out)
+
+
+def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: float, stop_ids: list[int],
+                  pad_id: int) -> torch.Tensor:
+    from transformers import DynamicCache
+
+    b = queries.shape[0]
+    device = queries.device
+    stops = torch.tensor(stop_ids, dtype=queries.dtype, device=device) if stop_ids else None
+    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(lm) else {}
+    cache = DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
+    mask = query_mask
+    positions = (query_mask.cumsum(1) - 1).clamp(min=0)  # a left-padded prompt starts at position 0
+    inputs = queries
+    tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    for t in range(response_length):
+        logits = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, **keep).logits[:, -1].float()
+        probs = nn.functional.softmax(logits / temperature, dim=-1)
+        token = torch.multinomial(probs, num_samples=1).squeeze(1)
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        tokens[:, t] = token
+        if stops is not None:
+            done = done | torch.isin(token, stops)
+            if bool(done.all()):  # one host sync per token: the loop ends as soon as every row stopped
+                break
+        inputs = token[:, None]
+        mask = torch.cat([mask, mask.new_ones(b, 1)], 1)
+        positions = positions[:, -1:] + 1
+    return tokens
 
 
 @torch.no_grad()

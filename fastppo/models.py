@@ -288,11 +288,12 @@ def load_error(what: str, path: str, e: Exception) -> Exception:
     return OSError(f"could not load the {what} from {path!r}: {e}")
 
 
-def load_tokenizer(path: str, log: Callable[[str], None]):
+def load_tokenizer(path: str, config, log: Callable[[str], None]):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=config.model_revision,
+                                                  trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError) as e:
         raise load_error("tokenizer", path, e) from e
     return tokenizer
@@ -312,40 +313,63 @@ def ensure_pad_token(tokenizer, log: Callable[[str], None]) -> None:
             "model embeddings are resized to match")
 
 
-def pretrained_kwargs(config) -> dict:
-    """Keyword arguments of every from_pretrained call."""
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": "auto"}
+
+
+def pretrained_kwargs(config, frozen: bool = False, bf16: bool = False) -> dict:
+    """Keyword arguments of every from_pretrained call. Weights in ``--dtype`` when given; else fp32 for
+    the trained models and, under bf16, bf16 for the frozen ones (they only run forwards in bf16)."""
     import importlib.util
 
-    kwargs = dict(attn_implementation=config.attn_implementation, dtype=torch.float32)
+    dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if frozen and bf16 else torch.float32)
+    kwargs = dict(attn_implementation=config.attn_implementation, dtype=dtype, revision=config.model_revision,
+                  trust_remote_code=config.trust_remote_code)
     if config.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         kwargs["attn_implementation"] = "sdpa"
     return kwargs
 
 
-def load_causal_lm(path: str, config, what: str, value_head: bool = False) -> nn.Module:
+def load_causal_lm(path: str, config, what: str, value_head: bool = False, frozen: bool = False,
+                   bf16: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     loader = AutoModelForCausalLMWithValueHead if value_head else AutoModelForCausalLM
     try:
-        return loader.from_pretrained(path, **pretrained_kwargs(config))
+        return loader.from_pretrained(path, **pretrained_kwargs(config, frozen, bf16))
     except (OSError, ValueError) as e:
         raise load_error(what, path, e) from e
 
 
-def load_seq_cls(path: str, config, tokenizer, what: str) -> nn.Module:
+def load_seq_cls(path: str, config, tokenizer, what: str, fresh_head_ok: bool, frozen: bool = False,
+                 bf16: bool = False) -> nn.Module:
+    """An AutoModelForSequenceClassification with one label. A checkpoint without a trained scalar head
+    (a causal LM, say) gets a random one from transformers: refused unless ``fresh_head_ok``."""
     from transformers import AutoModelForSequenceClassification
 
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **pretrained_kwargs(config))
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, output_loading_info=True, **pretrained_kwargs(config, frozen, bf16))
     except (OSError, ValueError) as e:
         raise load_error(what, path, e) from e
+    _, head = backbone_and_head(model)
+    head_names = {n for n, m in model.named_modules() if m is head}
+    fresh = [k for k in info.get("missing_keys", ()) if any(k.startswith(h + ".") for h in head_names)]
+    if fresh and not fresh_head_ok:
+        raise ValueError(
+            f"the {what} at {path!r} has no trained scalar head ({', '.join(sorted(fresh))} missing from the "
+            "checkpoint: it is not a sequence-classification model), so its output would be noise; pass a trained "
+            "one, or --allow_untrained_heads to train on it anyway"
+        )
     model.config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
-    """The reference: a frozen deep copy of the policy's language model (TRL's create_reference_model)."""
+def frozen_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """The reference: a frozen deep copy of the policy's language model (TRL's create_reference_model),
+    in ``dtype`` when given (bf16 under bf16: it only runs forwards, at half the memory and bandwidth)."""
     ref = copy.deepcopy(lm_of(model))
+    if dtype is not None:
+        ref.to(dtype)
     return ref.eval().requires_grad_(False)
 
 
@@ -401,9 +425,10 @@ def prepare_models(policy, ref_model, value_model, reward_model, tokenizer, conf
         if frozen is not None:
             frozen.eval().requires_grad_(False)
     if config.gradient_checkpointing:
+        kwargs = config.gradient_checkpointing_kwargs or {"use_reentrant": False}
         for model in (causal_lm_of(policy), value_model):
             if model is not None:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     check_lm_head(policy, len(tokenizer), device)
 
 
@@ -423,7 +448,7 @@ def freeze_shared_layers(policy: nn.Module, num_shared_layers: int) -> None:
 
 
 def build_models(bound: dict, config, policy_path: str | None, tokenizer, reward_path: str | None, legacy: bool,
-                 device, log) -> tuple[nn.Module, nn.Module | None, nn.Module | None, nn.Module | None]:
+                 bf16: bool, device, log) -> tuple[nn.Module, nn.Module | None, nn.Module | None, nn.Module | None]:
     """(policy, reference, value model, reward model) from the trainer's arguments (objects or paths),
     falling back to the config's paths; prepared and placed on ``device``.
 
@@ -442,24 +467,61 @@ def build_models(bound: dict, config, policy_path: str | None, tokenizer, reward
     if ref_model is not None and ref_model is model:
         raise ValueError("model and ref_model are the same object: pass a copy, or None for a frozen copy")
     if isinstance(ref_model, str):
-        ref_model = load_causal_lm(ref_model, config, "reference model")
+        ref_model = load_causal_lm(ref_model, config, "reference model", frozen=True, bf16=bf16)
     peft_config = None if legacy else bound.get("peft_config")
     want_peft = peft_config is not None or config.use_peft
     if is_peft(policy) or want_peft:
         ref_model = None  # the policy with its adapter disabled
     elif ref_model is None:
-        ref_model = frozen_copy(policy)
+        ref_model = frozen_copy(policy, torch.bfloat16 if bf16 and not config.dtype else None)
     value_model = None if shared else bound.get("value_model")
     if not shared and not isinstance(value_model, nn.Module):
-        value_path = value_model or config.value_model_path or policy_path or getattr(
-            causal_lm_of(policy).config, "_name_or_path", None)
-        value_model = load_seq_cls(value_path, config, tokenizer, "value model")
+        explicit = value_model or config.value_model_path
+        value_path = explicit or policy_path or getattr(causal_lm_of(policy).config, "_name_or_path", None)
+        # the policy's weights with a fresh head is the default value model (TRL's); a path given for it
+        # must hold a trained head (a reward model, TRL's example) unless the user says otherwise
+        value_model = load_seq_cls(value_path, config, tokenizer, "value model",
+                                   fresh_head_ok=not explicit or config.allow_untrained_heads)
     reward = bound.get("reward_model")
     reward_model = reward if isinstance(reward, nn.Module) else (
-        load_seq_cls(reward_path, config, tokenizer, "reward model") if reward_path else None)
+        load_seq_cls(reward_path, config, tokenizer, "reward model", fresh_head_ok=config.allow_untrained_heads,
+                     frozen=True, bf16=bf16) if reward_path else None)
     if want_peft and not is_peft(policy):
         policy = apply_peft(policy, peft_config, config)
     if legacy and bound.get("num_shared_layers") is not None:
         freeze_shared_layers(policy, bound["num_shared_layers"])
     prepare_models(policy, ref_model, value_model, reward_model, tokenizer, config, device, log)
     return policy, ref_model, value_model, reward_model
+
+
+POSITION_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def check_positions(model_or_path, config, longest_prompt: int) -> None:
+    """Prompt + response must fit the model's positions, checked from its config before any weight loads:
+    a learned-position model (GPT-2) would crash inside generation, a RoPE one silently run past its limit."""
+    from transformers import AutoConfig
+
+    if isinstance(model_or_path, nn.Module):
+        model_config = causal_lm_of(model_or_path).config
+    else:
+        try:
+            model_config = AutoConfig.from_pretrained(model_or_path, revision=config.model_revision,
+                                                      trust_remote_code=config.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise load_error("policy's config", model_or_path, e) from e
+    limit = next((getattr(model_config, f) for f in POSITION_LIMIT_FIELDS
+                  if isinstance(getattr(model_config, f, None), int)), None)
+    if limit is None:
+        return
+    width = longest_prompt
+    if config.pad_to_multiple_of:
+        width = -(-width // config.pad_to_multiple_of) * config.pad_to_multiple_of
+    if width + config.response_length > limit:
+        room = limit - config.response_length
+        hint = (f"set --max_prompt_length {room} (or less) to keep each prompt's last tokens"
+                if room > 0 else "lower --response_length")
+        raise ValueError(
+            f"the longest prompt ({width} tokens) + response_length ({config.response_length}) = "
+            f"{width + config.response_length} exceeds the model's {limit} positions: {hint}"
+        )

@@ -101,6 +101,9 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     kwargs = _accepted_kwargs(fn, dict(prompts=prompts, completions=completions, **columns))
     try:
         out = fn(**kwargs)
+    except SystemExit as e:  # sys.exit() in a reward function must not end the run as a success
+        raise RewardFunctionError(f"reward_fn {name!r} called sys.exit({e.code!r}); a reward function must "
+                                  "return scores") from e
     except Exception as e:
         raise RewardFunctionError(f"reward_fn {name!r} raised {type(e).__name__}: {e}") from e
     try:

@@ -26,6 +26,7 @@ Every per-token computation (log-probs, entropy, KL, GAE, masking, whitening) is
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -120,8 +121,13 @@ def contains_stop(rollout: Rollout, stop_ids: list[int], eos_id: int | None) -> 
     return (rollout.responses == eos_id).any(1)
 
 
-def apply_missing_eos_penalty(scores, has_stop, penalty: float | None) -> torch.Tensor:
-    return scores if penalty is None else scores - penalty * (~has_stop).float()
+def apply_eos_penalties(scores, has_stop, missing_eos_penalty: float | None, non_eos_penalty: bool,
+                        penalty_reward_value: float) -> torch.Tensor:
+    """TRL 0.26's missing_eos_penalty (subtracted) or PPOv2's non_eos_penalty (the score replaced by
+    penalty_reward_value) for responses without a stop token."""
+    if non_eos_penalty:
+        return torch.where(has_stop, scores, torch.full_like(scores, penalty_reward_value))
+    return scores if missing_eos_penalty is None else scores - missing_eos_penalty * (~has_stop).float()
 
 
 # ============================================================================ 2. scoring
@@ -385,9 +391,8 @@ class PPOTrainer:
         config = bound.get("config" if legacy else "args") or PPOConfig()
         if not isinstance(config, PPOConfig):
             raise TypeError(f"{'config' if legacy else 'args'} must be a fastppo.PPOConfig, got {type(config).__name__}")
-        self.config = self.args = resolve_config(config, self.api)
-        validate_config(self.config)
-        config = self.config
+        self.config = self.args = config = resolve_config(config, self.api)
+        notes = validate_config(config)
         model = bound.get("model")
         if legacy and model is None:
             raise ValueError("the legacy PPOTrainer(config, model, ref_model, tokenizer, ...) needs a model")
@@ -399,11 +404,18 @@ class PPOTrainer:
             from fastppo.embedded import embedded_model_path
 
             policy_path = embedded_model_path()
-        self.dist = fdist.setup_distributed()
+        self.dist = fdist.setup_distributed(config.ddp_timeout, config.use_cpu)
         self.device = self.dist.device
         self._setup_console()
+        for note in notes:
+            self.log(note)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        self.bf16 = config.bf16 if config.bf16 is not None else (
+            self.device.type == "cuda" and torch.cuda.is_bf16_supported())
+        self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        if self.bf16 and self.device.type == "cpu":
+            self.log("bf16 on a CPU: runs, but usually slower than fp32")
 
         # --- reward, tokenizer and data first: bad input fails here, before any model is loaded
         reward = bound.get("reward_model")
@@ -418,50 +430,48 @@ class PPOTrainer:
                 getattr(model, "config", None), "_name_or_path", None)
             if not tokenizer_path:
                 raise ValueError("processing_class (the tokenizer) is required when model is an object")
-            tokenizer = M.load_tokenizer(tokenizer_path, self.log)
+            tokenizer = M.load_tokenizer(tokenizer_path, config, self.log)
         M.ensure_pad_token(tokenizer, self.log)
         self.processing_class = self.tokenizer = tokenizer
         self.stop_ids = stop_ids_of(config, tokenizer)
+        vocab = len(tokenizer)
+        for token in self.stop_ids:
+            if not 0 <= token < vocab:
+                raise ValueError(f"stop_token_id {token} is outside the tokenizer's vocabulary (0..{vocab - 1}): "
+                                 "responses would never stop")
         if legacy:
             self._legacy_dataset = bound.get("dataset")
-            self.prompts, self.prompt_rows = None, None
+            self.prompts = self.prompt_rows = self.eval_prompts = None
             self.sizes = derive_legacy_sizes(config, self.dist.world_size)
         else:
-            self.prompts, self.prompt_rows = load_prompts(bound.get("train_dataset"), config, tokenizer)
-            self.eval_prompts = (load_prompts(bound["eval_dataset"], config, tokenizer, "eval_dataset")[0]
+            self.prompts, self.prompt_rows = load_prompts(bound.get("train_dataset"), config, tokenizer, log=self.log)
+            self.eval_prompts = (load_prompts(bound["eval_dataset"], config, tokenizer, "eval_dataset", self.log)[0]
                                  if bound.get("eval_dataset") is not None else None)
             self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
+            M.check_positions(model if isinstance(model, nn.Module) else policy_path, config,
+                              max(len(p) for p in self.prompts))
         if self.embedded:
             self.log(f"no model given: the embedded default (tiny Llama at {policy_path}, built-in prompts, "
                      f"reward {self.reward_fn_name})")
 
         # --- models
         torch.manual_seed(config.seed)  # the same fresh value head on every process
-        built = M.build_models(bound, config, policy_path, tokenizer, reward_path, legacy, self.device, self.log)
+        built = M.build_models(bound, config, policy_path, tokenizer, reward_path, legacy, self.bf16, self.device,
+                               self.log)
         self.policy, self.ref_model, self.value_model, self.reward_model = built
-        policy, ref_model, value_model = self.policy, self.ref_model, self.value_model
-        self.actor_critic = M.PolicyAndValue(policy, value_model)
+        self.actor_critic = M.PolicyAndValue(self.policy, self.value_model)
         self.model = self.actor_critic
         if self.dist.world_size > 1:
             self.model = nn.parallel.DistributedDataParallel(
                 self.actor_critic, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
-        self.reference = M.Reference(ref_model, policy)
+        self.reference = M.Reference(self.ref_model, self.policy)
 
         # --- optimizer, schedule, controllers, randomness
-        optimizer = bound.get("optimizer") if legacy else (bound.get("optimizers") or (None, None))[0]
-        scheduler = bound.get("lr_scheduler") if legacy else (bound.get("optimizers") or (None, None))[1]
-        # fused AdamW: one kernel for all parameters (5x faster than the foreach one on the embedded model)
-        self.optimizer = optimizer or torch.optim.AdamW(
-            [p for p in self.actor_critic.parameters() if p.requires_grad], lr=config.learning_rate,
-            eps=config.adam_epsilon, weight_decay=config.weight_decay, fused=self.device.type in ("cuda", "cpu"),
-        )
-        if scheduler is None and not legacy:
-            from transformers import get_scheduler
-
-            scheduler = get_scheduler(config.lr_scheduler_type, self.optimizer, num_warmup_steps=0,
-                                      num_training_steps=self.sizes.num_total_batches)
-        self.lr_scheduler = scheduler
+        optimizers = (bound.get("optimizer"), bound.get("lr_scheduler")) if legacy else (
+            bound.get("optimizers") or (None, None))
+        self.optimizer = optimizers[0] or self._adamw()
+        self.lr_scheduler = optimizers[1] if optimizers[1] is not None or legacy else self._scheduler()
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
                        else FixedKLController(config.kl_coef))
         from fastppo.rewards import RunningMoments
@@ -474,11 +484,6 @@ class PPOTrainer:
 
             self._batches = prompt_batches(len(self.prompts), self.sizes.local_batch_size, self.dist.rank,
                                            self.dist.world_size, config.seed)
-        use_bf16 = config.bf16 if config.bf16 is not None else (
-            self.device.type == "cuda" and torch.cuda.is_bf16_supported())
-        self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
-        if use_bf16 and self.device.type == "cpu":
-            self.log("bf16 on a CPU: runs, but usually slower than fp32")
         self.callbacks = list(bound.get("callbacks") or [])
         self.state = _new_state(self.sizes, len(self.prompts) if self.prompts else None, self.dist.is_main)
         from transformers import TrainerControl
@@ -486,8 +491,27 @@ class PPOTrainer:
         self.control = TrainerControl()
         self._logger = None
         self._legacy_dataloader = None
-        if legacy:
-            self._legacy_collator = bound.get("data_collator")
+        self._legacy_collator = bound.get("data_collator") if legacy else None
+
+    def _adamw(self) -> torch.optim.Optimizer:
+        """AdamW over every trainable parameter; ``adamw_torch_fused``: one fused kernel for all of them
+        where the device has one (5x faster than the foreach one on the embedded model)."""
+        config = self.config
+        fused = config.optim == "adamw_torch_fused" and self.device.type in ("cuda", "cpu")
+        return torch.optim.AdamW(
+            [p for p in self.actor_critic.parameters() if p.requires_grad], lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
+            fused=fused, foreach=None if fused else True,
+        )
+
+    def _scheduler(self):
+        """transformers' scheduler over the PPO iterations (stepped once each), with the linear warmup asked for."""
+        from transformers import get_scheduler
+
+        config, total = self.config, self.sizes.num_total_batches
+        warmup = config.warmup_steps if config.warmup_steps >= 1 else (config.warmup_steps or config.warmup_ratio) * total
+        return get_scheduler(config.lr_scheduler_type, self.optimizer, num_warmup_steps=math.ceil(warmup),
+                             num_training_steps=total, scheduler_specific_kwargs=config.lr_scheduler_kwargs or {})
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -540,7 +564,8 @@ class PPOTrainer:
                 scores = call_reward_fn(self.reward_fn, self.reward_fn_name, prompts, completions, self.device,
                                         **columns)
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
-        scores = apply_missing_eos_penalty(scores, has_stop, config.missing_eos_penalty)
+        scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,
+                                     config.penalty_reward_value)
         seconds = {"generation": t1 - t0, "reward": time.perf_counter() - t1}
         return RolloutBatch(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds)
 
@@ -679,7 +704,8 @@ class PPOTrainer:
                     metrics["kl_coef"] = out["kl_coef"]
                 if progress is not None:
                     progress.update(task, completed=state.episode)
-                if update % config.logging_steps == 0 or update == sizes.num_total_batches:
+                if (update % config.logging_steps == 0 or update == sizes.num_total_batches
+                        or (update == 1 and config.logging_first_step)):
                     logger.log(metrics, update)
                     self._log_state(metrics)
                     self.log(f"iter {update}/{sizes.num_total_batches} episode {state.episode}: scores "

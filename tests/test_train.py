@@ -368,7 +368,7 @@ def test_missing_dataset_file(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(response_length=0), "response_length must be >= 1"),
+        (dict(response_length=0), "response_length must be an integer >= 1"),
         (dict(kl_estimator="k9"), "unknown kl_estimator 'k9'"),
         (dict(per_device_train_batch_size=3, gradient_accumulation_steps=1, num_mini_batches=2),
          "divisible by num_mini_batches"),
@@ -377,7 +377,7 @@ def test_missing_dataset_file(tmp_path):
         (dict(stop_token="eos", stop_token_id=[3]), "mutually exclusive"),
         (dict(reward_fn="no_colon"), "module:function"),
         (dict(reward_fn="fastppo.rewards:nope"), "has no function 'nope'"),
-        (dict(temperature=0.0), "temperature must be > 0"),
+        (dict(temperature=0.0), "temperature must be a finite number > 0"),
     ],
 )
 def test_bad_flags_fail_fast(tmp_path, overrides, message):
@@ -407,7 +407,7 @@ def test_other_architectures_and_a_tokenizer_without_pad_token(tmp_path, embedde
     no pad token: the run adds one (eos), says so, and keeps the first ratio at 1."""
     from transformers import GPT2Config, GPT2LMHeadModel, PhiConfig, PhiForCausalLM, PreTrainedTokenizerFast
 
-    src = load_tokenizer(embedded_cache, print)
+    src = load_tokenizer(embedded_cache, PPOConfig(), print)
     no_pad = PreTrainedTokenizerFast(tokenizer_object=src.backend_tokenizer, eos_token="<eos>", unk_token="<unk>")
     assert no_pad.pad_token is None
     v, eos = len(no_pad), no_pad.eos_token_id
@@ -436,4 +436,4 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert proc.returncode == 2
-    assert "response_length must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert "response_length must be an integer >= 1" in proc.stderr and "Traceback" not in proc.stderr
