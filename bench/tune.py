@@ -174,8 +174,9 @@ def report(target: str, result: dict, device_name: str, smoke: bool) -> None:
     for rank, r in enumerate(timed, 1):
         rel = f"{default_row['median_s'] / r['median_s']:.2f}x default" if default_row and "median_s" in default_row \
             else ""
+        mark = "  <- default" if r["default"] else ""
         print(f"{rank:>3}. {str(r['tile']):<28} {r['median_s'] * 1e3:>9.3f} ms "
-              f"(p20 {r['p20_s'] * 1e3:.3f}, p80 {r['p80_s'] * 1e3:.3f})  {rel}" + ("  <- default" if r["default"] else ""))
+              f"(p20 {r['p20_s'] * 1e3:.3f}, p80 {r['p80_s'] * 1e3:.3f})  {rel}{mark}")
     failed = [r for r in rows if "error" in r]
     if failed:
         print(f"{len(failed)} candidate(s) failed to compile or run (see --out)")

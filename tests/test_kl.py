@@ -3,8 +3,6 @@
 The Triton path runs on CUDA, or on CPU under TRITON_INTERPRET=1 (the
 ``triton_device`` fixture), so shapes here stay small.
 """
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F

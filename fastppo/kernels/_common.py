@@ -20,6 +20,7 @@ older Triton versions is installed by the test and bench setup
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterable
 
@@ -78,26 +79,30 @@ def check_tensor(
         raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(x.shape)}")
 
 
+def _first_mismatch(tensors: dict, key):
+    """(name, tensor, first name, first tensor) of the first non-None tensor whose ``key`` differs, or None."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    for name, t in items[1:]:
+        if key(t) != key(items[0][1]):
+            return name, t, *items[0]
+    return None
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> None:
     """Raise ValueError naming the tensor whose device differs from the first one's."""
-    items = [(n, t) for n, t in tensors.items() if t is not None]
-    if not items:
-        return
-    first_name, first = items[0]
-    for name, t in items[1:]:
-        if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; put them on one device")
+    bad = _first_mismatch(tensors, lambda t: t.device)
+    if bad:
+        name, t, first_name, first = bad
+        raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; put them on one device")
 
 
 def check_same_shape(**tensors: torch.Tensor | None) -> None:
     """Raise ValueError naming the tensor whose shape differs from the first one's."""
-    items = [(n, t) for n, t in tensors.items() if t is not None]
-    if not items:
-        return
-    first_name, first = items[0]
-    for name, t in items[1:]:
-        if t.shape != first.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but {first_name} has shape {tuple(first.shape)}; they must match")
+    bad = _first_mismatch(tensors, lambda t: t.shape)
+    if bad:
+        name, t, first_name, first = bad
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but {first_name} has shape {tuple(first.shape)}; "
+                         "they must match")
 
 
 def check_temperature(temperature) -> float:
@@ -184,7 +189,7 @@ def check_float(name: str, x, *, minimum: float | None = None, maximum: float | 
         raise TypeError(f"{name} must be a float, got {type(x).__name__}")
     x = float(x)
     low_ok = minimum is None or (x > minimum if exclusive_minimum else x >= minimum)
-    if not (x == x and abs(x) != float("inf") and low_ok and (maximum is None or x <= maximum)):
+    if not (math.isfinite(x) and low_ok and (maximum is None or x <= maximum)):
         low = "" if minimum is None else f"{'>' if exclusive_minimum else '>='} {minimum}"
         high = "" if maximum is None else f"<= {maximum}"
         bounds = " and ".join(b for b in (low, high) if b)

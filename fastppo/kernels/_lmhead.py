@@ -99,19 +99,44 @@ if HAS_TRITON:
         return alpha * a + tl.sum(e * tl.where(e > 0, w, 0.0), AXIS)
 
     @triton.jit
+    def row_softmax(x_row, n_cols, temperature, COMPUTE_ENTROPY: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
+        """(lse, H) of one row of logits x / T by (L1)-(L3), one pass in BLOCK_V tiles (H: with COMPUTE_ENTROPY)."""
+        cols = tl.arange(0, BLOCK_V)
+        m = tl.full((), float("-inf"), ACC_DTYPE)
+        s = tl.zeros((), ACC_DTYPE)
+        t = tl.zeros((), ACC_DTYPE)
+        for v0 in range(0, n_cols, BLOCK_V):
+            c = v0 + cols
+            z = tl.load(x_row + c, mask=c < n_cols, other=float("-inf")).to(ACC_DTYPE) / temperature
+            m, s, t, _, _ = online_update(m, s, t, z, 0, COMPUTE_ENTROPY)
+        log_s = tl.log(s)
+        return m + log_s, log_s - t / s
+
+    @triton.jit
+    def row_pick(x_row, idx, n_cols, temperature, ACC_DTYPE: tl.constexpr):
+        """z_idx = x_row[idx] / T. Out-of-range indices are not checked on CUDA (it would cost a host
+        sync): they give nan instead of a wrong number or a fault."""
+        valid = (idx >= 0) & (idx < n_cols)
+        return tl.load(x_row + idx, mask=valid, other=float("nan")).to(ACC_DTYPE) / temperature
+
+    @triton.jit
+    def split_program(N, V, tiles_per_split, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Program (pid_n, pid_s) of a V-split fused forward: rows [pid_n·BLOCK_N, +BLOCK_N) (int64) and
+        their mask, vocabulary tiles [pid_s·tiles_per_split, +tiles_per_split) as [v_begin, v_end)."""
+        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        v_begin = tl.program_id(1) * tiles_per_split * BLOCK_V
+        return rows, rows < N, v_begin, tl.minimum(V, v_begin + tiles_per_split * BLOCK_V)
+
+    @triton.jit
     def logits_tile(
         x_ptr, stride_xn, stride_xh,  # hidden [N, H]
         w_ptr, stride_wv, stride_wh,  # weight [V, H]
         b_ptr,  # bias [V] (unused unless HAS_BIAS)
         rows, cols, row_mask, col_mask,  # int64 [BLOCK_N], int64 [BLOCK_V] and their masks
         H, temperature,
-        HAS_BIAS: tl.constexpr,
-        ACC_DTYPE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-        DOT_UPCAST: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         """z = (x[rows] @ w[cols]ᵀ + b[cols]) / T as a [BLOCK_N, BLOCK_V] ACC_DTYPE tile, −inf on masked columns."""
         acc = tl.zeros([BLOCK_N, BLOCK_V], ACC_DTYPE)
@@ -135,6 +160,20 @@ if HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(ACC_DTYPE)[None, :]
         return tl.where(col_mask[None, :], acc / temperature, float("-inf"))
+
+    @triton.jit
+    def elementwise_tile(x_ptr, stride_xn, n_cols, temperature, ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Program (row, column block) of an elementwise dlogits kernel: (row, columns, their mask, z = x / T)."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = c < n_cols
+        z = tl.load(x_ptr + row * stride_xn + c, mask=mask, other=0.0).to(ACC_DTYPE) / temperature
+        return row, c, mask, z
+
+    @triton.jit
+    def store_dlogits(dx_ptr, stride_dxn, row, c, mask, dz, temperature):
+        """∂L/∂x = ∂L/∂z / T into row ``row``, columns ``c`` of dx, in dx's dtype."""
+        tl.store(dx_ptr + row * stride_dxn + c, (dz / temperature).to(dx_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def softmax_dlogits(z, lse, ent, g_logp, g_ent, onehot, HAS_G_LOGP: tl.constexpr, HAS_G_ENT: tl.constexpr):
@@ -203,6 +242,7 @@ class RowTile(NamedTuple):
 
 
 INTERPRETER_LMHEAD_TILE = LMHeadTile(16, 16, 16, 1, 1)  # tl.dot's minimum: tiny tests still cover many tiles
+FP64_LMHEAD_TILE = LMHeadTile(32, 32, 16, 4, 3)  # fp64 operands take twice the shared memory of fp32
 
 
 def row_tile(n_cols: int, device: torch.device) -> RowTile:

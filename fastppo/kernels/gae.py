@@ -51,20 +51,8 @@ from typing import NamedTuple
 
 import torch
 
-from fastppo.kernels._common import (
-    FLOAT_DTYPES,
-    HAS_TRITON,
-    MASK_DTYPES,
-    check_same_device,
-    check_float,
-    check_same_shape,
-    check_tensor,
-    launch,
-    tile_choice,
-    tl,
-    triton,
-    use_triton,
-)
+from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, MASK_DTYPES, check_same_device, check_float
+from fastppo.kernels._common import check_same_shape, check_tensor, launch, tile_choice, tl, triton, use_triton
 
 
 # --------------------------------------------------------------------------- kernels
@@ -202,14 +190,7 @@ def _check_gae_args(rewards, values, mask, gamma, lam, skip_masked):
 
 
 @torch.no_grad()
-def gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-    skip_masked: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards, values, mask, gamma: float, lam: float, skip_masked: bool = False):
     """Advantages and returns by GAE, each [B, T] fp32.
 
     Args:
@@ -237,14 +218,7 @@ def gae(
 
 
 @torch.no_grad()
-def gae_reference(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-    skip_masked: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_reference(rewards, values, mask, gamma: float, lam: float, skip_masked: bool = False):
     """The plain reverse loop over t, both semantics (see the module docstring).
 
     Computes in float64 when either input is float64 (the tests' oracle), in

@@ -57,37 +57,15 @@ from __future__ import annotations
 
 import torch
 
-from fastppo.kernels._common import (
-    FLOAT_DTYPES,
-    HAS_TRITON,
-    check_same_device,
-    check_same_shape,
-    check_temperature,
-    check_tensor,
-    launch,
-    tile_choice,
-    tl,
-    triton,
-    use_triton,
-)
-from fastppo.kernels._lmhead import (
-    LMHeadTile,
-    RowTile,
-    acc_dtype,
-    check_lm_head_args,
-    dot_precision,
-    dot_upcast,
-    lm_head_logits_reference,
-    merge_splits,
-    mm_acc,
-    softmax_dlogits_tile,
-    split_plan,
-    tl_dtype,
-    vocab_chunked_backward,
-)
+from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, check_same_device, check_same_shape, check_temperature
+from fastppo.kernels._common import check_tensor, launch, tile_choice, tl, triton, use_triton
+from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype, check_lm_head_args
+from fastppo.kernels._lmhead import dot_precision, dot_upcast, lm_head_logits_reference, merge_splits, mm_acc
+from fastppo.kernels._lmhead import softmax_dlogits_tile, split_plan, tl_dtype, vocab_chunked_backward
 
 if HAS_TRITON:
-    from fastppo.kernels._lmhead import logits_tile, online_expectation, online_update
+    from fastppo.kernels._lmhead import elementwise_tile, logits_tile, online_expectation, online_update, split_program
+    from fastppo.kernels._lmhead import store_dlogits
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "mse")
 
@@ -171,25 +149,13 @@ if HAS_TRITON:
         rh_ptr, stride_rhn, stride_rhh, rw_ptr, stride_rwv, stride_rwh, rb_ptr,  # reference LM head
         m_p_ptr, s_p_ptr, a_ptr, m_q_ptr, s_q_ptr,  # per-split states [splits, N]
         N, V, H, H_REF, temperature, tiles_per_split,
-        HAS_BIAS: tl.constexpr,
-        HAS_REF_BIAS: tl.constexpr,
-        ACC_DTYPE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-        DOT_UPCAST: tl.constexpr,
-        REF_DOT_PRECISION: tl.constexpr,
-        REF_DOT_UPCAST: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_REF_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        REF_DOT_PRECISION: tl.constexpr, REF_DOT_UPCAST: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
-        # Program (pid_n, pid_s): rows [pid_n·BLOCK_N, +BLOCK_N), vocabulary tiles
-        # [pid_s·tiles_per_split, +tiles_per_split); states of (K1) for the host merge.
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        row_mask = rows < N
-        v_begin = pid_s * tiles_per_split * BLOCK_V
-        v_end = tl.minimum(V, v_begin + tiles_per_split * BLOCK_V)
+        # The states of (K1) for BLOCK_N rows over one vocabulary split, for the host merge.
+        rows, row_mask, v_begin, v_end = split_program(N, V, tiles_per_split, BLOCK_N, BLOCK_V)
 
         m_p = tl.full([BLOCK_N], float("-inf"), ACC_DTYPE)
         s_p = tl.zeros([BLOCK_N], ACC_DTYPE)
@@ -209,7 +175,7 @@ if HAS_TRITON:
             # z − y on padding lanes would be (−inf) − (−inf); e = 0 drops them anyway.
             a = online_expectation(a, alpha, e, z - tl.where(col_mask[None, :], y, 0.0), 1)
             m_q, s_q, _, _, _ = online_update(m_q, s_q, s_q, y, 1, False)
-        out = pid_s * N + rows
+        out = tl.program_id(1) * N + rows
         tl.store(m_p_ptr + out, m_p, mask=row_mask)
         tl.store(s_p_ptr + out, s_p, mask=row_mask)
         tl.store(a_ptr + out, a, mask=row_mask)
@@ -223,14 +189,10 @@ if HAS_TRITON:
         dx_ptr, stride_dxn,  # ∂KL/∂x out; may alias x
         lse_p_ptr, lse_q_ptr, kl_ptr, g_ptr,  # [N]
         n_cols, temperature,
-        ACC_DTYPE: tl.constexpr,
-        BLOCK_V: tl.constexpr,
+        ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
         # (K2)/T times the upstream gradient; grid (rows, column blocks).
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask = c < n_cols
-        z = tl.load(x_ptr + row * stride_xn + c, mask=mask, other=0.0).to(ACC_DTYPE) / temperature
+        row, c, mask, z = elementwise_tile(x_ptr, stride_xn, n_cols, temperature, ACC_DTYPE, BLOCK_V)
         y = tl.load(y_ptr + row * stride_yn + c, mask=mask, other=0.0).to(ACC_DTYPE) / temperature
         lse_p = tl.load(lse_p_ptr + row).to(ACC_DTYPE)
         lse_q = tl.load(lse_q_ptr + row).to(ACC_DTYPE)
@@ -240,7 +202,7 @@ if HAS_TRITON:
         # log p − log q as (z − y) − (lse_p − lse_q): small for near-identical models.
         log_ratio = (z - y) - (lse_p - lse_q)
         dz = tl.where(p > 0, p * (log_ratio - kl), 0.0) * g  # p = 0 (banned token): no gradient
-        tl.store(dx_ptr + row * stride_dxn + c, (dz / temperature).to(dx_ptr.dtype.element_ty), mask=mask)
+        store_dlogits(dx_ptr, stride_dxn, row, c, mask, dz, temperature)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -255,13 +217,8 @@ def _full_kl_tile(dtype: torch.dtype, device: torch.device) -> LMHeadTile:
     """The fused forward keeps four [BLOCK_N, BLOCK_V] tiles live (both logit tiles, their difference,
     the exponentials), which is what bounds BLOCK_V. The CUDA tile is the common 64×64×64 tensor-core
     tile (fp64: the log-probs' fp64 tile), not tuned; the interpreter's is small."""
-    if device.type != "cuda":
-        tile = LMHeadTile(16, 32, 16, 1, 1)
-    elif dtype == torch.float64:
-        tile = LMHeadTile(32, 32, 16, 4, 3)
-    else:
-        tile = LMHeadTile(64, 64, 64, 4, 3)
-    return tile_choice("fused_full_kl", tile)
+    cuda_tile = FP64_LMHEAD_TILE if dtype == torch.float64 else LMHeadTile(64, 64, 64, 4, 3)
+    return tile_choice("fused_full_kl", cuda_tile if device.type == "cuda" else LMHeadTile(16, 32, 16, 1, 1))
 
 
 def _launch_kl_penalty_fwd(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, code: int) -> torch.Tensor:
@@ -431,15 +388,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     return _kl_penalty_math(logprobs, ref_logprobs, estimator)
 
 
-def fused_full_kl(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    ref_hidden: torch.Tensor,
-    ref_weight: torch.Tensor,
-    temperature: float = 1.0,
-    bias: torch.Tensor | None = None,
-    ref_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+def fused_full_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=None, ref_bias=None) -> torch.Tensor:
     """Exact per-token KL(π‖π_ref) over the whole vocabulary, from hidden states and LM heads.
 
     p = softmax((hidden @ weightᵀ + bias) / T), q = softmax((ref_hidden @ ref_weightᵀ + ref_bias) / T),
@@ -501,15 +450,7 @@ def _kl_penalty_math(logprobs, ref_logprobs, estimator):
     return kl.float()
 
 
-def fused_full_kl_reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    ref_hidden: torch.Tensor,
-    ref_weight: torch.Tensor,
-    temperature: float = 1.0,
-    bias: torch.Tensor | None = None,
-    ref_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+def fused_full_kl_reference(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=None, ref_bias=None):
     """Plain PyTorch ``fused_full_kl``: materialises both [N, V] logit tensors.
 
     Computes and returns fp32 (fp64 when either model is fp64); like the

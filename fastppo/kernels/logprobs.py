@@ -34,39 +34,16 @@ from __future__ import annotations
 
 import torch
 
-from fastppo.kernels._common import (
-    FLOAT_DTYPES,
-    HAS_TRITON,
-    INDEX_DTYPES,
-    check_index_range,
-    check_same_device,
-    check_temperature,
-    check_tensor,
-    launch,
-    tile_choice,
-    tl,
-    triton,
-    use_triton,
-)
-from fastppo.kernels._lmhead import (
-    INTERPRETER_LMHEAD_TILE,
-    check_lm_head_args,
-    LMHeadTile,
-    RowTile,
-    acc_dtype,
-    dot_precision,
-    dot_upcast,
-    lm_head_logits_reference,
-    merge_splits,
-    row_tile,
-    softmax_dlogits_tile,
-    split_plan,
-    tl_dtype,
-    vocab_chunked_backward,
-)
+from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, check_index_range, check_same_device
+from fastppo.kernels._common import check_temperature, check_tensor, launch, tile_choice, tl, triton, use_triton
+from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, INTERPRETER_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype
+from fastppo.kernels._lmhead import check_lm_head_args, dot_precision, dot_upcast, lm_head_logits_reference
+from fastppo.kernels._lmhead import merge_splits, row_tile, softmax_dlogits_tile, split_plan, tl_dtype
+from fastppo.kernels._lmhead import vocab_chunked_backward
 
 if HAS_TRITON:
-    from fastppo.kernels._lmhead import logits_tile, online_update, softmax_dlogits
+    from fastppo.kernels._lmhead import elementwise_tile, logits_tile, online_update, row_pick, row_softmax
+    from fastppo.kernels._lmhead import softmax_dlogits, split_program, store_dlogits
 
 # --------------------------------------------------------------------------- kernels
 
@@ -85,25 +62,12 @@ if HAS_TRITON:
         # One program per row, one pass over V in BLOCK_V tiles.
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_xn  # 64-bit: row·stride passes 2^31 at N·V > 2.1e9
-        cols = tl.arange(0, BLOCK_V)
-        m = tl.full((), float("-inf"), ACC_DTYPE)
-        s = tl.zeros((), ACC_DTYPE)
-        t = tl.zeros((), ACC_DTYPE)
-        for v0 in range(0, n_cols, BLOCK_V):
-            c = v0 + cols
-            z = tl.load(x_row + c, mask=c < n_cols, other=float("-inf")).to(ACC_DTYPE) / temperature
-            m, s, t, _, _ = online_update(m, s, t, z, 0, COMPUTE_ENTROPY)
-        log_s = tl.log(s)
-        lse = m + log_s
-        # Out-of-range indices are not checked on CUDA (it would cost a host
-        # sync); they give a nan logprob instead of a wrong number or a fault.
+        lse, ent = row_softmax(x_row, n_cols, temperature, COMPUTE_ENTROPY, ACC_DTYPE, BLOCK_V)
         idx = tl.load(idx_ptr + row).to(tl.int64)
-        valid = (idx >= 0) & (idx < n_cols)
-        z_idx = tl.load(x_row + idx, mask=valid, other=float("nan")).to(ACC_DTYPE) / temperature
-        tl.store(logp_ptr + row, z_idx - lse)
+        tl.store(logp_ptr + row, row_pick(x_row, idx, n_cols, temperature, ACC_DTYPE) - lse)
         tl.store(lse_ptr + row, lse)
         if COMPUTE_ENTROPY:
-            tl.store(ent_ptr + row, log_s - t / s)
+            tl.store(ent_ptr + row, ent)
 
     @triton.jit
     def _softmax_dlogits_kernel(
@@ -112,17 +76,11 @@ if HAS_TRITON:
         idx_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,  # [N]
         col_offset,  # vocabulary id of column 0 of x (chunked backward)
         n_cols, temperature,
-        HAS_G_LOGP: tl.constexpr,
-        HAS_G_ENT: tl.constexpr,
-        ACC_DTYPE: tl.constexpr,
-        BLOCK_V: tl.constexpr,
+        HAS_G_LOGP: tl.constexpr, HAS_G_ENT: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
         # Elementwise given the per-row lse and H saved by the forward, (L5)/T;
         # grid (rows, column blocks) so every element is read and written once.
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask = c < n_cols
-        z = tl.load(x_ptr + row * stride_xn + c, mask=mask, other=0.0).to(ACC_DTYPE) / temperature
+        row, c, mask, z = elementwise_tile(x_ptr, stride_xn, n_cols, temperature, ACC_DTYPE, BLOCK_V)
         lse = tl.load(lse_ptr + row).to(ACC_DTYPE)
         g_logp = 0.0
         onehot = c < 0
@@ -135,7 +93,7 @@ if HAS_TRITON:
             g_ent = tl.load(g_ent_ptr + row).to(ACC_DTYPE)
             ent = tl.load(ent_ptr + row).to(ACC_DTYPE)
         dz = softmax_dlogits(z, lse, ent, g_logp, g_ent, onehot, HAS_G_LOGP, HAS_G_ENT)
-        tl.store(dx_ptr + row * stride_dxn + c, (dz / temperature).to(dx_ptr.dtype.element_ty), mask=mask)
+        store_dlogits(dx_ptr, stride_dxn, row, c, mask, dz, temperature)
 
     @triton.jit
     def _fused_token_logprobs_fwd_kernel(
@@ -145,24 +103,13 @@ if HAS_TRITON:
         idx_ptr,  # [N]
         m_ptr, s_ptr, t_ptr, pick_ptr,  # per-split states [splits, N]
         N, V, H, temperature, tiles_per_split,
-        HAS_BIAS: tl.constexpr,
-        COMPUTE_ENTROPY: tl.constexpr,
-        ACC_DTYPE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-        DOT_UPCAST: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        HAS_BIAS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, ACC_DTYPE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
-        # Program (pid_n, pid_s): rows [pid_n·BLOCK_N, +BLOCK_N), vocabulary
-        # tiles [pid_s·tiles_per_split, +tiles_per_split).
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        row_mask = rows < N
+        # The states (L3) of BLOCK_N rows over one vocabulary split, for the host merge.
+        rows, row_mask, v_begin, v_end = split_program(N, V, tiles_per_split, BLOCK_N, BLOCK_V)
         idx = tl.load(idx_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
-        v_begin = pid_s * tiles_per_split * BLOCK_V
-        v_end = tl.minimum(V, v_begin + tiles_per_split * BLOCK_V)
 
         m = tl.full([BLOCK_N], float("-inf"), ACC_DTYPE)
         s = tl.zeros([BLOCK_N], ACC_DTYPE)
@@ -176,7 +123,7 @@ if HAS_TRITON:
             m, s, t, _, _ = online_update(m, s, t, z, 1, COMPUTE_ENTROPY)
             # The target logit sits in exactly one tile of one split.
             pick += tl.sum(tl.where(cols[None, :] == idx[:, None], z, 0.0), 1)
-        out = pid_s * N + rows
+        out = tl.program_id(1) * N + rows
         tl.store(m_ptr + out, m, mask=row_mask)
         tl.store(s_ptr + out, s, mask=row_mask)
         tl.store(pick_ptr + out, pick, mask=row_mask)
@@ -196,16 +143,14 @@ def _token_logprobs_tile(n_cols: int, device: torch.device) -> RowTile:
     return tile_choice("token_logprobs", row_tile(n_cols, device))
 
 
+# The fused forward's CUDA tiles by dtype, 16-bit for any other (not tuned on a GPU yet).
+_FUSED_TILES = {torch.float64: FP64_LMHEAD_TILE, torch.float32: LMHeadTile(64, 64, 32, 8, 3)}
+_FUSED_TILE_16BIT = LMHeadTile(64, 128, 64, 8, 3)
+
+
 def _fused_token_logprobs_tile(dtype: torch.dtype, device: torch.device) -> LMHeadTile:
-    """The fused forward's tile, by dtype (not tuned on a GPU yet)."""
-    if device.type != "cuda":
-        tile = INTERPRETER_LMHEAD_TILE
-    elif dtype == torch.float64:
-        tile = LMHeadTile(32, 32, 16, 4, 3)
-    elif dtype == torch.float32:
-        tile = LMHeadTile(64, 64, 32, 8, 3)
-    else:
-        tile = LMHeadTile(64, 128, 64, 8, 3)
+    """The fused forward's tile; under the interpreter tl.dot's minimum."""
+    tile = _FUSED_TILES.get(dtype, _FUSED_TILE_16BIT) if device.type == "cuda" else INTERPRETER_LMHEAD_TILE
     return tile_choice("fused_token_logprobs", tile)
 
 

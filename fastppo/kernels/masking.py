@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from fastppo.kernels import _extension
-from fastppo.kernels._common import INDEX_DTYPES, check_tensor
+from fastppo.kernels._common import INDEX_DTYPES, check_same_device, check_tensor
 
 # --------------------------------------------------------------------------- launchers (the compiled op)
 
@@ -72,8 +72,7 @@ def _check_truncate_at_stop_args(responses, stop_ids, pad_id) -> tuple[torch.Ten
     if isinstance(stop_ids, torch.Tensor):
         if stop_ids.is_floating_point() or stop_ids.dtype == torch.bool:
             raise TypeError(f"stop_ids must hold integer token ids, got {stop_ids.dtype}")
-        if stop_ids.device != responses.device:
-            raise ValueError(f"stop_ids is on {stop_ids.device} but responses is on {responses.device}; put them on one device")
+        check_same_device(responses=responses, stop_ids=stop_ids)
         stop_tensor = stop_ids.reshape(-1).to(torch.int64)
     else:
         ids = [stop_ids] if isinstance(stop_ids, int) and not isinstance(stop_ids, bool) else stop_ids

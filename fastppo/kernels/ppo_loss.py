@@ -70,36 +70,15 @@ from typing import NamedTuple
 
 import torch
 
-from fastppo.kernels._common import (
-    FLOAT_DTYPES,
-    HAS_TRITON,
-    INDEX_DTYPES,
-    MASK_DTYPES,
-    check_float,
-    check_index_range,
-    check_same_device,
-    check_same_shape,
-    check_temperature,
-    check_tensor,
-    launch,
-    tile_choice,
-    tl,
-    triton,
-    use_triton,
-)
-from fastppo.kernels._lmhead import (
-    acc_dtype,
-    addmm_acc_,
-    check_lm_head_args,
-    lm_head_logits_reference,
-    mm_acc,
-    row_tile,
-    tl_dtype,
-)
+from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, MASK_DTYPES, check_float
+from fastppo.kernels._common import check_index_range, check_same_device, check_same_shape, check_temperature
+from fastppo.kernels._common import check_tensor, launch, tile_choice, tl, triton, use_triton
+from fastppo.kernels._lmhead import acc_dtype, addmm_acc_, check_lm_head_args, lm_head_logits_reference, mm_acc
+from fastppo.kernels._lmhead import row_tile, tl_dtype
 from fastppo.kernels.logprobs import token_logprobs_reference
 
 if HAS_TRITON:
-    from fastppo.kernels._lmhead import online_update, softmax_dlogits
+    from fastppo.kernels._lmhead import row_pick, row_softmax, softmax_dlogits, store_dlogits
 
 REDUCTIONS = ("token_mean", "sum")
 
@@ -126,28 +105,13 @@ if HAS_TRITON:
         count_ptr,  # 0-d Σ mask over the whole input (read for TOKEN_MEAN)
         logp_ptr, ratio_ptr, clipped_ptr, ent_ptr, loss_ptr,  # [rows] outputs; loss: m·(pg − c·H) unscaled
         n_cols, temperature, clip_low, clip_high, entropy_coef,
-        TOKEN_MEAN: tl.constexpr,
-        NEEDS_GRAD: tl.constexpr,
-        ACC_DTYPE: tl.constexpr,
-        BLOCK_V: tl.constexpr,
+        TOKEN_MEAN: tl.constexpr, NEEDS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_xn
-        cols = tl.arange(0, BLOCK_V)
-        # Pass 1: lse and H by (L3).
-        m = tl.full((), float("-inf"), ACC_DTYPE)
-        s = tl.zeros((), ACC_DTYPE)
-        t = tl.zeros((), ACC_DTYPE)
-        for v0 in range(0, n_cols, BLOCK_V):
-            c = v0 + cols
-            z = tl.load(x_row + c, mask=c < n_cols, other=float("-inf")).to(ACC_DTYPE) / temperature
-            m, s, t, _, _ = online_update(m, s, t, z, 0, True)
-        log_s = tl.log(s)
-        lse = m + log_s
-        ent = log_s - t / s
+        lse, ent = row_softmax(x_row, n_cols, temperature, True, ACC_DTYPE, BLOCK_V)  # pass 1 over V
         idx = tl.load(idx_ptr + row).to(tl.int64)
-        valid = (idx >= 0) & (idx < n_cols)  # unchecked on CUDA (a sync): out of range gives nan
-        logp = tl.load(x_row + idx, mask=valid, other=float("nan")).to(ACC_DTYPE) / temperature - lse
+        logp = row_pick(x_row, idx, n_cols, temperature, ACC_DTYPE) - lse
         # (P2)-(P4) for this token.
         old = tl.load(old_ptr + row).to(ACC_DTYPE)
         adv = tl.load(adv_ptr + row).to(ACC_DTYPE)
@@ -170,14 +134,14 @@ if HAS_TRITON:
             g_pg = tl.where(pg1 > pg2, d1, tl.where(pg2 > pg1, d2, 0.5 * (d1 + d2)))  # (P5)
             g_logp = tl.where(real, g_pg * scale, 0.0)
             g_ent = tl.where(real, -entropy_coef * scale, 0.0)
-            # Pass 2: ∂loss/∂x by (L5)/T.
-            dx_row = dx_ptr + row * stride_dxn
+            # Pass 2 over V: ∂loss/∂x by (L5)/T.
+            cols = tl.arange(0, BLOCK_V)
             for v0 in range(0, n_cols, BLOCK_V):
                 c = v0 + cols
                 col_mask = c < n_cols
                 z = tl.load(x_row + c, mask=col_mask, other=float("-inf")).to(ACC_DTYPE) / temperature
                 dz = softmax_dlogits(z, lse, ent, g_logp, g_ent, c == idx, True, True)
-                tl.store(dx_row + c, (dz / temperature).to(dx_ptr.dtype.element_ty), mask=col_mask)
+                store_dlogits(dx_ptr, stride_dxn, row, c, col_mask, dz, temperature)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -365,7 +329,8 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
 def fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advantages, mask, cliprange,
                                     entropy_coef=0.0, temperature=1.0, bias=None,
                                     reduction="token_mean") -> PPOPolicyLossOutput:
-    """Plain PyTorch ``fused_ppo_policy_loss``: materialised fp32 (fp64) logits, then (P1)-(P4) as the trainer writes them."""
+    """Plain PyTorch ``fused_ppo_policy_loss``: materialised fp32 (fp64) logits, then (P1)-(P4) as the
+    trainer writes them."""
     cliprange, entropy_coef, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction)
     logp, ent = token_logprobs_reference(lm_head_logits_reference(hidden, weight, bias), index, temperature,
