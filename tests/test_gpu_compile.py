@@ -49,10 +49,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
                      temperature="fp32"),
                 dict(COMPUTE_ENTROPY=True, BLOCK_V=row.block_v, **ACC), num_warps=row.num_warps)
         dlogits = C.softmax_dlogits_tile(V, CUDA)
-        compile(L._softmax_dlogits_kernel,
-                dict(x_ptr=acc, stride_xn="i64", dx_ptr=x, stride_dxn="i64", idx_ptr="*i64", lse_ptr=acc,
-                     ent_ptr=acc, g_logp_ptr=acc, g_ent_ptr=acc, col_offset="i32", n_cols="i32", temperature="fp32"),
-                dict(HAS_G_LOGP=True, HAS_G_ENT=True, BLOCK_V=dlogits.block_v, **ACC), num_warps=dlogits.num_warps)
+        for has_g_logp, has_g_ent in ((True, True), (True, False), (False, True)):  # upstream grads may be None
+            compile(L._softmax_dlogits_kernel,
+                    dict(x_ptr=acc, stride_xn="i64", dx_ptr=x, stride_dxn="i64", idx_ptr="*i64", lse_ptr=acc,
+                         ent_ptr=acc, g_logp_ptr=acc, g_ent_ptr=acc, col_offset="i32", n_cols="i32",
+                         temperature="fp32"),
+                    dict(HAS_G_LOGP=has_g_logp, HAS_G_ENT=has_g_ent, BLOCK_V=dlogits.block_v, **ACC),
+                    num_warps=dlogits.num_warps)
         tile = L._fused_token_logprobs_tile(dtype, CUDA)
         compile(L._fused_token_logprobs_fwd_kernel,
                 dict(lm_head("", x), idx_ptr="*i64", m_ptr=acc, s_ptr=acc, t_ptr=acc, pick_ptr=acc, N="i32",
@@ -73,15 +76,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
                      lse_p_ptr=acc, lse_q_ptr=acc, kl_ptr=acc, g_ptr=acc, n_cols="i32", temperature="fp32"),
                 dict(BLOCK_V=dlogits.block_v, **ACC), num_warps=dlogits.num_warps)
 
-        # ppo_loss.py: both passes (with the gradient) and the statistics-only forward
+        # ppo_loss.py: both passes (with the gradient, both reductions) and the statistics-only forward
         tile = P._ppo_loss_tile(N, V, CUDA)
-        for needs_grad in (True, False):
+        for token_mean, needs_grad in ((True, True), (False, True), (True, False)):
             compile(P._ppo_policy_loss_rows_kernel,
                     dict(x_ptr=acc, stride_xn="i64", dx_ptr=x, stride_dxn="i64", idx_ptr="*i64", old_ptr="*fp32",
                          adv_ptr="*fp32", mask_ptr="*i1", count_ptr=acc, logp_ptr=acc, ratio_ptr=acc,
                          clipped_ptr="*i1", ent_ptr=acc, loss_ptr=acc, n_cols="i32", temperature="fp32",
                          clip_low="fp32", clip_high="fp32", entropy_coef="fp32"),
-                    dict(TOKEN_MEAN=True, NEEDS_GRAD=needs_grad, BLOCK_V=tile.block_v, **ACC),
+                    dict(TOKEN_MEAN=token_mean, NEEDS_GRAD=needs_grad, BLOCK_V=tile.block_v, **ACC),
                     num_warps=tile.num_warps)
 
     # kl.py: elementwise estimators, every estimator code
