@@ -167,6 +167,16 @@ def measure(benchmark, smoke):
     return run
 
 
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    """Every record carries median, p20, p80, the versions and the device, also those filed without
+    ``measure`` (bench_train.py's replayed iterations): computed here from its rounds."""
+    rounds = {b.fullname: list(b.stats.data) for b in benchmarks}
+    for record in output_json["benchmarks"]:
+        info = record.setdefault("extra_info", {})
+        if "p20_s" not in info and rounds.get(record["fullname"]):
+            info.update(quantiles(rounds[record["fullname"]]), timer="pytest-benchmark rounds", **versions())
+
+
 def _fmt_time(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s >= 1e-4 else f"{s * 1e6:.1f} us"
 

@@ -310,7 +310,6 @@ def check_lm_head_args(hidden, weight, bias, prefix: str = "") -> None:
     check_same_device(**{h_name: hidden, w_name: weight, b_name: bias})
 
 
-
 class SoftmaxStats(NamedTuple):
     lse: torch.Tensor  # [N]
     entropy: torch.Tensor | None  # [N], from t
