@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import peers
-from benchutil import assert_agrees, device_median, dtype_name
+from benchutil import assert_agrees, bench_dtype, dtype_name, gemm_floor
 from fastppo.kernels import fused_full_kl, fused_full_kl_reference, kl_penalty, kl_penalty_reference
 
 ESTIMATOR = "k3"  # the one with transcendental math in both passes
@@ -64,7 +64,7 @@ def test_kl_penalty_gpu(measure, gpu_device, copy_bandwidth, penalty_shape, impl
 @pytest.mark.parametrize("impl", ["reference", "fastppo triton"])
 def test_fused_full_kl_gpu(measure, gpu_device, full_kl_shape, impl, passes):
     n_tokens, hid, vocab = full_kl_shape
-    dtype = torch.bfloat16 if gpu_device == "cuda" else torch.float32
+    dtype = bench_dtype(gpu_device)
     backward = passes == "fwd+bwd"
     hidden = torch.randn(n_tokens, hid, device=gpu_device, dtype=dtype)
     weight = (torch.randn(vocab, hid, device=gpu_device, dtype=dtype) / hid**0.5).requires_grad_(backward)
@@ -83,16 +83,8 @@ def test_fused_full_kl_gpu(measure, gpu_device, full_kl_shape, impl, passes):
     # Compared relative to each output's scale: bf16 GEMMs on the kernel's side, fp32 in the reference.
     assert_agrees(call(), call_of(fused_full_kl_reference)(), impl, rtol=5e-2, atol_of_max=3e-2)
 
-    def bare_gemms():
-        with torch.no_grad():
-            logits = hidden @ weight.t()
-            ref_logits = ref_hidden @ ref_weight.t()
-            if backward:  # dX has the logits' shape and dtype
-                logits @ weight
-                logits.t() @ hidden
-            return ref_logits
-
-    floor_s = device_median(bare_gemms, gpu_device, repeats=10)
+    floor_s = gemm_floor(gpu_device, [(hidden, weight), (ref_hidden, ref_weight)],
+                         (hidden, weight) if backward else None)
     measure(call, group=f"kl: fused_full_kl {passes} {gpu_device} N={n_tokens} H={hid} V={vocab} "
                         f"{dtype_name(dtype)}",
             impl=impl, device=gpu_device, floor_s=floor_s, rounds=10)

@@ -31,16 +31,11 @@ import pytest
 import torch
 
 import peers
-from benchutil import HEADLINE_LM_HEAD, assert_agrees, device_median, dtype_name, with_backward
+from benchutil import HEADLINE_LM_HEAD, assert_agrees, bench_dtype, dtype_name, gemm_floor, with_backward
 from fastppo.kernels import fused_token_logprobs, token_logprobs, token_logprobs_reference
 
 ENTROPY = pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no-entropy"])
 PASSES = pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
-
-
-def _dtype(device):
-    # bf16 is what users have on a GPU; the CPU smoke run keeps fp32 (the interpreter's bf16 is numpy's).
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 # --------------------------------------------------------------------------- token_logprobs
@@ -84,7 +79,7 @@ def _token_logprobs_impl(impl, device, logits, index, entropy, backward):
 @pytest.mark.parametrize("impl", TOKEN_IMPLS)
 def test_token_logprobs_gpu(measure, gpu_device, copy_bandwidth, logits_shape, impl, passes, entropy):
     backward = passes == "fwd+bwd"
-    logits = torch.randn(logits_shape, device=gpu_device, dtype=_dtype(gpu_device)).requires_grad_(backward)
+    logits = torch.randn(logits_shape, device=gpu_device, dtype=bench_dtype(gpu_device)).requires_grad_(backward)
     index = torch.randint(0, logits_shape[-1], logits_shape[:-1], device=gpu_device)
     fn = _token_logprobs_impl(impl, gpu_device, logits, index, entropy, backward)
     # Correct first (this also compiles / JITs outside the timed region).
@@ -140,7 +135,7 @@ def _fused_impl(impl, device, shape, hidden, weight, index, entropy):
 def test_fused_token_logprobs_gpu(measure, gpu_device, lm_head_shape, impl, passes, entropy):
     backward = passes == "fwd+bwd"
     n_tokens, hid, vocab = lm_head_shape
-    dtype = _dtype(gpu_device)
+    dtype = bench_dtype(gpu_device)
     hidden = torch.randn(n_tokens, hid, device=gpu_device, dtype=dtype).requires_grad_(backward)
     weight = (torch.randn(vocab, hid, device=gpu_device, dtype=dtype) / hid**0.5).requires_grad_(backward)
     index = torch.randint(0, vocab, (n_tokens,), device=gpu_device)
@@ -149,15 +144,7 @@ def test_fused_token_logprobs_gpu(measure, gpu_device, lm_head_shape, impl, pass
     call = with_backward(fn, (hidden, weight), backward)
     call()
 
-    def bare_gemms():
-        with torch.no_grad():
-            logits = hidden @ weight.t()
-            if backward:  # dlogits has the logits' shape and dtype
-                logits @ weight
-                logits.t() @ hidden
-            return logits
-
-    floor_s = device_median(bare_gemms, gpu_device, repeats=10)
+    floor_s = gemm_floor(gpu_device, [(hidden, weight)], (hidden, weight) if backward else None)
     name = "+entropy" if entropy else ""
     measure(call, group=f"logprobs: fused_token_logprobs{name} {passes} {gpu_device} N={n_tokens} H={hid} V={vocab} "
                         f"{dtype_name(dtype)}",

@@ -12,6 +12,7 @@ The shapes every case runs at live here, in one table per mode:
 """
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections import defaultdict
@@ -38,6 +39,12 @@ SHAPES = {
         "full": [HEADLINE_LOGITS, (16, 512, 32000), (16, 512, 151936)],
         "quick": [HEADLINE_LOGITS],
         "smoke": [(2, 5, 97)],
+    },
+    # fused_ppo_policy_loss: (N, H, V)
+    "ppo_loss": {
+        "full": [HEADLINE_LM_HEAD, (4096, 2048, 32000), (4096, 4096, 151936)],
+        "quick": [HEADLINE_LM_HEAD],
+        "smoke": [(20, 32, 97)],
     },
     # fused_full_kl: (N, H, V)
     "full_kl": {
@@ -92,7 +99,14 @@ class Registry:
 REGISTRY = Registry()
 
 
-def cuda_event_median(fn, repeats: int = 50, warmup: int = 5) -> float:
+def bench_dtype(device) -> torch.dtype:
+    """The dtype a GPU case runs in: bf16 on CUDA (what users have), fp32 on the CPU (--smoke: the
+    interpreter's bf16 is NumPy's, and nothing is timed there anyway)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def cuda_event_times(fn, repeats: int = 50, warmup: int = 5) -> list[float]:
+    """Seconds per call of ``fn``, one CUDA-event measurement per repeat."""
     for _ in range(warmup):
         fn()
     times = []
@@ -103,13 +117,13 @@ def cuda_event_median(fn, repeats: int = 50, warmup: int = 5) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return times
 
 
-def device_median(fn, device: str, repeats: int = 10, warmup: int = 1) -> float:
-    """Median seconds per call: CUDA events on a GPU, the wall clock on the CPU."""
+def device_times(fn, device: str, repeats: int = 10, warmup: int = 1) -> list[float]:
+    """Seconds per call: CUDA events on a GPU, the wall clock on the CPU."""
     if torch.device(device).type == "cuda":
-        return cuda_event_median(fn, repeats=repeats, warmup=warmup)
+        return cuda_event_times(fn, repeats=repeats, warmup=warmup)
     for _ in range(warmup):
         fn()
     times = []
@@ -117,7 +131,76 @@ def device_median(fn, device: str, repeats: int = 10, warmup: int = 1) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def device_median(fn, device: str, repeats: int = 10, warmup: int = 1) -> float:
+    return statistics.median(device_times(fn, device, repeats, warmup))
+
+
+def quantiles(times: list[float]) -> dict:
+    """median, p20 and p80 of ``times`` (every bench record carries all three)."""
+    if len(times) == 1:
+        return dict(median_s=times[0], p20_s=times[0], p80_s=times[0])
+    cuts = statistics.quantiles(times, n=10, method="inclusive")
+    return dict(median_s=statistics.median(times), p20_s=cuts[1], p80_s=cuts[7])
+
+
+def versions() -> dict:
+    """torch and triton versions and the device name, for each bench record."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover
+        triton_version = None
+    device = torch.cuda.get_device_name() if HAS_CUDA else (platform.processor() or platform.machine())
+    return dict(torch_version=torch.__version__, triton_version=triton_version, device=device)
+
+
+def gemm_floor(device: str, forward, backward=None, repeats: int = 10) -> float:
+    """Median seconds of the bare GEMMs an LM-head case cannot avoid, timed in the same run: the
+    logits GEMM ``h @ w.T`` of each (h, w) in ``forward``, plus, for ``backward=(h, w)``, the two
+    gradient GEMMs dX @ w and dXᵀ @ h (dX has the first logits' shape and dtype)."""
+    def gemms():
+        with torch.no_grad():
+            logits = [h @ w.t() for h, w in forward]
+            if backward is not None:
+                h, w = backward
+                logits[0] @ w
+                logits[0].t() @ h
+            return logits
+
+    return device_median(gemms, device, repeats=repeats)
+
+
+class ReplayClock:
+    """A pytest-benchmark timer that replays durations measured elsewhere: round k lasts ``durations[k]``.
+
+    For runs pytest-benchmark cannot time itself (subprocesses), through its public marker instead of
+    its private ``_timer``::
+
+        CLOCK = ReplayClock()
+
+        @pytest.mark.benchmark(timer=CLOCK)
+        def test_x(benchmark):
+            CLOCK.load(durations)
+            benchmark.pedantic(lambda: None, rounds=len(durations), iterations=1, warmup_rounds=0)
+    """
+
+    __name__ = "replayed durations (measured outside pytest-benchmark)"
+
+    def __init__(self):
+        self.load([])
+
+    def load(self, durations) -> None:
+        self._durations, self._t, self._running = iter(list(durations)), 0.0, False
+
+    def __call__(self) -> float:
+        if self._running:
+            self._t += next(self._durations)
+        self._running = not self._running
+        return self._t
 
 
 def peak_extra_bytes(fn) -> int:

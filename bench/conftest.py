@@ -29,7 +29,19 @@ import os
 import pytest
 import torch
 
-from benchutil import HAS_CUDA, REGISTRY, SHAPES, Result, cuda_event_median, device_median, peak_extra_bytes, shape_id
+from benchutil import (
+    HAS_CUDA,
+    REGISTRY,
+    SHAPES,
+    Result,
+    cuda_event_times,
+    device_median,
+    device_times,
+    peak_extra_bytes,
+    quantiles,
+    shape_id,
+    versions,
+)
 
 # Benchmarks measure the real paths: never the Triton interpreter (but see --smoke).
 os.environ.setdefault("TRITON_INTERPRET", "0")
@@ -49,6 +61,9 @@ def pytest_configure(config):
     if REGISTRY.smoke and not HAS_CUDA:
         # Triton reads this when a kernel is decorated: before any bench module imports fastppo.kernels.
         os.environ["TRITON_INTERPRET"] = "1"
+        from fastppo.kernels import _interpreter
+
+        _interpreter.install()  # older Triton interpreters need it; the library itself patches nothing
 
 
 def shape_mode(config) -> str:
@@ -105,6 +120,10 @@ def measure(benchmark, smoke):
     ``rounds`` switches to a fixed number of rounds for slow cases.
     ``event_timing=False`` keeps pytest-benchmark's synchronised wall clock
     only (no CUDA-event re-timing, no memory run): for calls of seconds.
+
+    Each record's ``extra_info`` holds the median, p20 and p80 of the figure
+    the summary reports (CUDA events on a GPU, pytest-benchmark's rounds
+    otherwise), the torch and triton versions and the device.
     """
 
     def run(fn, *, group: str, impl: str, device: str, floor_s: float | None = None, rounds: int | None = None,
@@ -126,23 +145,36 @@ def measure(benchmark, smoke):
         else:
             benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=0 if smoke else 1)
         if benchmark.stats is not None:
-            median = benchmark.stats.stats.median
+            times = list(benchmark.stats.stats.data)
         else:  # --benchmark-disable: pytest-benchmark ran the call once and kept no time
-            median = device_median(fn, device, repeats=1, warmup=0)
+            times = device_times(fn, device, repeats=1, warmup=0)
         peak = None
         if on_cuda and event_timing:
             # Slow cases (fixed rounds) get as many event timings as rounds, not 50.
-            median = cuda_event_median(fn) if rounds is None else cuda_event_median(fn, repeats=max(rounds, 3), warmup=1)
+            times = cuda_event_times(fn) if rounds is None else cuda_event_times(fn, repeats=max(rounds, 3), warmup=1)
             peak = peak_extra_bytes(fn)
-            benchmark.extra_info["cuda_event_median_s"] = median
+            benchmark.extra_info["timer"] = "cuda events"
             benchmark.extra_info["peak_extra_bytes"] = peak
-            benchmark.extra_info["device"] = torch.cuda.get_device_name()
+        else:
+            benchmark.extra_info["timer"] = "pytest-benchmark rounds"
+        stats = quantiles(times)
+        benchmark.extra_info.update(stats, **versions())
         if floor_s is not None:
             benchmark.extra_info["floor_s"] = floor_s
-            benchmark.extra_info["fraction_of_floor"] = floor_s / median
-        REGISTRY.groups[group].append(Result(impl, median, peak, floor_s, note))
+            benchmark.extra_info["fraction_of_floor"] = floor_s / stats["median_s"]
+        REGISTRY.groups[group].append(Result(impl, stats["median_s"], peak, floor_s, note))
 
     return run
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    """Every record carries median, p20, p80, the versions and the device, also those filed without
+    ``measure`` (bench_train.py's replayed iterations): computed here from its rounds."""
+    rounds = {b.fullname: list(b.stats.data) for b in benchmarks}
+    for record in output_json["benchmarks"]:
+        info = record.setdefault("extra_info", {})
+        if "p20_s" not in info and rounds.get(record["fullname"]):
+            info.update(quantiles(rounds[record["fullname"]]), timer="pytest-benchmark rounds", **versions())
 
 
 def _fmt_time(s: float) -> str:

@@ -5,7 +5,7 @@
 # Usage on a lent GPU machine (device tool; at most 10 minutes a call), from the repo root:
 #   bash bench/gpu_session.sh --quick                      # call 1: tests + every kernel at its headline shape
 #   SKIP_TESTS=1 TAG=logprobs bash bench/gpu_session.sh bench/bench_logprobs.py     # call 2: the LM-head grid
-#   SKIP_TESTS=1 TAG=rest bash bench/gpu_session.sh bench/bench_kl.py bench/bench_gae.py \
+#   SKIP_TESTS=1 TAG=rest bash bench/gpu_session.sh bench/bench_ppo_loss.py bench/bench_kl.py bench/bench_gae.py \
 #       bench/bench_masking.py bench/bench_train.py                                  # call 3: the other full shapes
 # Arguments go to `pytest bench/` (paths, -k, --quick). The wheels the image lacks (datasets,
 # liger-kernel, trl and their missing needs) come from `bash bench/fetch_wheels.sh`, run here
@@ -26,7 +26,8 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
 # 1. Correctness of the compiled kernels and the CUDA op on CUDA tensors.
 tests_status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest tests/test_masking.py tests/test_logprobs.py tests/test_kl.py tests/test_gae.py tests/test_stats.py \
+  python3 -m pytest tests/test_masking.py tests/test_lmhead.py tests/test_logprobs.py tests/test_kl.py \
+    tests/test_ppo_loss.py tests/test_gae.py tests/test_stats.py \
     -q -x -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
   tests_status=${PIPESTATUS[0]}
 fi

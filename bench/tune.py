@@ -1,163 +1,224 @@
-"""Block-size sweeps for the Triton kernels, for a GPU session.
+"""Tile sweeps for every launch choice of the Triton kernels, for a GPU session.
 
-    python bench/tune.py fused_token_logprobs [--shape 8192 4096 128256] [--out tune.json]
-    python bench/tune.py token_logprobs       [--shape 16 512 128256] [--passes fwd+bwd]
-    python bench/tune.py fused_full_kl        [--shape 4096 4096 128256]
-    python bench/tune.py KERNEL --smoke       # CPU, Triton interpreter, tiny shape: checks the tuner only
+    python bench/tune.py fused_token_logprobs [--shape 8192 4096 128256] [--passes fwd+bwd] [--out tune.json]
+    python bench/tune.py gae kl_penalty       # several targets in one run
+    python bench/tune.py all                  # every target at its default shape
+    python bench/tune.py all --smoke          # CPU, Triton interpreter, tiny shapes: checks the tuner only
 
-Each candidate replaces the kernel module's one tile function (``logprobs._fused_tile``,
-``logprobs._row_block``, ``kl._full_kl_tile``: every launch decision lives there), is checked against
-the reference on the same inputs, then timed (CUDA events, median). Candidates that fail to compile
-(shared memory, registers) are listed as such. The table, fastest first, marks the current default;
-``--out`` writes every row as JSON. A better tile goes into the tile function by hand, with the
-before/after figures in bench/RESULTS.md.
+A target is one tile name of ``fastppo.kernels._common.TILE_NAMES``, i.e. one
+tile function (every launch decision of a kernel lives in one):
+
+    token_logprobs          logprobs._token_logprobs_tile       the row forward (B T V)
+    softmax_dlogits         _lmhead.softmax_dlogits_tile        the elementwise dlogits kernels, timed fwd+bwd (B T V)
+    fused_token_logprobs    logprobs._fused_token_logprobs_tile the fused forward (N H V)
+    fused_full_kl           kl._full_kl_tile                    the fused full-KL forward (N H V)
+    lmhead_backward         _lmhead.bwd_chunk_cols              vocabulary columns per backward chunk, fwd+bwd (N H V)
+    fused_ppo_policy_loss   ppo_loss._ppo_loss_tile             token chunk and row kernel, fwd+bwd (N H V)
+    kl_penalty              kl._kl_penalty_tile                 both k3 kernels (B T)
+    gae                     gae._gae_tile                       the scan (B T)
+
+Each candidate is installed with ``_common.override_tile`` (the one hook every tile function
+answers to), checked against the reference on the same inputs, then timed (CUDA events, median,
+p20/p80). Candidates that fail to compile (shared memory, registers) are listed as such. The
+table, fastest first, marks the current default; ``--out`` writes every row as JSON. A better tile
+goes into the tile function by hand, with the before/after figures in bench/RESULTS.md.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib
 import itertools
 import json
 import os
 import sys
+from typing import NamedTuple
 
-KERNELS = ("fused_token_logprobs", "token_logprobs", "fused_full_kl")
-DEFAULT_SHAPES = {"fused_token_logprobs": (8192, 4096, 128256), "token_logprobs": (16, 512, 128256),
-                  "fused_full_kl": (4096, 4096, 128256)}
-SMOKE_SHAPES = {"fused_token_logprobs": (24, 40, 97), "token_logprobs": (2, 5, 97), "fused_full_kl": (16, 32, 97)}
-
-
-def candidates(kernel: str, smoke: bool, L, K) -> list:
-    """The tiles to try; under --smoke two the interpreter runs quickly."""
-    if kernel == "fused_token_logprobs":
-        if smoke:
-            return [L.FusedTile(16, 16, 16, 1, 1), L.FusedTile(16, 32, 16, 1, 1)]
-        return [L.FusedTile(*c) for c in itertools.product((64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4))]
-    if kernel == "token_logprobs":
-        if smoke:
-            return [(32, 1), (64, 1)]
-        return list(itertools.product((1024, 2048, 4096, 8192), (4, 8, 16)))
-    if smoke:
-        return [K.FullKLTile(16, 32, 16, 1, 1), K.FullKLTile(16, 16, 16, 1, 1)]
-    return [K.FullKLTile(*c) for c in itertools.product((64, 128), (64, 128), (32, 64), (4, 8), (2, 3))]
+TARGETS = ("token_logprobs", "softmax_dlogits", "fused_token_logprobs", "fused_full_kl", "lmhead_backward",
+           "fused_ppo_policy_loss", "kl_penalty", "gae")
+ALWAYS_BACKWARD = ("softmax_dlogits", "lmhead_backward", "fused_ppo_policy_loss")
+DEFAULT_SHAPES = {"token_logprobs": (16, 512, 128256), "softmax_dlogits": (16, 512, 128256),
+                  "fused_token_logprobs": (8192, 4096, 128256), "fused_full_kl": (4096, 4096, 128256),
+                  "lmhead_backward": (8192, 4096, 128256), "fused_ppo_policy_loss": (8192, 4096, 128256),
+                  "kl_penalty": (512, 4096), "gae": (512, 4096)}
+SMOKE_SHAPES = {"token_logprobs": (2, 5, 97), "softmax_dlogits": (2, 5, 97), "fused_token_logprobs": (24, 40, 97),
+                "fused_full_kl": (16, 32, 97), "lmhead_backward": (24, 40, 97), "fused_ppo_policy_loss": (20, 32, 97),
+                "kl_penalty": (3, 50), "gae": (3, 37)}
 
 
-@contextlib.contextmanager
-def tile_override(module, name: str, tile):
-    original = getattr(module, name)
-    setattr(module, name, lambda *args, **kwargs: tile)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
+class Problem(NamedTuple):
+    call: object  # zero-argument: the timed call, returning the outputs it checks
+    expected: object  # the reference's outputs on the same inputs
+    default: object  # the tile the tile function picks at this shape
+    grid: list  # the GPU candidates
 
 
-def problem(kernel: str, shape, device: str, backward: bool, L, K):
-    """(call, reference outputs, tile function's module and name, the default tile)."""
+def problem(target: str, shape, device: str, backward: bool) -> Problem:
     import torch
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if kernel == "token_logprobs":
+    from benchutil import bench_dtype, outputs_sum
+
+    # modules, not the functions of the same name that fastppo.kernels exports (gae)
+    C, G, K, L, P = (importlib.import_module(f"fastppo.kernels.{m}") for m in ("_lmhead", "gae", "kl", "logprobs",
+                                                                               "ppo_loss"))
+
+    dev, dtype = torch.device(device), bench_dtype(device)
+    backward = backward or target in ALWAYS_BACKWARD
+    inputs = ()
+
+    if target in ("token_logprobs", "softmax_dlogits"):
         logits = torch.randn(shape, device=device, dtype=dtype).requires_grad_(backward)
         index = torch.randint(0, shape[-1], shape[:-1], device=device)
-
-        def run(fn):
-            return fn(logits, index, 1.0, return_entropy=True)
-        ref_fn, fn, inputs = L.token_logprobs_reference, L.token_logprobs, (logits,)
-        where, default = (L, "_row_block"), L._row_block(shape[-1], device == "cuda")
-    elif kernel == "fused_token_logprobs":
-        n, h, v = shape
-        hidden = torch.randn(n, h, device=device, dtype=dtype).requires_grad_(backward)
-        weight = (torch.randn(v, h, device=device, dtype=dtype) / h**0.5).requires_grad_(backward)
-        index = torch.randint(0, v, (n,), device=device)
-
-        def run(fn):
-            return fn(hidden, weight, index, 1.0, return_entropy=True)
-        ref_fn, fn, inputs = L.fused_token_logprobs_reference, L.fused_token_logprobs, (hidden, weight)
-        where, default = (L, "_fused_tile"), L._fused_tile(dtype, torch.device(device))
+        inputs = (logits,)
+        run = lambda fn: fn(logits, index, 1.0, return_entropy=True)  # noqa: E731
+        fn, ref_fn = L.token_logprobs, L.token_logprobs_reference
+        if target == "token_logprobs":
+            default, grid = L._token_logprobs_tile(shape[-1], dev), [C.RowTile(*c) for c in itertools.product(
+                (1024, 2048, 4096, 8192), (4, 8, 16))]
+        else:
+            default, grid = C.softmax_dlogits_tile(shape[-1], dev), [C.RowTile(*c) for c in itertools.product(
+                (256, 512, 1024, 2048, 4096), (2, 4, 8))]
+    elif target in ("kl_penalty", "gae"):
+        x, y = torch.randn(shape, device=device), torch.randn(shape, device=device)
+        if target == "kl_penalty":
+            x, y = -(x.abs() + 0.1), -(y.abs() + 0.1)
+            x.requires_grad_(backward)
+            inputs = (x,)
+            run = lambda fn: fn(x, y, "k3")  # noqa: E731
+            fn, ref_fn = K.kl_penalty, K.kl_penalty_reference
+            default, grid = K._kl_penalty_tile(dev), [C.RowTile(*c) for c in itertools.product(
+                (256, 512, 1024, 2048, 4096), (2, 4, 8))]
+        else:
+            backward = False  # targets, never differentiated
+            mask = torch.rand(shape, device=device) > 0.1
+            run = lambda fn: fn(x, y, mask, 0.99, 0.95)  # noqa: E731
+            fn, ref_fn = G.gae, G.gae_reference
+            default, grid = G._gae_tile(*shape, dev), [G.GAETile(*c) for c in itertools.product(
+                (1, 2, 4, 8), (128, 256, 512, 1024, 2048), (2, 4, 8))]
     else:
         n, h, v = shape
         hidden = torch.randn(n, h, device=device, dtype=dtype).requires_grad_(backward)
         weight = (torch.randn(v, h, device=device, dtype=dtype) / h**0.5).requires_grad_(backward)
-        ref_hidden, ref_weight = hidden.detach() + 0.1 * torch.randn_like(hidden), weight.detach()
+        index = torch.randint(0, v, (n,), device=device)
+        inputs = (hidden, weight)
+        if target == "fused_full_kl":
+            ref_hidden, ref_weight = hidden.detach() + 0.1 * torch.randn_like(hidden), weight.detach()
+            run = lambda fn: fn(hidden, weight, ref_hidden, ref_weight, 1.0)  # noqa: E731
+            fn, ref_fn = K.fused_full_kl, K.fused_full_kl_reference
+            default, grid = K._full_kl_tile(dtype, dev), [C.LMHeadTile(*c) for c in itertools.product(
+                (64, 128), (64, 128), (32, 64), (4, 8), (2, 3))]
+        elif target == "fused_ppo_policy_loss":
+            with torch.no_grad():
+                old = L.fused_token_logprobs(hidden, weight, index) + 0.2 * torch.randn(n, device=device)
+            adv, mask = torch.randn(n, device=device), torch.rand(n, device=device) > 0.1
+            run = lambda fn: fn(hidden, weight, index, old, adv, mask, 0.2, 0.01).loss  # noqa: E731
+            fn, ref_fn = P.fused_ppo_policy_loss, P.fused_ppo_policy_loss_reference
+            default, grid = P._ppo_loss_tile(n, v, dev), [P.PPOLossTile(*c) for c in itertools.product(
+                (256, 512, 1024, 2048, 4096), (2048, 4096, 8192), (8, 16))]
+        else:  # fused_token_logprobs, lmhead_backward
+            run = lambda fn: fn(hidden, weight, index, 1.0, return_entropy=True)  # noqa: E731
+            fn, ref_fn = L.fused_token_logprobs, L.fused_token_logprobs_reference
+            if target == "fused_token_logprobs":
+                default, grid = L._fused_token_logprobs_tile(dtype, dev), [C.LMHeadTile(*c) for c in itertools.product(
+                    (64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4))]
+            else:
+                default, grid = C.bwd_chunk_cols(n, v, dev), [1024, 2048, 4096, 8192, 16384, 32768]
 
-        def run(fn):
-            return fn(hidden, weight, ref_hidden, ref_weight, 1.0)
-        ref_fn, fn, inputs = K.fused_full_kl_reference, K.fused_full_kl, (hidden, weight)
-        where, default = (K, "_full_kl_tile"), K._full_kl_tile(torch.device(device))
-
-    from benchutil import outputs_sum
-
-    def call():
-        out = run(fn)
+    def with_grad(out):
         return torch.autograd.grad(outputs_sum(out), inputs) if backward else out
 
-    def expected():
-        out = run(ref_fn)
-        return torch.autograd.grad(outputs_sum(out), inputs) if backward else out
+    return Problem(lambda: with_grad(run(fn)), with_grad(run(ref_fn)), default, grid)
 
-    return call, expected(), where, default
+
+def smoke_candidates(target: str, default) -> list:
+    """The default and one variant, each quick under the interpreter."""
+    if target == "lmhead_backward":
+        return [default, 32]
+    if target in ("fused_token_logprobs", "fused_full_kl"):
+        return [default, default._replace(block_v=32 if default.block_v != 32 else 16)]
+    if target == "gae":
+        return [default, default._replace(block_t=16)]
+    if target == "fused_ppo_policy_loss":
+        return [default, default._replace(chunk_rows=16, block_v=64)]
+    return [default, default._replace(block_v=64)]
+
+
+def sweep(target: str, shape, device: str, backward: bool, smoke: bool, repeats: int) -> dict:
+    from benchutil import assert_agrees, device_times, quantiles
+    from fastppo.kernels._common import override_tile
+
+    prob = problem(target, shape, device, backward)
+    candidates = smoke_candidates(target, prob.default) if smoke else list(dict.fromkeys([prob.default, *prob.grid]))
+    rows = []
+    for tile in candidates:
+        row = {"tile": list(tile) if isinstance(tile, tuple) else tile, "default": tile == prob.default}
+        with override_tile(target, tile):
+            try:
+                assert_agrees(prob.call(), prob.expected, f"{target} {tile}", atol_of_max=2e-2)
+                row.update(quantiles(device_times(prob.call, device, repeats=1 if smoke else repeats,
+                                                  warmup=0 if smoke else 2)))
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile or run is a result
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+        rows.append(row)
+        print(f"  {target} {tile}: " + (f"{row['median_s'] * 1e3:.3f} ms" if "median_s" in row else row["error"]),
+              flush=True)
+    return {"shape": list(shape), "default": list(prob.default) if isinstance(prob.default, tuple) else prob.default,
+            "passes": "fwd+bwd" if backward or target in ALWAYS_BACKWARD else "fwd", "rows": rows}
+
+
+def report(target: str, result: dict, device_name: str, smoke: bool) -> None:
+    rows = result["rows"]
+    timed = sorted((r for r in rows if "median_s" in r), key=lambda r: r["median_s"])
+    default_row = next((r for r in rows if r["default"]), None)
+    print(f"\n{target} {result['passes']} shape={tuple(result['shape'])} on {device_name}"
+          f"{' (SMOKE: not a measurement)' if smoke else ''}; default tile {result['default']}")
+    for rank, r in enumerate(timed, 1):
+        rel = f"{default_row['median_s'] / r['median_s']:.2f}x default" if default_row and "median_s" in default_row \
+            else ""
+        mark = "  <- default" if r["default"] else ""
+        print(f"{rank:>3}. {str(r['tile']):<28} {r['median_s'] * 1e3:>9.3f} ms "
+              f"(p20 {r['p20_s'] * 1e3:.3f}, p80 {r['p80_s'] * 1e3:.3f})  {rel}{mark}")
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        print(f"{len(failed)} candidate(s) failed to compile or run (see --out)")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kernel", choices=KERNELS)
-    parser.add_argument("--shape", type=int, nargs=3, help="N H V (fused kernels) or B T V (token_logprobs)")
+    parser.add_argument("targets", nargs="+", choices=(*TARGETS, "all"), metavar="TARGET",
+                        help=f"one or more of {', '.join(TARGETS)}, or all")
+    parser.add_argument("--shape", type=int, nargs="+", help="N H V, B T V or B T (one target only)")
     parser.add_argument("--passes", choices=("fwd", "fwd+bwd"), default="fwd")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", help="write every row as JSON here")
-    parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shape")
+    parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     args = parser.parse_args(argv)
+    targets = TARGETS if "all" in args.targets else tuple(dict.fromkeys(args.targets))
+    if args.shape and len(targets) != 1:
+        parser.error("--shape goes with one target")
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before fastppo.kernels decorates its kernels
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import importlib
-
     import torch
 
-    from benchutil import assert_agrees, device_median
+    if args.smoke:
+        from fastppo.kernels import _interpreter
 
-    L = importlib.import_module("fastppo.kernels.logprobs")
-    K = importlib.import_module("fastppo.kernels.kl")
+        _interpreter.install()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
         parser.error("tuning times compiled kernels: it needs a CUDA device (--smoke checks the tuner on a CPU)")
-    shape = tuple(args.shape or (SMOKE_SHAPES if args.smoke else DEFAULT_SHAPES)[args.kernel])
-    backward = args.passes == "fwd+bwd"
-    call, expected, (module, name), default = problem(args.kernel, shape, device, backward, L, K)
+    from benchutil import versions
 
-    rows = []
-    for tile in candidates(args.kernel, args.smoke, L, K):
-        row = {"tile": list(tile), "default": tuple(tile) == tuple(default)}
-        with tile_override(module, name, tile):
-            try:
-                assert_agrees(call(), expected, f"{args.kernel} {tuple(tile)}", atol_of_max=2e-2)
-                row["median_s"] = device_median(call, device, repeats=1 if args.smoke else args.repeats,
-                                                warmup=0 if args.smoke else 2)
-            except Exception as e:  # noqa: BLE001 - a tile that does not compile or run is a result
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
-        rows.append(row)
-        print(f"  {tuple(tile)}: " + (f"{row['median_s'] * 1e3:.3f} ms" if "median_s" in row else row["error"]),
-              flush=True)
-
-    timed = sorted((r for r in rows if "median_s" in r), key=lambda r: r["median_s"])
-    default_row = next((r for r in rows if r["default"]), None)
-    print(f"\n{args.kernel} {args.passes} shape={shape} on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}"
-          f"{' (SMOKE: not a measurement)' if args.smoke else ''}; default tile {tuple(default)}"
-          f"{'' if default_row else ' (not among the candidates)'}")
-    for rank, r in enumerate(timed, 1):
-        rel = f"{default_row['median_s'] / r['median_s']:.2f}x default" if default_row and "median_s" in default_row \
-            else ""
-        print(f"{rank:>3}. {str(tuple(r['tile'])):<28} {r['median_s'] * 1e3:>9.3f} ms  {rel}"
-              + ("  <- default" if r["default"] else ""))
-    failed = [r for r in rows if "error" in r]
-    if failed:
-        print(f"{len(failed)} candidate(s) failed to compile or run (see --out)")
+    env = versions()
+    results = {}
+    for target in targets:
+        shape = tuple(args.shape or (SMOKE_SHAPES if args.smoke else DEFAULT_SHAPES)[target])
+        results[target] = sweep(target, shape, device, args.passes == "fwd+bwd", args.smoke, args.repeats)
+        report(target, results[target], env["device"], args.smoke)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"kernel": args.kernel, "passes": args.passes, "shape": shape, "device": device,
-                       "default": list(default), "rows": rows}, f, indent=1)
-    return 0 if timed else 1
+            json.dump({"device_type": device, **env, "targets": results}, f, indent=1)
+    return 0 if all(any("median_s" in r for r in res["rows"]) for res in results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 Triton decides at decoration time whether a kernel is interpreted, so
 TRITON_INTERPRET must be in the environment before ``fastppo.kernels`` is
-imported. On a CPU machine we turn it on so the Triton kernels are exercised;
-on a GPU machine run ``TRITON_INTERPRET=0 pytest tests/`` to test the compiled
-kernels on CUDA tensors.
+imported. On a CPU machine we turn it on so the Triton kernels are exercised
+(and install the interpreter backport older Tritons need; the library itself
+patches nothing); on a GPU machine run ``TRITON_INTERPRET=0 pytest tests/`` to
+test the compiled kernels on CUDA tensors.
 """
 import os
 
@@ -17,17 +18,16 @@ if "TRITON_INTERPRET" not in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fastppo.kernels._common import interpret_mode  # noqa: E402
+from fastppo.kernels import _interpreter  # noqa: E402
+from helpers import triton_device_or_skip  # noqa: E402
+
+_interpreter.install()
 
 
 @pytest.fixture
 def triton_device() -> torch.device:
-    """The device on which a kernel call takes the Triton path, or skip."""
-    if torch.cuda.is_available() and not interpret_mode():
-        return torch.device("cuda")
-    if interpret_mode():
-        return torch.device("cpu")
-    pytest.skip("the Triton path needs a CUDA GPU or TRITON_INTERPRET=1")
+    """The device on which a kernel call takes the Triton path, or skip (``helpers.triton_device_or_skip``)."""
+    return triton_device_or_skip()
 
 
 @pytest.fixture

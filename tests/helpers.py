@@ -1,5 +1,13 @@
-"""Tolerances and input makers shared by the tests (stated once, here)."""
+"""What the kernel tests share, stated once: tolerances, the Triton-path device, LM-head inputs."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
 import torch
+
+from fastppo.kernels._common import interpret_mode
 
 # Kernel output (fp32 accumulation) vs a float64 reference, per *input* dtype.
 TOLERANCE = {
@@ -12,3 +20,71 @@ TOLERANCE = {
 
 def tol(dtype: torch.dtype) -> dict:
     return TOLERANCE[dtype]
+
+
+def assert_close(actual, expected, dtype: torch.dtype, *, extra_atol: float = 0.0, scaled: bool = False) -> None:
+    """``torch.testing.assert_close`` in float64 at ``dtype``'s tolerance.
+
+    ``scaled`` multiplies atol by max(1, max|expected|): for gradients, which
+    are sums over the vocabulary or the tokens, so their rounding is relative
+    to the largest term (and a row's lse and H are shared by the whole row),
+    not to each entry.
+    """
+    t = dict(tol(dtype))
+    scale = max(1.0, expected.detach().abs().max().item()) if scaled and expected.numel() else 1.0
+    t["atol"] = t["atol"] * scale + extra_atol
+    torch.testing.assert_close(actual.detach().double().cpu(), expected.detach().double().cpu(), **t)
+
+
+def assert_grad_close(actual, expected, dtype: torch.dtype, *, extra_atol: float = 0.0) -> None:
+    """``assert_close`` with the tolerance scaled to the gradient's largest entry."""
+    assert_close(actual, expected, dtype, extra_atol=extra_atol, scaled=True)
+
+
+def triton_device_or_skip() -> torch.device:
+    """The device on which a kernel call takes the Triton path, or skip the test.
+
+    CUDA when a GPU is visible and the interpreter is off; the CPU under
+    ``TRITON_INTERPRET=1``. A plain function (the ``triton_device`` fixture
+    calls it) so that hypothesis tests, which cannot take function-scoped
+    fixtures, call it too.
+    """
+    if torch.cuda.is_available() and not interpret_mode():
+        return torch.device("cuda")
+    if interpret_mode():
+        return torch.device("cpu")
+    pytest.skip("the Triton path needs a CUDA GPU or TRITON_INTERPRET=1")
+
+
+def lm_head_inputs(lead, hdim: int, vocab: int, dtype: torch.dtype, device, *, bias: bool = False,
+                   logit_scale: float = 2.0, generator: torch.Generator | None = None):
+    """Random (hidden [*lead, H], weight [V, H], bias [V] or None) with logits of size ~logit_scale."""
+    hidden = torch.randn(*lead, hdim, dtype=torch.float64, generator=generator)
+    weight = torch.randn(vocab, hdim, dtype=torch.float64, generator=generator) * logit_scale / math.sqrt(hdim)
+    b = torch.randn(vocab, dtype=torch.float64, generator=generator) if bias else None
+    return tuple(None if t is None else t.to(device=device, dtype=dtype) for t in (hidden, weight, b))
+
+
+@contextlib.contextmanager
+def recorded_launches(module, kernel_name: str):
+    """Record the arguments of every launch of ``module.<kernel_name>`` (it still runs).
+
+    Yields a list that receives one tuple of positional arguments per launch:
+    a test can check what the kernel was given (e.g. the caller's weight
+    storage rather than a copy).
+    """
+    kernel = getattr(module, kernel_name)
+    calls = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                calls.append(args)
+                return kernel[grid](*args, **meta)
+            return run
+
+    setattr(module, kernel_name, _Recorder())
+    try:
+        yield calls
+    finally:
+        setattr(module, kernel_name, kernel)

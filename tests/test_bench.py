@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 KERNEL_GROUPS = ("logprobs: token_logprobs", "logprobs: fused_token_logprobs", "kl: kl_penalty", "kl: fused_full_kl",
-                 "gae:", "truncate_at_stop")
+                 "ppo_loss: fused_ppo_policy_loss", "gae:", "truncate_at_stop")
 
 
 def run_bench(tmp_path, *args, paths=("bench/",), timeout=900):
@@ -64,6 +64,19 @@ def test_gpu_cases_record_their_floor(smoke_run):
     assert fastppo_rows
     for b in fastppo_rows:
         assert b["extra_info"]["floor_s"] > 0, b["group"]
+    # The PPO loss is timed beside both unfused paths, against the bare three GEMMs.
+    ppo = {b["name"] for b in report["benchmarks"] if b["group"].startswith("ppo_loss:")}
+    assert ppo == {"reference", "fastppo fused_token_logprobs + loss", "fastppo triton"}
+
+
+def test_each_record_carries_quantiles_and_versions(smoke_run):
+    _, report = smoke_run
+    import torch
+
+    for b in report["benchmarks"]:
+        info = b["extra_info"]
+        assert 0 < info["p20_s"] <= info["median_s"] <= info["p80_s"], b["group"]
+        assert info["torch_version"] == torch.__version__ and info["triton_version"] and info["device"], b["group"]
 
 
 @pytest.mark.parametrize("module, impl", [
@@ -95,16 +108,20 @@ def test_without_a_gpu_the_gpu_cases_skip_with_a_reason(tmp_path):
     assert "2 passed" in proc.stdout  # the CPU cases: reference and the C++ op
 
 
-@pytest.mark.parametrize("kernel", ["fused_token_logprobs", "token_logprobs", "fused_full_kl"])
-def test_tuner_checks_and_times_every_candidate(tmp_path, kernel):
+def test_tuner_checks_and_times_every_tile_choice(tmp_path):
+    from fastppo.kernels._common import TILE_NAMES
+
     out = tmp_path / "tune.json"
-    proc = subprocess.run([sys.executable, "bench/tune.py", kernel, "--smoke", "--passes", "fwd+bwd", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "bench/tune.py", "all", "--smoke", "--passes", "fwd+bwd", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert len(report["rows"]) == 2 and all(r["median_s"] > 0 for r in report["rows"]), report
-    assert sum(r["default"] for r in report["rows"]) == 1  # the current tile is among those timed
-    assert "<- default" in proc.stdout
+    assert set(report["targets"]) == set(TILE_NAMES)  # every tile function of every kernel
+    for target, result in report["targets"].items():
+        rows = result["rows"]
+        assert len(rows) == 2 and all(r["median_s"] > 0 for r in rows), (target, rows)
+        assert sum(r["default"] for r in rows) == 1, target  # the current tile is among those timed
+    assert proc.stdout.count("<- default") == len(TILE_NAMES)
 
 
 def test_tuner_without_a_gpu_says_so():

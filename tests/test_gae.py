@@ -9,19 +9,17 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastppo.kernels import gae, gae_reference
-from helpers import tol
+from helpers import tol, triton_device_or_skip
 
 # Interpreter-friendly shapes: T spans one partial tile, several tiles and T=1.
 BATCHES = (1, 3, 17)
 LENGTHS = (1, 2, 7, 33, 300)
 COEFFS = ((1.0, 1.0), (0.99, 0.95), (0.0, 0.0))
-PROPERTY_SETTINGS = settings(
-    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+PROPERTY_SETTINGS = settings(max_examples=15, deadline=None)
 
 
 def oracle(rewards, values, mask, gamma, lam, skip_masked):
@@ -164,16 +162,17 @@ def test_default_equals_trl_loop(triton_device):
 # --------------------------------------------------------------------------- properties
 
 
-def _property_inputs(seed, B, T, holes, device):
+def _property_inputs(seed, B, T, holes):
+    """Inputs on the Triton path's device (hypothesis cannot take the function-scoped fixture)."""
     g = torch.Generator().manual_seed(seed)
-    return make_inputs(B, T, holes=holes, device=device, generator=g)
+    return make_inputs(B, T, holes=holes, device=triton_device_or_skip(), generator=g)
 
 
 @PROPERTY_SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), T=st.integers(1, 24), skip_masked=st.booleans())
-def test_property_monte_carlo_return(triton_device, seed, B, T, skip_masked):
+def test_property_monte_carlo_return(seed, B, T, skip_masked):
     """γ = λ = 1: on a real token, returns_t = Σ_{s ≥ t, real} r_s (δ telescopes)."""
-    rewards, values, mask = _property_inputs(seed, B, T, skip_masked, triton_device)
+    rewards, values, mask = _property_inputs(seed, B, T, skip_masked)
     _, ret = gae(rewards, values, mask, 1.0, 1.0, skip_masked=skip_masked)
     masked_r = torch.where(mask, rewards, torch.zeros_like(rewards)).double()
     mc = masked_r.flip(1).cumsum(1).flip(1)
@@ -183,9 +182,9 @@ def test_property_monte_carlo_return(triton_device, seed, B, T, skip_masked):
 @PROPERTY_SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), T=st.integers(1, 24),
        gamma=st.floats(0.0, 1.0), skip_masked=st.booleans())
-def test_property_lambda_zero_is_td_error(triton_device, seed, B, T, gamma, skip_masked):
+def test_property_lambda_zero_is_td_error(seed, B, T, gamma, skip_masked):
     """λ = 0: on a real token A_t = δ_t = r_t + γ·V_next − V_t (V_next: next real value, 0 at the end)."""
-    rewards, values, mask = _property_inputs(seed, B, T, skip_masked, triton_device)
+    rewards, values, mask = _property_inputs(seed, B, T, skip_masked)
     adv, _ = gae(rewards, values, mask, gamma, 0.0, skip_masked=skip_masked)
     r, v, m = rewards.double().cpu(), values.double().cpu(), mask.cpu()
     next_v = torch.zeros_like(v)
@@ -205,9 +204,9 @@ def test_property_lambda_zero_is_td_error(triton_device, seed, B, T, gamma, skip
 @PROPERTY_SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), T=st.integers(1, 24),
        gamma=st.floats(0.0, 1.0), lam=st.floats(0.0, 1.0))
-def test_property_skip_masked_equals_default_on_right_padding(triton_device, seed, B, T, gamma, lam):
+def test_property_skip_masked_equals_default_on_right_padding(seed, B, T, gamma, lam):
     """With a right-padding mask the semantics agree, except returns on padding (0 vs V_t)."""
-    rewards, values, mask = _property_inputs(seed, B, T, False, triton_device)
+    rewards, values, mask = _property_inputs(seed, B, T, False)
     assert right_padding(mask)
     adv_d, ret_d = gae(rewards, values, mask, gamma, lam)
     adv_s, ret_s = gae(rewards, values, mask, gamma, lam, skip_masked=True)

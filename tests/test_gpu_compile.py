@@ -2,7 +2,8 @@
 
 The interpreter runs kernels as NumPy and does not type-check loops, constexpr
 branches or dot shapes; a real compile does. Each kernel is compiled with the
-dtypes and block sizes its launcher picks on CUDA.
+dtypes its launcher passes and the tile its launcher would pick on CUDA, read
+from the module's tile function (so a retuned tile is what gets compiled).
 """
 import os
 import subprocess
@@ -13,11 +14,17 @@ import pytest
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
+    import importlib
+
+    import torch
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
-    import importlib
+
     # modules, not the functions of the same name that fastppo.kernels exports
-    G, K, L = (importlib.import_module(f"fastppo.kernels.{m}") for m in ("gae", "kl", "logprobs"))
+    G, K, L, P, C = (importlib.import_module(f"fastppo.kernels.{m}") for m in ("gae", "kl", "logprobs", "ppo_loss",
+                                                                               "_lmhead"))
+    CUDA = torch.device("cuda")
+    N, H, V = 8192, 4096, 128256  # the headline shape: the tiles the launchers pick there
 
     def compile(fn, types, consts, **options):
         sig = dict(types, **{k: "constexpr" for k in consts})
@@ -25,52 +32,79 @@ _COMPILE_SCRIPT = textwrap.dedent(
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         print("compiled", fn.__name__, consts)
 
-    # logprobs.py, as launched for bf16 inputs (fp32 accumulators) and fp64 inputs (gradcheck's dtype: fp64
-    # accumulators and dot, which Triton 3.6 rejected while tl.dot's out_dtype defaulted to fp32)
-    for x, out, tl_acc, fused_tile, fused_warps in (("*bf16", "*fp32", tl.float32, (64, 128, 64), 8),
-                                                    ("*fp64", "*fp64", tl.float64, (32, 32, 16), 4)):
-        acc = dict(ACC_DTYPE=tl_acc)
+    def lm_head(prefix, x):  # hidden, weight, bias of one LM head, as logits_tile reads them
+        return {f"{prefix}h_ptr": x, f"stride_{prefix}hn": "i64", f"stride_{prefix}hh": "i64", f"{prefix}w_ptr": x,
+                f"stride_{prefix}wv": "i64", f"stride_{prefix}wh": "i64", f"{prefix}b_ptr": x}
+
+    # bf16 inputs (fp32 accumulators) and fp64 inputs (gradcheck's dtype: fp64 accumulators and dot, which
+    # Triton 3.6 rejected while tl.dot's out_dtype defaulted to fp32)
+    for dtype, x, acc in ((torch.bfloat16, "*bf16", "*fp32"), (torch.float64, "*fp64", "*fp64")):
+        ACC = dict(ACC_DTYPE=tl.float64 if dtype == torch.float64 else tl.float32)
+        dot = dict(DOT_PRECISION=C.dot_precision(dtype, CUDA), DOT_UPCAST=C.dot_upcast(dtype, C.acc_dtype(dtype), CUDA))
+
+        # logprobs.py
+        row = L._token_logprobs_tile(V, CUDA)
         compile(L._token_logprobs_fwd_kernel,
-                dict(X=x, stride_x="i64", IDX="*i64", LOGP=out, LSE=out, ENT=out, n_cols="i32", temperature="fp32"),
-                dict(COMPUTE_ENTROPY=True, BLOCK_V=4096, **acc), num_warps=8)
-        compile(L._token_logprobs_bwd_kernel,
-                dict(X=out, stride_x="i64", DX=x, stride_dx="i64", IDX="*i64", LSE=out, ENT=out, G_LOGP=out,
-                     G_ENT=out, col_offset="i32", n_cols="i32", temperature="fp32"),
-                dict(HAS_G_LOGP=True, HAS_G_ENT=True, BLOCK_V=1024, **acc), num_warps=4)
-        block_n, block_v, block_h = fused_tile
-        compile(L._fused_logprobs_fwd_kernel,
-                dict(HID=x, stride_hn="i64", stride_hh="i64", W=x, stride_wv="i64", stride_wh="i64", B=x,
-                     IDX="*i64", M_OUT=out, S_OUT=out, T_OUT=out, PICK_OUT=out, N="i32", V="i32", H="i32",
-                     temperature="fp32", tiles_per_split="i32"),
-                dict(HAS_BIAS=True, COMPUTE_ENTROPY=True, DOT_PRECISION="ieee", DOT_UPCAST=False, BLOCK_N=block_n,
-                     BLOCK_V=block_v, BLOCK_H=block_h, **acc), num_warps=fused_warps, num_stages=3)
+                dict(x_ptr=x, stride_xn="i64", idx_ptr="*i64", logp_ptr=acc, lse_ptr=acc, ent_ptr=acc, n_cols="i32",
+                     temperature="fp32"),
+                dict(COMPUTE_ENTROPY=True, BLOCK_V=row.block_v, **ACC), num_warps=row.num_warps)
+        dlogits = C.softmax_dlogits_tile(V, CUDA)
+        for has_g_logp, has_g_ent in ((True, True), (True, False), (False, True)):  # upstream grads may be None
+            compile(L._softmax_dlogits_kernel,
+                    dict(x_ptr=acc, stride_xn="i64", dx_ptr=x, stride_dxn="i64", idx_ptr="*i64", lse_ptr=acc,
+                         ent_ptr=acc, g_logp_ptr=acc, g_ent_ptr=acc, col_offset="i32", n_cols="i32",
+                         temperature="fp32"),
+                    dict(HAS_G_LOGP=has_g_logp, HAS_G_ENT=has_g_ent, BLOCK_V=dlogits.block_v, **ACC),
+                    num_warps=dlogits.num_warps)
+        tile = L._fused_token_logprobs_tile(dtype, CUDA)
+        compile(L._fused_token_logprobs_fwd_kernel,
+                dict(lm_head("", x), idx_ptr="*i64", m_ptr=acc, s_ptr=acc, t_ptr=acc, pick_ptr=acc, N="i32",
+                     V="i32", H="i32", temperature="fp32", tiles_per_split="i32"),
+                dict(HAS_BIAS=True, COMPUTE_ENTROPY=True, BLOCK_N=tile.block_n, BLOCK_V=tile.block_v,
+                     BLOCK_H=tile.block_h, **dot, **ACC), num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+        # kl.py: the exact full-vocabulary KL, forward statistics and the backward's dlogits
+        tile = K._full_kl_tile(dtype, CUDA)
+        compile(K._full_kl_fwd_kernel,
+                dict(lm_head("", x), **lm_head("r", x), m_p_ptr=acc, s_p_ptr=acc, a_ptr=acc, m_q_ptr=acc,
+                     s_q_ptr=acc, N="i32", V="i32", H="i32", H_REF="i32", temperature="fp32", tiles_per_split="i32"),
+                dict(HAS_BIAS=True, HAS_REF_BIAS=True, REF_DOT_PRECISION=dot["DOT_PRECISION"],
+                     REF_DOT_UPCAST=dot["DOT_UPCAST"], BLOCK_N=tile.block_n, BLOCK_V=tile.block_v,
+                     BLOCK_H=tile.block_h, **dot, **ACC), num_warps=tile.num_warps, num_stages=tile.num_stages)
+        compile(K._full_kl_dlogits_kernel,
+                dict(x_ptr=acc, stride_xn="i64", y_ptr=acc, stride_yn="i64", dx_ptr=x, stride_dxn="i64",
+                     lse_p_ptr=acc, lse_q_ptr=acc, kl_ptr=acc, g_ptr=acc, n_cols="i32", temperature="fp32"),
+                dict(BLOCK_V=dlogits.block_v, **ACC), num_warps=dlogits.num_warps)
+
+        # ppo_loss.py: both passes (with the gradient, both reductions) and the statistics-only forward
+        tile = P._ppo_loss_tile(N, V, CUDA)
+        for token_mean, needs_grad in ((True, True), (False, True), (True, False)):
+            compile(P._ppo_policy_loss_rows_kernel,
+                    dict(x_ptr=acc, stride_xn="i64", dx_ptr=x, stride_dxn="i64", idx_ptr="*i64", old_ptr="*fp32",
+                         adv_ptr="*fp32", mask_ptr="*i1", count_ptr=acc, logp_ptr=acc, ratio_ptr=acc,
+                         clipped_ptr="*i1", ent_ptr=acc, loss_ptr=acc, n_cols="i32", temperature="fp32",
+                         clip_low="fp32", clip_high="fp32", entropy_coef="fp32"),
+                    dict(TOKEN_MEAN=token_mean, NEEDS_GRAD=needs_grad, BLOCK_V=tile.block_v, **ACC),
+                    num_warps=tile.num_warps)
 
     # kl.py: elementwise estimators, every estimator code
+    pen = K._kl_penalty_tile(CUDA)
     for est in range(4):
         compile(K._kl_penalty_fwd_kernel, dict(logp_ptr="*bf16", ref_ptr="*bf16", out_ptr="*fp32", n="i32"),
-                dict(EST=est, BLOCK=1024), num_warps=4)
+                dict(EST=est, BLOCK=pen.block_v), num_warps=pen.num_warps)
         compile(K._kl_penalty_bwd_kernel,
                 dict(grad_ptr="*fp32", logp_ptr="*bf16", ref_ptr="*bf16", dlogp_ptr="*bf16", dref_ptr="*bf16", n="i32"),
-                dict(EST=est, HAS_DLOGP=True, HAS_DREF=True, BLOCK=1024), num_warps=4)
-    # kl.py: exact full-vocabulary KL, forward statistics and backward dlogits (the CUDA tile of _full_kl_config)
-    full_kl_args = dict(h_ptr="*bf16", w_ptr="*bf16", rh_ptr="*bf16", rw_ptr="*bf16")
-    dims = dict(N="i32", V="i32", H="i32", H_REF="i32")
-    strides = dict(stride_h="i64", stride_w="i64", stride_rh="i64", stride_rw="i64", inv_t="fp32")
-    tile = dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=64, DOT_P="ieee", DOT_Q="ieee", UP_P=False, UP_Q=False)
-    compile(K._full_kl_fwd_kernel, dict(full_kl_args, part_ptr="*fp32", **dims, **strides, tiles_per_split="i32"),
-            tile, num_warps=4, num_stages=3)
-    compile(K._full_kl_dlogits_kernel,
-            dict(full_kl_args, lse_p_ptr="*fp32", lse_q_ptr="*fp32", kl_ptr="*fp32", grad_ptr="*fp32",
-                 dx_ptr="*bf16", **dims, v_begin="i32", chunk_v="i32", **strides),
-            tile, num_warps=4, num_stages=3)
-    # gae.py: both semantics, one row and four rows per program
+                dict(EST=est, HAS_DLOGP=True, HAS_DREF=True, BLOCK=pen.block_v), num_warps=pen.num_warps)
+
+    # gae.py: both semantics, at a batch of one row per program and one of several
     for skip in (False, True):
-        for block_b in (1, 4):
-            compile(G._gae_kernel,
+        for B in (512, 8192):
+            tile = G._gae_tile(B, 4096, CUDA)
+            compile(G._gae_fwd_kernel,
                     dict(rewards_ptr="*fp32", values_ptr="*bf16", mask_ptr="*i1", adv_ptr="*fp32", ret_ptr="*fp32",
                          B="i32", T="i32", stride_r="i32", stride_v="i32", stride_m="i32", stride_o="i32",
                          gamma="fp32", lam="fp32"),
-                    dict(SKIP_MASKED=skip, BLOCK_B=block_b, BLOCK_T=512), num_warps=4)
+                    dict(SKIP_MASKED=skip, BLOCK_B=tile.block_b, BLOCK_T=tile.block_t), num_warps=tile.num_warps)
     print("all compiled")
     """
 )

@@ -3,12 +3,10 @@
 The Triton path runs on CUDA, or on CPU under TRITON_INTERPRET=1 (the
 ``triton_device`` fixture), so shapes here stay small.
 """
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastppo.kernels import kl as kl_mod
@@ -19,15 +17,12 @@ from fastppo.kernels.kl import (
     kl_penalty,
     kl_penalty_reference,
 )
-from helpers import tol
+from helpers import assert_close, assert_grad_close, lm_head_inputs, recorded_launches, tol, triton_device_or_skip
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SHAPES = ((1,), (1, 1), (3, 17), (2, 5, 7), (257,))
 
-# Hypothesis runs the whole test body per example; the fixtures are plain values.
-PROPERTY_SETTINGS = settings(
-    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+PROPERTY_SETTINGS = settings(max_examples=20, deadline=None)
 
 
 # ---------------------------------------------------------------------------
@@ -117,9 +112,9 @@ def test_kl_penalty_definitions_match_trl_legacy(triton_device):
     seed=st.integers(0, 2**31 - 1),
     scale=st.sampled_from([1e-6, 1e-3, 0.3, 3.0, 20.0]),
 )
-def test_kl_penalty_properties(request, path, n, seed, scale):
+def test_kl_penalty_properties(path, n, seed, scale):
     if path == "triton":
-        device, fn = request.getfixturevalue("triton_device"), kl_penalty
+        device, fn = triton_device_or_skip(), kl_penalty  # hypothesis cannot take the function-scoped fixture
     else:
         device, fn = torch.device("cpu"), kl_penalty_reference
     gen = torch.Generator().manual_seed(seed)
@@ -138,7 +133,7 @@ def test_kl_penalty_properties(request, path, n, seed, scale):
         assert (fn(logp, logp.clone(), est) == 0).all(), est
 
 
-def test_float64_inputs_are_computed_in_fp32(triton_device):
+def test_kl_penalty_float64_inputs_are_computed_in_fp32(triton_device):
     logp, ref = _logprob_pair((4, 6), torch.float64, triton_device)
     upstream = torch.randn(4, 6, dtype=torch.float64, device=triton_device)
     for est in KL_ESTIMATORS:
@@ -147,14 +142,6 @@ def test_float64_inputs_are_computed_in_fp32(triton_device):
         assert out.dtype == torch.float32 and d_logp.dtype == torch.float64
         torch.testing.assert_close(out, want, **tol(torch.float32))
         torch.testing.assert_close(d_logp, want_logp, **tol(torch.float32))
-    h, w, rh, rw = _models((5,), 16, 16, 37, torch.float64, triton_device)
-    upstream = torch.randn(5, dtype=torch.float64, device=triton_device)
-    kl, d_h, d_w = _full_kl_and_grads(fused_full_kl, h, w, rh, rw, 1.0, upstream)
-    want, want_h, want_w = _full_kl_and_grads(fused_full_kl_reference, h, w, rh, rw, 1.0, upstream)
-    assert kl.dtype == torch.float32 and d_h.dtype == torch.float64 and d_w.dtype == torch.float64
-    torch.testing.assert_close(kl, want, rtol=1e-5, atol=1e-5)
-    _assert_grad_close(d_h, want_h, torch.float32)
-    _assert_grad_close(d_w, want_w, torch.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -162,56 +149,91 @@ def test_float64_inputs_are_computed_in_fp32(triton_device):
 # ---------------------------------------------------------------------------
 
 
-def _models(lead, hid, hid_ref, vocab, dtype, device, scale=1.0):
-    """Policy and reference (hidden, weight) with O(1)·scale logits."""
-    hidden = torch.randn(*lead, hid) * scale
-    weight = torch.randn(vocab, hid) / math.sqrt(hid) * 3
-    ref_hidden = torch.randn(*lead, hid_ref) * scale
-    ref_weight = torch.randn(vocab, hid_ref) / math.sqrt(hid_ref) * 3
-    return [t.to(device=device, dtype=dtype) for t in (hidden, weight, ref_hidden, ref_weight)]
+def _models(lead, hid, hid_ref, vocab, dtype, device, scale=1.0, bias=False):
+    """Policy and reference (hidden, weight, bias) with O(1)·scale logits; biases only with ``bias``."""
+    hidden, weight, b = lm_head_inputs(lead, hid, vocab, dtype, device, bias=bias, logit_scale=3.0)
+    ref_hidden, ref_weight, ref_b = lm_head_inputs(lead, hid_ref, vocab, dtype, device, bias=bias, logit_scale=3.0)
+    if scale != 1.0:
+        hidden, ref_hidden = hidden * scale, ref_hidden * scale
+    return (hidden, weight, ref_hidden, ref_weight) + ((b, ref_b) if bias else ())
 
 
-def _full_kl_and_grads(fn, hidden, weight, ref_hidden, ref_weight, temperature, upstream):
-    hidden = hidden.detach().requires_grad_()
-    weight = weight.detach().requires_grad_()
-    kl = fn(hidden, weight, ref_hidden, ref_weight, temperature)
-    d_hidden, d_weight = torch.autograd.grad(kl, (hidden, weight), upstream.to(kl.dtype))
-    return kl, d_hidden, d_weight
-
-
-def _assert_grad_close(got, want, dtype):
-    # A gradient is a sum over the vocabulary (or the tokens): its rounding is
-    # relative to the largest term, so atol scales with the gradient's size.
-    t = tol(dtype)
-    torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=t["rtol"],
-                               atol=t["atol"] * max(1.0, want.abs().max().item()))
+def _full_kl_and_grads(fn, hidden, weight, ref_hidden, ref_weight, temperature, upstream, bias=None, ref_bias=None):
+    """(kl, grad_hidden, grad_weight[, grad_bias]) for the upstream gradient."""
+    params = [hidden.detach().requires_grad_(), weight.detach().requires_grad_()]
+    if bias is not None:
+        params.append(bias.detach().requires_grad_())
+    kl = fn(params[0], params[1], ref_hidden, ref_weight, temperature, bias=params[2] if bias is not None else None,
+            ref_bias=ref_bias)
+    return (kl, *torch.autograd.grad(kl, params, upstream.to(kl.dtype)))
 
 
 FULL_KL_CASES = [
-    # lead, H, H_ref, V, temperature, dtype
-    ((5,), 16, 16, 37, 1.0, torch.float32),
-    ((1,), 24, 40, 130, 0.3, torch.float32),
-    ((2, 3), 32, 16, 37, 1.7, torch.float32),
-    ((20,), 16, 24, 100, 1.0, torch.float32),  # two row blocks, several V chunks
-    ((2, 3), 16, 16, 130, 1.0, torch.bfloat16),
-    ((7,), 16, 24, 37, 0.3, torch.float16),
+    # lead, H, H_ref, V, temperature, dtype, biases
+    ((5,), 16, 16, 37, 1.0, torch.float32, False),
+    ((1,), 24, 40, 130, 0.3, torch.float32, True),
+    ((2, 3), 32, 16, 37, 1.7, torch.float32, True),
+    ((20,), 16, 24, 100, 1.0, torch.float32, False),  # two row blocks, several V chunks
+    ((2, 3), 16, 16, 130, 1.0, torch.bfloat16, True),
+    ((7,), 16, 24, 37, 0.3, torch.float16, False),
+    ((3,), 16, 24, 53, 1.75, torch.float64, True),  # fp64 end to end: held to fp64 tolerances
 ]
 
 
-@pytest.mark.parametrize("lead,hid,hid_ref,vocab,temperature,dtype", FULL_KL_CASES, ids=str)
-def test_fused_full_kl_matches_float64_reference(triton_device, lead, hid, hid_ref, vocab, temperature, dtype):
-    h, w, rh, rw = _models(lead, hid, hid_ref, vocab, dtype, triton_device)
+@pytest.mark.parametrize("lead,hid,hid_ref,vocab,temperature,dtype,biases", FULL_KL_CASES, ids=str)
+def test_fused_full_kl_matches_float64_reference(triton_device, lead, hid, hid_ref, vocab, temperature, dtype, biases):
+    h, w, rh, rw, *b = _models(lead, hid, hid_ref, vocab, dtype, triton_device, bias=biases)
+    bias, ref_bias = b if biases else (None, None)
     upstream = torch.randn(lead, device=triton_device)
-    kl, d_h, d_w = _full_kl_and_grads(fused_full_kl, h, w, rh, rw, temperature, upstream)
-    want, want_h, want_w = _full_kl_and_grads(
-        fused_full_kl_reference, h.double(), w.double(), rh.double(), rw.double(), temperature, upstream.double()
-    )
-    assert kl.shape == lead and kl.dtype == torch.float32
-    assert d_h.dtype == dtype and d_w.dtype == dtype
-    # The forward accumulates fp32 whatever the input dtype.
-    torch.testing.assert_close(kl.double(), want.double(), rtol=1e-5, atol=1e-5)
-    _assert_grad_close(d_h, want_h, dtype)
-    _assert_grad_close(d_w, want_w, dtype)
+    got = _full_kl_and_grads(fused_full_kl, h, w, rh, rw, temperature, upstream, bias, ref_bias)
+    as64 = [None if t is None else t.double() for t in (h, w, rh, rw, bias, ref_bias)]
+    want = _full_kl_and_grads(fused_full_kl_reference, *as64[:4], temperature, upstream.double(), *as64[4:])
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert got[0].shape == lead and got[0].dtype == acc
+    assert [g.dtype for g in got[1:]] == [dtype] * len(got[1:])
+    # The forward accumulates in fp32 (fp64 for fp64) whatever the input dtype.
+    assert_close(got[0], want[0], acc, extra_atol=0.0 if dtype == torch.float64 else 1e-5)
+    for g, g_ref in zip(got[1:], want[1:]):
+        assert g.abs().max() > 0
+        assert_grad_close(g, g_ref, dtype)
+
+
+def test_fused_full_kl_gradcheck_fp64(triton_device):
+    h, w, rh, rw, b, rb = _models((3,), 16, 16, 40, torch.float64, triton_device, bias=True)
+    fn = lambda h, w, b: fused_full_kl(h, w, rh, rw, 0.5, bias=b, ref_bias=rb)  # noqa: E731
+    torch.autograd.gradcheck(fn, (h.requires_grad_(), w.requires_grad_(), b.requires_grad_()), fast_mode=True)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NumPy, on lanes the kernel drops
+def test_fused_full_kl_banned_tokens(triton_device):
+    # −inf biases (vocabulary masking) in both models, covering a whole first tile and split boundaries;
+    # one more token banned by the policy only (p = 0 there: it adds nothing, whatever q is).
+    h, w, rh, rw, b, rb = _models((4,), 16, 16, 100, torch.float32, triton_device, bias=True)
+    banned = torch.zeros(100, dtype=torch.bool, device=triton_device)
+    banned[:40] = True
+    banned[60::7] = True
+    b, rb = b.masked_fill(banned, float("-inf")), rb.masked_fill(banned, float("-inf"))
+    b[50] = float("-inf")
+    upstream = torch.randn(4, device=triton_device)
+    got = _full_kl_and_grads(fused_full_kl, h, w, rh, rw, 1.0, upstream, b, rb)
+    want = _full_kl_and_grads(fused_full_kl_reference, h.double(), w.double(), rh.double(), rw.double(), 1.0,
+                              upstream.double(), b.double(), rb.double())
+    assert all(torch.isfinite(t).all() for t in got)
+    assert_close(got[0], want[0], torch.float32)
+    for g, g_ref in zip(got[1:], want[1:]):
+        assert_grad_close(g, g_ref, torch.float32)
+    assert (got[2][banned] == 0).all() and (got[3][banned] == 0).all()  # no gradient to banned tokens
+
+
+def test_fused_full_kl_tied_weights_are_read_in_place(triton_device):
+    # Tied embeddings as LM heads through transposed views: the kernel reads their strides, nothing is copied.
+    emb, ref_emb = torch.randn(16, 45, device=triton_device), torch.randn(24, 45, device=triton_device)
+    h, rh = torch.randn(5, 16, device=triton_device), torch.randn(5, 24, device=triton_device)
+    with recorded_launches(kl_mod, "_full_kl_fwd_kernel") as launches:
+        kl = fused_full_kl(h, emb.T, rh, ref_emb.T)
+    assert [(a[3].data_ptr(), a[10].data_ptr()) for a in launches] == [(emb.data_ptr(), ref_emb.data_ptr())]
+    assert_close(kl, fused_full_kl_reference(h.double(), emb.T.double(), rh.double(), ref_emb.T.double()),
+                 torch.float32)
 
 
 def test_fused_full_kl_reference_is_the_kl_divergence():
@@ -236,8 +258,8 @@ def test_fused_full_kl_large_magnitude(triton_device):
     assert logit_scale > 1e3
     # fp32 logits of size L carry ~L·6e-8 of rounding each; the KL inherits it.
     torch.testing.assert_close(kl.double(), want.double(), rtol=1e-5, atol=logit_scale * 1e-6)
-    _assert_grad_close(d_h, want_h, torch.float32)
-    _assert_grad_close(d_w, want_w, torch.float32)
+    assert_grad_close(d_h, want_h, torch.float32)
+    assert_grad_close(d_w, want_w, torch.float32)
 
 
 def test_fused_full_kl_nonnegative_and_zero_for_identical_models(triton_device):
@@ -287,7 +309,7 @@ def test_fused_full_kl_only_weight_needs_grad(triton_device):
     fused_full_kl(h, w, rh, rw).sum().backward()
     want_w = w.detach().double().requires_grad_()
     fused_full_kl_reference(h.double(), want_w, rh.double(), rw.double()).sum().backward()
-    _assert_grad_close(w.grad, want_w.grad, torch.float32)
+    assert_grad_close(w.grad, want_w.grad, torch.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -351,9 +373,9 @@ def test_fused_full_kl_bad_input(fn):
             fn(h, w, rh, rw, bad_t)
     with pytest.raises(ValueError, match="ref_weight has vocabulary size 18"):
         fn(h, w, rh, rw[:18])
-    with pytest.raises(ValueError, match="hidden has hidden size 8.*weight"):
+    with pytest.raises(ValueError, match="hidden has last dimension 8.*weight"):
         fn(h, w[:, :7], rh, rw)
-    with pytest.raises(ValueError, match="ref_hidden has hidden size 12.*ref_weight"):
+    with pytest.raises(ValueError, match="ref_hidden has last dimension 12.*ref_weight"):
         fn(h, w, rh, rw[:, :11])
     with pytest.raises(ValueError, match="ref_hidden has leading shape"):
         fn(h, w, rh[:, :2], rw)
@@ -361,8 +383,14 @@ def test_fused_full_kl_bad_input(fn):
         fn(torch.ones(2, 3, 8, dtype=torch.int64), w, rh, rw)
     with pytest.raises(TypeError, match="ref_weight must have dtype"):
         fn(h, w, rh, rw.to(torch.int32))
-    with pytest.raises(TypeError, match="hidden is torch.float32 but weight is torch.bfloat16"):
+    with pytest.raises(TypeError, match="weight has dtype torch.bfloat16 but hidden has torch.float32"):
         fn(h, w.bfloat16(), rh, rw)
+    with pytest.raises(ValueError, match="ref_bias has shape"):
+        fn(h, w, rh, rw, bias=torch.randn(19), ref_bias=torch.randn(18))
+    with pytest.raises(TypeError, match="bias must have dtype"):
+        fn(h, w, rh, rw, bias=torch.ones(19, dtype=torch.int64))
+    with pytest.raises(ValueError, match="bias is on meta"):
+        fn(h, w, rh, rw, bias=torch.randn(19, device="meta"))
     with pytest.raises(ValueError, match="weight must be 2-D"):
         fn(h, w[None], rh, rw)
     with pytest.raises(ValueError, match="ref_weight is on meta"):

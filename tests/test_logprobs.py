@@ -8,20 +8,19 @@ kernels) and 16×16×16 tiles with up to 4 vocabulary splits (fused forward) and
 partial tiles, several tiles, several splits and several chunks.
 """
 import math
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastppo.kernels import logprobs as logprobs_mod
 from fastppo.kernels import (
     fused_token_logprobs,
     fused_token_logprobs_reference,
     token_logprobs,
     token_logprobs_reference,
 )
-from helpers import tol
+from helpers import assert_close, assert_grad_close, recorded_launches, triton_device_or_skip
 
 F32_EPS = torch.finfo(torch.float32).eps
 
@@ -37,19 +36,6 @@ def _loss(outputs, upstream):
     """Σ g·out over the outputs that get a gradient (upstream None = no gradient)."""
     terms = [(o * g.to(o.dtype)).sum() for o, g in zip(outputs, upstream) if g is not None]
     return sum(terms)
-
-
-def _assert_close(actual, expected, dtype, extra_atol=0.0, normwise=False):
-    """assert_close at the dtype's tolerance.
-
-    ``normwise`` scales atol by max|expected| (at least 1): for gradients, whose
-    rounding errors are relative to the largest entry of the row (the lse and H
-    they depend on are shared by the whole row), not to each entry.
-    """
-    t = dict(tol(dtype))
-    scale = max(1.0, expected.detach().abs().max().item()) if normwise else 1.0
-    t["atol"] = t["atol"] * scale + extra_atol
-    torch.testing.assert_close(actual.double(), expected.double(), **t)
 
 
 def _check_token_logprobs(device, lead_shape, vocab, dtype, temperature, *, scale=3.0, return_entropy=True,
@@ -69,7 +55,7 @@ def _check_token_logprobs(device, lead_shape, vocab, dtype, temperature, *, scal
     extra = 8 * F32_EPS * logits.detach().abs().max().item() / temperature
     for o, r in zip(out, ref):
         assert o.dtype == expected_dtype and o.shape == index.shape
-        _assert_close(o, r, dtype, extra)
+        assert_close(o, r, dtype, extra_atol=extra)
     if return_entropy:
         ent = out[1].detach()
         assert (ent >= -1e-4).all() and (ent <= math.log(vocab) + 1e-4).all()
@@ -81,7 +67,7 @@ def _check_token_logprobs(device, lead_shape, vocab, dtype, temperature, *, scal
     (grad_ref,) = torch.autograd.grad(_loss(ref, upstream), leaf)
     assert grad.dtype == dtype and grad.shape == logits.shape
     assert grad.abs().max() > 0
-    _assert_close(grad, grad_ref, dtype, extra, normwise=True)
+    assert_grad_close(grad, grad_ref, dtype, extra_atol=extra)
 
 
 # --------------------------------------------------------------------------- token_logprobs, Triton path
@@ -143,8 +129,8 @@ def test_non_contiguous_logits(triton_device):
         index = torch.randint(0, 40, logits.shape[:-1], device=triton_device)
         lp, ent = token_logprobs(logits, index, 1.0, return_entropy=True)
         lp_ref, ent_ref = token_logprobs_reference(logits.double(), index, 1.0, return_entropy=True)
-        _assert_close(lp, lp_ref, torch.float32)
-        _assert_close(ent, ent_ref, torch.float32)
+        assert_close(lp, lp_ref, torch.float32)
+        assert_close(ent, ent_ref, torch.float32)
 
 
 def test_gradcheck_triton_fp64(triton_device):
@@ -165,7 +151,7 @@ def test_without_grad_and_under_no_grad(triton_device):
     with torch.no_grad():
         lp = token_logprobs(logits.requires_grad_(), index)
     assert not lp.requires_grad
-    _assert_close(lp, token_logprobs_reference(logits.detach().double(), index), torch.float32)
+    assert_close(lp, token_logprobs_reference(logits.detach().double(), index), torch.float32)
 
 
 # --------------------------------------------------------------------------- properties (Triton path)
@@ -181,13 +167,7 @@ def test_without_grad_and_under_no_grad(triton_device):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_properties(vocab, rows, scale, temperature, shift, seed):
-    # (hypothesis cannot take the function-scoped triton_device fixture)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        device = "cpu"
-    elif torch.cuda.is_available():
-        device = "cuda"
-    else:
-        pytest.skip("the Triton path needs a CUDA GPU or TRITON_INTERPRET=1")
+    device = triton_device_or_skip()  # hypothesis cannot take the function-scoped fixture
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=gen) * scale).to(device)
     # Every index value for every row: rows·V queries of the same distributions.
@@ -222,8 +202,8 @@ def test_reference_computes_in_fp32(reference_path, dtype):
     lp, ent = token_logprobs(logits, index, return_entropy=True)
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
     lp64, ent64 = token_logprobs_reference(logits.double(), index, return_entropy=True)
-    _assert_close(lp, lp64, torch.float32)
-    _assert_close(ent, ent64, torch.float32)
+    assert_close(lp, lp64, torch.float32)
+    assert_close(ent, ent64, torch.float32)
 
 
 def test_reference_gradcheck(reference_path):
@@ -260,7 +240,7 @@ def _check_fused(device, lead_shape, hdim, vocab, dtype, temperature, *, with_bi
     out, ref = (out, ref) if return_entropy else ((out,), (ref,))
     for o, r in zip(out, ref):
         assert o.shape == index.shape and o.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-        _assert_close(o, r, dtype)
+        assert_close(o, r, dtype)
 
     upstream = [torch.randn(index.shape, dtype=torch.float64, device=device) if grad_logp else None]
     if return_entropy:
@@ -271,7 +251,7 @@ def _check_fused(device, lead_shape, hdim, vocab, dtype, temperature, *, with_bi
     for g, g_ref, p in zip(grads, grads_ref, wanted):
         assert g.dtype == p.dtype and g.shape == p.shape
         assert g.abs().max() > 0
-        _assert_close(g, g_ref, dtype, normwise=True)
+        assert_grad_close(g, g_ref, dtype)
 
 
 @pytest.mark.parametrize(
@@ -311,14 +291,22 @@ def test_fused_equals_token_logprobs(triton_device):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_fused_non_contiguous_weight(triton_device):
-    # A tied embedding used as the LM head through a transposed view.
+def test_fused_tied_weight_is_read_in_place(triton_device):
+    # A tied embedding used as the LM head through a transposed view: the kernel reads its strides.
     emb = torch.randn(16, 60, device=triton_device)
-    weight = emb.T  # [V=60, H=16], strides (1, 60)
-    hidden = torch.randn(5, 16, device=triton_device)
+    weight = emb.T.requires_grad_()  # [V=60, H=16], strides (1, 60)
+    hidden = torch.randn(5, 16, device=triton_device, requires_grad=True)
     index = torch.randint(0, 60, (5,), device=triton_device)
-    lp = fused_token_logprobs(hidden, weight, index)
-    _assert_close(lp, fused_token_logprobs_reference(hidden.double(), weight.double(), index), torch.float32)
+    with recorded_launches(logprobs_mod, "_fused_token_logprobs_fwd_kernel") as launches:
+        lp = fused_token_logprobs(hidden, weight, index)
+    assert [a[3].data_ptr() for a in launches] == [emb.data_ptr()]  # the caller's storage, not a copy
+    leaves = [hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()]
+    ref = fused_token_logprobs_reference(*leaves, index)
+    assert_close(lp, ref, torch.float32)
+    upstream = torch.randn(5, device=triton_device)
+    grads = torch.autograd.grad(lp, (hidden, weight), upstream)
+    for g, r in zip(grads, torch.autograd.grad(ref, leaves, upstream.double())):
+        assert_grad_close(g, r, torch.float32)
 
 
 def test_fused_gradcheck_triton_fp64(triton_device):
@@ -337,8 +325,8 @@ def test_fused_reference_path(reference_path):
     lp, ent = fused_token_logprobs(hidden, weight, index, 0.9, return_entropy=True)
     assert lp.dtype == torch.float32
     lp2, ent2 = token_logprobs_reference(hidden.double() @ weight.double().T, index, 0.9, return_entropy=True)
-    _assert_close(lp, lp2, torch.float32)
-    _assert_close(ent, ent2, torch.float32)
+    assert_close(lp, lp2, torch.float32)
+    assert_close(ent, ent2, torch.float32)
 
 
 # --------------------------------------------------------------------------- bad input

@@ -1,7 +1,8 @@
 """fastppo.kernels: fused kernels for PPO on language models.
 
 Each module holds a Triton (or C++/CUDA) kernel, its autograd wrapper and a
-plain PyTorch reference of the same math. Dispatch (``_common.use_triton``):
+plain PyTorch reference of the same math; the LM-head kernels (logprobs, kl,
+ppo_loss) share one private core, ``_lmhead``. Dispatch (``_common.use_triton``):
 CUDA tensors take the kernel, CPU tensors the reference, and
 ``TRITON_INTERPRET=1`` runs the Triton kernels on CPU tensors.
 """
@@ -20,13 +21,17 @@ from fastppo.kernels.logprobs import (
     token_logprobs_reference,
 )
 from fastppo.kernels.masking import extension_backend, truncate_at_stop, truncate_at_stop_reference
+from fastppo.kernels.ppo_loss import PPOPolicyLossOutput, fused_ppo_policy_loss, fused_ppo_policy_loss_reference
 from fastppo.kernels.stats import masked_mean, masked_var, masked_whiten
 
 __all__ = [
     "KL_ESTIMATORS",
+    "PPOPolicyLossOutput",
     "extension_backend",
     "fused_full_kl",
     "fused_full_kl_reference",
+    "fused_ppo_policy_loss",
+    "fused_ppo_policy_loss_reference",
     "fused_token_logprobs",
     "fused_token_logprobs_reference",
     "gae",

@@ -9,9 +9,18 @@ Dispatch rule, decided here and nowhere else:
 Triton reads ``TRITON_INTERPRET`` when a kernel is *decorated*, so the variable
 must be set before ``fastppo.kernels`` is first imported; we read it at call
 time here so a test can still route a call to the reference path.
+
+Also here: the launch helper every kernel module goes through (it sets the
+CUDA device of the tensors, so a launch on ``cuda:1`` works whatever the
+current device is) and the tile-override hook ``bench/tune.py`` uses.
+Importing this module changes nothing in Triton: the interpreter backport for
+older Triton versions is installed by the test and bench setup
+(``fastppo.kernels._interpreter``), not by the library.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 from collections.abc import Iterable
 
@@ -25,36 +34,6 @@ try:  # Triton ships with CUDA builds of torch on Linux; elsewhere it may be abs
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = tl = None
     HAS_TRITON = False
-
-
-def _interpreter_index_backport() -> None:
-    """Let older Triton interpreters (3.6 here) loop over runtime bounds with NumPy >= 2.4.
-
-    That interpreter turns a scalar (a shape-(1,) array) into a Python index
-    with ``int(array)``, which NumPy 2.4 refuses, so ``range(0, n, BLOCK)``
-    fails under TRITON_INTERPRET=1 (Triton 3.6 is what GPU images ship).
-    Triton 3.9 squeezes first; this does the same on older ones. It touches
-    the interpreter only, never compiled kernels, and nothing on Triton 3.9+.
-    """
-    try:
-        from triton.runtime import interpreter
-        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
-    except (ImportError, ValueError):  # pragma: no cover
-        return
-    patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if (major, minor) >= (3, 9) or patch is None or getattr(patch, "_fastppo_index", False):
-        return
-
-    def _patch_lang_tensor(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    _patch_lang_tensor._fastppo_index = True
-    interpreter._patch_lang_tensor = _patch_lang_tensor
-
-
-if HAS_TRITON:
-    _interpreter_index_backport()
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -100,36 +79,35 @@ def check_tensor(
         raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(x.shape)}")
 
 
+def _first_mismatch(tensors: dict, key):
+    """(name, tensor, first name, first tensor) of the first non-None tensor whose ``key`` differs, or None."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    for name, t in items[1:]:
+        if key(t) != key(items[0][1]):
+            return name, t, *items[0]
+    return None
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> None:
     """Raise ValueError naming the tensor whose device differs from the first one's."""
-    items = [(n, t) for n, t in tensors.items() if t is not None]
-    if not items:
-        return
-    first_name, first = items[0]
-    for name, t in items[1:]:
-        if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; put them on one device")
+    bad = _first_mismatch(tensors, lambda t: t.device)
+    if bad:
+        name, t, first_name, first = bad
+        raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; put them on one device")
 
 
 def check_same_shape(**tensors: torch.Tensor | None) -> None:
     """Raise ValueError naming the tensor whose shape differs from the first one's."""
-    items = [(n, t) for n, t in tensors.items() if t is not None]
-    if not items:
-        return
-    first_name, first = items[0]
-    for name, t in items[1:]:
-        if t.shape != first.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but {first_name} has shape {tuple(first.shape)}; they must match")
+    bad = _first_mismatch(tensors, lambda t: t.shape)
+    if bad:
+        name, t, first_name, first = bad
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but {first_name} has shape {tuple(first.shape)}; "
+                         "they must match")
 
 
 def check_temperature(temperature) -> float:
     """Temperatures divide logits: they must be finite numbers > 0."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    temperature = float(temperature)
-    if not (temperature > 0.0) or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    return temperature
+    return check_float("temperature", temperature, minimum=0.0, exclusive_minimum=True)
 
 
 def check_index_range(index: torch.Tensor, vocab_size: int, name: str = "index") -> None:
@@ -144,3 +122,76 @@ def check_index_range(index: torch.Tensor, vocab_size: int, name: str = "index")
     lo, hi = int(index.min()), int(index.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{name} values must lie in [0, {vocab_size}), got min {lo}, max {hi}")
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def device_guard(device: torch.device):
+    """``torch.cuda.device(device)`` for a CUDA device, a no-op context otherwise."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def launch(kernel, grid, device: torch.device, *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)`` with ``device`` made current for the launch.
+
+    Every Triton launch in ``fastppo.kernels`` goes through here (a test checks
+    it): Triton launches on the *current* CUDA device, so without the guard a
+    call on tensors of ``cuda:1`` from a process whose current device is 0
+    would run on the wrong device.
+    """
+    with device_guard(device):
+        kernel[grid](*args, **meta)
+
+
+# --------------------------------------------------------------------------- tile choices
+
+# The names of every launch choice a tuner may vary, each returned by one tile
+# function of one kernel module (``bench/tune.py`` times candidates for each).
+TILE_NAMES = (
+    "token_logprobs",  # logprobs._token_logprobs_tile: row forward kernel
+    "softmax_dlogits",  # logprobs._softmax_dlogits_tile: elementwise dlogits kernels (both LM-head backwards)
+    "fused_token_logprobs",  # logprobs._fused_token_logprobs_tile: fused forward
+    "fused_full_kl",  # kl._full_kl_tile: fused forward
+    "lmhead_backward",  # _lmhead.bwd_chunk_cols: vocabulary columns per backward chunk
+    "fused_ppo_policy_loss",  # ppo_loss._ppo_loss_tile: token chunk and row kernel
+    "kl_penalty",  # kl._kl_penalty_tile
+    "gae",  # gae._gae_tile
+)
+_TILE_OVERRIDES: dict[str, object] = {}
+
+
+def tile_choice(name: str, default):
+    """The tile a tile function returns: ``default``, unless a tuner overrides ``name``."""
+    return _TILE_OVERRIDES.get(name, default)
+
+
+@contextlib.contextmanager
+def override_tile(name: str, tile):
+    """Within the block, the tile function named ``name`` returns ``tile`` (for ``bench/tune.py``)."""
+    if name not in TILE_NAMES:
+        raise ValueError(f"name must be one of {', '.join(TILE_NAMES)}; got {name!r}")
+    previous = _TILE_OVERRIDES.get(name)
+    _TILE_OVERRIDES[name] = tile
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _TILE_OVERRIDES[name]
+        else:
+            _TILE_OVERRIDES[name] = previous
+
+
+def check_float(name: str, x, *, minimum: float | None = None, maximum: float | None = None,
+                exclusive_minimum: bool = False) -> float:
+    """A finite Python number in [minimum, maximum] (``(minimum, ...`` with ``exclusive_minimum``), as a float."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
+    x = float(x)
+    low_ok = minimum is None or (x > minimum if exclusive_minimum else x >= minimum)
+    if not (math.isfinite(x) and low_ok and (maximum is None or x <= maximum)):
+        low = "" if minimum is None else f"{'>' if exclusive_minimum else '>='} {minimum}"
+        high = "" if maximum is None else f"<= {maximum}"
+        bounds = " and ".join(b for b in (low, high) if b)
+        raise ValueError(f"{name} must be a finite number{' ' + bounds if bounds else ''}, got {x}")
+    return x

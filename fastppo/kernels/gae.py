@@ -47,24 +47,15 @@ later tile: T/BLOCK_T serial steps per row instead of T.
 """
 from __future__ import annotations
 
-import contextlib
+from typing import NamedTuple
 
 import torch
 
-from fastppo.kernels._common import (
-    FLOAT_DTYPES,
-    HAS_TRITON,
-    MASK_DTYPES,
-    check_same_device,
-    check_same_shape,
-    check_tensor,
-    tl,
-    triton,
-    use_triton,
-)
+from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, MASK_DTYPES, check_same_device, check_float
+from fastppo.kernels._common import check_same_shape, check_tensor, launch, tile_choice, tl, triton, use_triton
 
 
-# --------------------------------------------------------------------------- kernel
+# --------------------------------------------------------------------------- kernels
 
 if HAS_TRITON:
 
@@ -75,7 +66,7 @@ if HAS_TRITON:
         return a1 * a2, a2 * b1 + b2
 
     @triton.jit
-    def _gae_kernel(
+    def _gae_fwd_kernel(
         rewards_ptr,
         values_ptr,
         mask_ptr,
@@ -109,10 +100,7 @@ if HAS_TRITON:
         # skip_masked, the value of the first real token after the tile.
         carry_a = tl.zeros([BLOCK_B], dtype=tl.float32)
         carry_v = tl.zeros([BLOCK_B], dtype=tl.float32)
-        # A while loop, not range(0, T, BLOCK_T): triton 3.6's interpreter cannot
-        # turn a runtime int argument into a Python index under numpy 2.
-        start = 0
-        while start < T:
+        for start in range(0, T, BLOCK_T):
             t = T - 1 - start - j  # reversed: j = 0 is the latest time
             ok = row_ok[:, None] & (t >= 0)[None, :]
             ok1 = ok & (t + 1 < T)[None, :]
@@ -151,10 +139,27 @@ if HAS_TRITON:
                 ret = tl.where(m, ret, zeros)
             tl.store(adv_ptr + o_off + tt, adv, mask=ok)
             tl.store(ret_ptr + o_off + tt, ret, mask=ok)
-            start += BLOCK_T
 
 
-def _launch_gae(rewards, values, mask, gamma, lam, skip_masked):
+# --------------------------------------------------------------------------- launchers
+
+
+class GAETile(NamedTuple):
+    """``gae``'s launch choice (what ``bench/tune.py`` varies)."""
+
+    block_b: int  # rows per program
+    block_t: int  # positions per serial step of the scan
+    num_warps: int
+
+
+def _gae_tile(B: int, T: int, device: torch.device) -> GAETile:
+    """One row per program keeps B programs in flight (the rows are independent); a tile of up to
+    512 positions per serial step. Not tuned on a GPU yet."""
+    block_b = 1 if B < 4096 else 4
+    return tile_choice("gae", GAETile(block_b, min(512, max(16, triton.next_power_of_2(T))), 4))
+
+
+def _launch_gae_fwd(rewards, values, mask, gamma, lam, skip_masked):
     B, T = rewards.shape
     adv = torch.empty((B, T), dtype=torch.float32, device=rewards.device)
     ret = torch.empty((B, T), dtype=torch.float32, device=rewards.device)
@@ -162,38 +167,18 @@ def _launch_gae(rewards, values, mask, gamma, lam, skip_masked):
         return adv, ret
     # The kernel reads along T with unit stride; rows may be strided.
     rewards, values, mask = (x if x.stride(1) == 1 else x.contiguous() for x in (rewards, values, mask))
-    # One row per program keeps B programs in flight (the rows are independent);
-    # a tile of up to 512 positions per serial step. Not tuned on a GPU yet.
-    block_t = min(512, max(16, triton.next_power_of_2(T)))
-    block_b = 1 if B < 4096 else 4
-    grid = (triton.cdiv(B, block_b),)
-    with torch.cuda.device(rewards.device) if rewards.is_cuda else contextlib.nullcontext():
-        _gae_kernel[grid](
-            rewards, values, mask, adv, ret,
-            B, T,
-            rewards.stride(0), values.stride(0), mask.stride(0), adv.stride(0),
-            gamma, lam,
-            SKIP_MASKED=skip_masked,
-            BLOCK_B=block_b,
-            BLOCK_T=block_t,
-            num_warps=4,
-        )
+    tile = _gae_tile(B, T, rewards.device)
+    launch(_gae_fwd_kernel, (triton.cdiv(B, tile.block_b),), rewards.device,
+           rewards, values, mask, adv, ret, B, T,
+           rewards.stride(0), values.stride(0), mask.stride(0), adv.stride(0), gamma, lam,
+           SKIP_MASKED=skip_masked, BLOCK_B=tile.block_b, BLOCK_T=tile.block_t, num_warps=tile.num_warps)
     return adv, ret
 
 
-# --------------------------------------------------------------------------- validation
+# --------------------------------------------------------------------------- public API
 
 
-def _check_coefficient(name: str, x) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{name} must be a float in [0, 1], got {type(x).__name__}")
-    x = float(x)
-    if not (0.0 <= x <= 1.0):  # also rejects NaN
-        raise ValueError(f"{name} must lie in [0, 1], got {x}")
-    return x
-
-
-def _validate(rewards, values, mask, gamma, lam, skip_masked):
+def _check_gae_args(rewards, values, mask, gamma, lam, skip_masked):
     check_tensor("rewards", rewards, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("values", values, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("mask", mask, ndim=2, dtypes=MASK_DTYPES)
@@ -201,27 +186,45 @@ def _validate(rewards, values, mask, gamma, lam, skip_masked):
     check_same_device(rewards=rewards, values=values, mask=mask)
     if not isinstance(skip_masked, bool):
         raise TypeError(f"skip_masked must be a bool, got {type(skip_masked).__name__}")
-    return _check_coefficient("gamma", gamma), _check_coefficient("lam", lam)
-
-
-# --------------------------------------------------------------------------- reference
+    return (check_float("gamma", gamma, minimum=0.0, maximum=1.0), check_float("lam", lam, minimum=0.0, maximum=1.0))
 
 
 @torch.no_grad()
-def gae_reference(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-    skip_masked: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards, values, mask, gamma: float, lam: float, skip_masked: bool = False):
+    """Advantages and returns by GAE, each [B, T] fp32.
+
+    Args:
+        rewards: [B, T] per-token rewards, any float dtype.
+        values: [B, T] value estimates V_t, any float dtype.
+        mask: [B, T] bool (or numbers, nonzero = real) marking real response tokens.
+        gamma: discount γ in [0, 1].
+        lam: GAE λ in [0, 1].
+        skip_masked: False = TRL / N+ loop over right-padded responses (outputs 0
+            on masked positions); True = verl semantics, masked interior tokens
+            carry the running value and advantage across them. Exact definitions
+            in the module docstring.
+
+    CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton
+    scan; other CPU tensors run :func:`gae_reference`. No host syncs on CUDA.
+    """
+    gamma, lam = _check_gae_args(rewards, values, mask, gamma, lam, skip_masked)
+    if use_triton(rewards):
+        return _launch_gae_fwd(rewards, values, mask, gamma, lam, skip_masked)
+    adv, ret = gae_reference(rewards, values, mask, gamma, lam, skip_masked)
+    return adv.float(), ret.float()
+
+
+# --------------------------------------------------------------------------- references
+
+
+@torch.no_grad()
+def gae_reference(rewards, values, mask, gamma: float, lam: float, skip_masked: bool = False):
     """The plain reverse loop over t, both semantics (see the module docstring).
 
     Computes in float64 when either input is float64 (the tests' oracle), in
     float32 otherwise. Returns (advantages, returns), each [B, T].
     """
-    gamma, lam = _validate(rewards, values, mask, gamma, lam, skip_masked)
+    gamma, lam = _check_gae_args(rewards, values, mask, gamma, lam, skip_masked)
     dtype = torch.float64 if torch.float64 in (rewards.dtype, values.dtype) else torch.float32
     r, v, m = rewards.to(dtype), values.to(dtype), mask != 0
     if not skip_masked:
@@ -245,41 +248,6 @@ def gae_reference(
         zero = torch.zeros((), dtype=dtype, device=r.device)
         adv, ret = torch.where(m, adv, zero), torch.where(m, ret, zero)
     return adv, ret
-
-
-# --------------------------------------------------------------------------- public API
-
-
-@torch.no_grad()
-def gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-    skip_masked: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns by GAE, each [B, T] fp32.
-
-    Args:
-        rewards: [B, T] per-token rewards, any float dtype.
-        values: [B, T] value estimates V_t, any float dtype.
-        mask: [B, T] bool (or numbers, nonzero = real) marking real response tokens.
-        gamma: discount γ in [0, 1].
-        lam: GAE λ in [0, 1].
-        skip_masked: False = TRL / N+ loop over right-padded responses (outputs 0
-            on masked positions); True = verl semantics, masked interior tokens
-            carry the running value and advantage across them. Exact definitions
-            in the module docstring.
-
-    CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton
-    scan; other CPU tensors run :func:`gae_reference`. No host syncs on CUDA.
-    """
-    gamma, lam = _validate(rewards, values, mask, gamma, lam, skip_masked)
-    if use_triton(rewards):
-        return _launch_gae(rewards, values, mask, gamma, lam, skip_masked)
-    adv, ret = gae_reference(rewards, values, mask, gamma, lam, skip_masked)
-    return adv.float(), ret.float()
 
 
 __all__ = ["gae", "gae_reference"]

@@ -1,8 +1,9 @@
 """truncate_at_stop: cut generated responses at their first stop token.
 
 The fast paths are the C++ (CPU) and CUDA ops in ``csrc/``, registered as
-``torch.ops.fastppo.truncate_at_stop``; the reference below is the oracle in
-tests and the implementation when no compiled op can be had.
+``torch.ops.fastppo.truncate_at_stop``; the reference at the end of the module
+(the same section order as every kernel module: launchers, public, references)
+is the oracle in tests and the implementation when no compiled op can be had.
 
 For each row of ``responses`` [B, T]:
   * ``first`` = position of the first token in ``stop_ids`` (T if none);
@@ -18,22 +19,11 @@ from collections.abc import Sequence
 import torch
 
 from fastppo.kernels import _extension
-from fastppo.kernels._common import INDEX_DTYPES, check_tensor
+from fastppo.kernels._common import INDEX_DTYPES, check_same_device, check_tensor
+
+# --------------------------------------------------------------------------- launchers (the compiled op)
 
 _SCHEMA = "truncate_at_stop(Tensor responses, Tensor stop_ids, int pad_id) -> (Tensor, Tensor, Tensor, Tensor)"
-
-
-def _truncate_reference_impl(responses: torch.Tensor, stop_ids: torch.Tensor, pad_id: int):
-    B, T = responses.shape
-    is_stop = torch.isin(responses, stop_ids)  # [B, T]
-    has_stop = is_stop.any(dim=1)
-    # first_true_indices: the smallest t with is_stop, T where there is none.
-    positions = torch.arange(T, device=responses.device).expand(B, T)
-    first = torch.where(is_stop, positions, T).min(dim=1).values if T > 0 else torch.zeros(B, dtype=torch.long, device=responses.device)
-    lengths = torch.where(has_stop, first + 1, T).to(torch.int64)
-    mask = positions < lengths.unsqueeze(1)
-    truncated = torch.where(mask, responses, torch.full_like(responses, pad_id))
-    return truncated, lengths, mask, has_stop
 
 
 def _fake_impl(responses: torch.Tensor, stop_ids: torch.Tensor, pad_id: int):
@@ -46,17 +36,19 @@ def _fake_impl(responses: torch.Tensor, stop_ids: torch.Tensor, pad_id: int):
     )
 
 
-_REFERENCE_OPS = {"truncate_at_stop": (_SCHEMA, _truncate_reference_impl)}
 _fake_registered = False
 
 
 def _ensure_op() -> str:
     global _fake_registered
-    backend = _extension.load_extension(_REFERENCE_OPS)
+    backend = _extension.load_extension({"truncate_at_stop": (_SCHEMA, _truncate_reference_impl)})
     if not _fake_registered:
         torch.library.register_fake("fastppo::truncate_at_stop")(_fake_impl)
         _fake_registered = True
     return backend
+
+
+# --------------------------------------------------------------------------- public API
 
 
 def extension_backend() -> str:
@@ -67,7 +59,7 @@ def extension_backend() -> str:
     return _ensure_op()
 
 
-def _validate(responses, stop_ids, pad_id) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _check_truncate_at_stop_args(responses, stop_ids, pad_id) -> tuple[torch.Tensor, torch.Tensor, int]:
     if isinstance(responses, torch.Tensor) and responses.is_floating_point():
         raise TypeError(f"responses must hold integer token ids (int32 or int64), got {responses.dtype}")
     check_tensor("responses", responses, ndim=2, dtypes=INDEX_DTYPES)
@@ -80,8 +72,7 @@ def _validate(responses, stop_ids, pad_id) -> tuple[torch.Tensor, torch.Tensor, 
     if isinstance(stop_ids, torch.Tensor):
         if stop_ids.is_floating_point() or stop_ids.dtype == torch.bool:
             raise TypeError(f"stop_ids must hold integer token ids, got {stop_ids.dtype}")
-        if stop_ids.device != responses.device:
-            raise ValueError(f"stop_ids is on {stop_ids.device} but responses is on {responses.device}; put them on one device")
+        check_same_device(responses=responses, stop_ids=stop_ids)
         stop_tensor = stop_ids.reshape(-1).to(torch.int64)
     else:
         ids = [stop_ids] if isinstance(stop_ids, int) and not isinstance(stop_ids, bool) else stop_ids
@@ -112,14 +103,30 @@ def truncate_at_stop(responses: torch.Tensor, stop_ids: int | Sequence[int] | to
     CPU tensors run the C++ op, CUDA tensors the CUDA op (one launch); see
     :func:`extension_backend` for which path is active.
     """
-    responses, stop_tensor, pad_id = _validate(responses, stop_ids, pad_id)
+    responses, stop_tensor, pad_id = _check_truncate_at_stop_args(responses, stop_ids, pad_id)
     _ensure_op()
     return torch.ops.fastppo.truncate_at_stop(responses, stop_tensor, pad_id)
 
 
+# --------------------------------------------------------------------------- references
+
+
+def _truncate_reference_impl(responses: torch.Tensor, stop_ids: torch.Tensor, pad_id: int):
+    B, T = responses.shape
+    is_stop = torch.isin(responses, stop_ids)  # [B, T]
+    has_stop = is_stop.any(dim=1)
+    # first_true_indices: the smallest t with is_stop, T where there is none.
+    positions = torch.arange(T, device=responses.device).expand(B, T)
+    first = torch.where(is_stop, positions, T).min(dim=1).values if T > 0 else torch.zeros(B, dtype=torch.long, device=responses.device)
+    lengths = torch.where(has_stop, first + 1, T).to(torch.int64)
+    mask = positions < lengths.unsqueeze(1)
+    truncated = torch.where(mask, responses, torch.full_like(responses, pad_id))
+    return truncated, lengths, mask, has_stop
+
+
 def truncate_at_stop_reference(responses: torch.Tensor, stop_ids: int | Sequence[int] | torch.Tensor, pad_id: int):
     """Plain PyTorch version of :func:`truncate_at_stop` (the oracle; same arguments and outputs)."""
-    responses, stop_tensor, pad_id = _validate(responses, stop_ids, pad_id)
+    responses, stop_tensor, pad_id = _check_truncate_at_stop_args(responses, stop_ids, pad_id)
     return _truncate_reference_impl(responses, stop_tensor, pad_id)
 
 

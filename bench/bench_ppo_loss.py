@@ -1,0 +1,80 @@
+"""fused_ppo_policy_loss against the unfused paths and the bare three GEMMs.
+
+Run: ``pytest bench/bench_ppo_loss.py --benchmark-group-by=group`` (GPU cases skip without CUDA;
+``--smoke`` runs their code on the CPU).
+
+Shapes (``benchutil.SHAPES["ppo_loss"]``): the LM-head headline N=8192, H=4096, V=128,256 (bf16; the
+kernels issue's target is ≤ 1.1x the bare three GEMMs there), plus N=4096 at (H, V) = (2048, 32,000)
+and (4096, 151,936). Inputs: clip range 0.2, entropy coefficient 0.01, old log-probs 0.2 (std) away
+from the current ones so that tokens fall on both sides of the clip, 10% of the tokens masked.
+
+Implementations, all fwd+bwd (the loss and its gradients to hidden and weight), each checked against
+the reference on the same inputs before it is timed:
+  * reference: what a trainer does without fused kernels (TRL): bf16 logits = hidden @ weight.T,
+    fp32 log-softmax and entropy (``token_logprobs_reference``), the clipped loss in PyTorch;
+  * fastppo fused_token_logprobs + loss: fastppo's unfused path (the trainer's today): the fused
+    log-probs and entropy, the loss in PyTorch; its backward recomputes the logits (four GEMMs);
+  * fastppo triton: ``fused_ppo_policy_loss``, the gradient formed in the forward (three GEMMs).
+
+Floor (``% floor``): the bare bf16 GEMMs, timed in the same run: hidden @ weight.T, dX @ weight and
+dXᵀ @ hidden.
+"""
+import pytest
+import torch
+
+from benchutil import assert_agrees, bench_dtype, dtype_name, gemm_floor
+from fastppo.kernels import fused_ppo_policy_loss, fused_token_logprobs, masked_mean, token_logprobs_reference
+
+CLIPRANGE, ENTROPY_COEF = 0.2, 0.01
+
+
+def _loss(logp, ent, old, adv, mask):
+    """The policy part of the trainer's ``ppo_losses``, in PyTorch."""
+    ratio = torch.exp(logp - old)
+    pg = torch.max(-adv * ratio, -adv * ratio.clamp(1.0 - CLIPRANGE, 1.0 + CLIPRANGE))
+    return masked_mean(pg, mask) - ENTROPY_COEF * masked_mean(ent, mask)
+
+
+def _reference(hidden, weight, index, old, adv, mask):
+    logp, ent = token_logprobs_reference(hidden @ weight.t(), index, return_entropy=True)
+    return _loss(logp, ent, old, adv, mask)
+
+
+def _fused_logprobs_then_loss(hidden, weight, index, old, adv, mask):
+    logp, ent = fused_token_logprobs(hidden, weight, index, return_entropy=True)
+    return _loss(logp, ent, old, adv, mask)
+
+
+def _fused_loss(hidden, weight, index, old, adv, mask):
+    return fused_ppo_policy_loss(hidden, weight, index, old, adv, mask, CLIPRANGE, ENTROPY_COEF).loss
+
+
+IMPLS = {"reference": _reference, "fastppo fused_token_logprobs + loss": _fused_logprobs_then_loss,
+         "fastppo triton": _fused_loss}
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_fused_ppo_policy_loss_gpu(measure, gpu_device, ppo_loss_shape, impl):
+    n_tokens, hid, vocab = ppo_loss_shape
+    dtype = bench_dtype(gpu_device)
+    hidden = torch.randn(n_tokens, hid, device=gpu_device, dtype=dtype).requires_grad_()
+    weight = (torch.randn(vocab, hid, device=gpu_device, dtype=dtype) / hid**0.5).requires_grad_()
+    index = torch.randint(0, vocab, (n_tokens,), device=gpu_device)
+    with torch.no_grad():
+        old = fused_token_logprobs(hidden, weight, index) + 0.2 * torch.randn(n_tokens, device=gpu_device)
+    adv = torch.randn(n_tokens, device=gpu_device)
+    mask = torch.rand(n_tokens, device=gpu_device) > 0.1
+
+    def call_of(fn):
+        def call():
+            loss = fn(hidden, weight, index, old, adv, mask)
+            return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+        return call
+
+    call = call_of(IMPLS[impl])
+    # Relative to each output's scale: bf16 logits on the reference's side, fp32 in the fused kernels.
+    assert_agrees(call(), call_of(_reference)(), impl, rtol=5e-2, atol_of_max=3e-2)
+    floor_s = gemm_floor(gpu_device, [(hidden, weight)], (hidden, weight))
+    measure(call, group=f"ppo_loss: fused_ppo_policy_loss fwd+bwd {gpu_device} N={n_tokens} H={hid} V={vocab} "
+                        f"{dtype_name(dtype)}",
+            impl=impl, device=gpu_device, floor_s=floor_s, rounds=10)

@@ -1,0 +1,423 @@
+"""The LM-head softmax core shared by ``fused_token_logprobs``, ``fused_full_kl`` and ``fused_ppo_policy_loss``.
+
+Every LM-head kernel computes, for rows of logits z = (h·Wᵀ + b) / T over a
+vocabulary of V, statistics of p = softmax(z) without storing [N, V]. What
+they share lives here, once, so the copies cannot drift (issue 14):
+
+* ``online_update``: the −inf-safe online log-sum-exp with the entropy state,
+  and ``online_expectation``, a running Σ p·w folded in with the same rescale;
+* ``logits_tile``: one [BLOCK_N, BLOCK_V] tile of z read through the strides
+  of h and W (a tied, transposed weight is never copied), accumulated in an
+  explicit dtype (fp32, or fp64 for fp64 inputs), bias added, temperature divided;
+* ``softmax_dlogits``: ∂(g·log p_i + g_H·H)/∂z of one row, eq. (L5);
+* host side: the tile/launch config type (``LMHeadTile``, ``RowTile``), the
+  vocabulary split plan and the merge of split states, ``dot_precision``,
+  ``sm_count``, GEMMs with an fp32 (fp64) *output* (``mm_acc``,
+  ``addmm_acc_``), and the vocabulary-chunked backward
+  ``vocab_chunked_backward(hidden, weight, bias, dlogits_fn)``.
+
+Math, for one row with target token i (cited as (L1)-(L6) by the kernel modules):
+
+    lse = log Σ_j e^{z_j},   log p_j = z_j − lse,   logprob = z_i − lse         (L1)
+    H = −Σ_j p_j log p_j = lse − Σ_j p_j z_j                                    (L2)
+
+The online state (m, s, t) with m the running max, s = Σ_j e^{z_j − m} and
+t = Σ_j e^{z_j − m}(z_j − m) gives lse = m + log s and H = log s − t/s. t is
+kept relative to m so that H is not a difference of two numbers of size |z|
+(with logits near ±1e4 that alone would lose ~1e-3 in fp32). When a tile
+raises the max from m to m', with α = e^{m − m'} and e_j = e^{z_j − m'}:
+
+    s' = α s + Σ_tile e_j,   t' = α (t + (m − m') s) + Σ_tile e_j (z_j − m')   (L3)
+    a' = α a + Σ_tile e_j w_j          (a running Σ e^{z−m} w: E_p[w] = a / s)   (L4)
+
+Two states of disjoint vocabulary ranges combine the same way: the fused
+forwards split V over programs and ``merge_splits`` combines the splits.
+Logits equal to −inf (banned tokens) are allowed everywhere: they get p = 0,
+add nothing to H or to a, and receive a zero gradient. m' = −inf only while
+every logit seen is −inf; the update then uses 0 as the reference so that
+exp never sees (−inf) − (−inf).
+
+Gradients of L = g·logprob + g_H·H with respect to z_j (times 1/T for x = T·z):
+
+    ∂L/∂z_j = g (δ_ij − p_j) − g_H p_j (log p_j + H)                            (L5)
+
+The vocabulary-chunked backward, for any loss of the logits x = h·Wᵀ + b
+given ∂L/∂x chunk by chunk (``dlogits_fn``), for each chunk c of C columns:
+
+    x_c = h @ W_cᵀ (+ b_c)   (a GEMM with fp32 output: no 16-bit logits)
+    dx_c = dlogits_fn(c, x_c)
+    grad_W[c] = dx_cᵀ @ h        (a complete slice: no reduction across chunks)
+    grad_b[c] = Σ_n dx_c
+    grad_h   += dx_c @ W_c       (an fp32 [N, H] accumulator; each chunk's product
+                                  goes in unrounded: ``addmm_acc_``)            (L6)
+
+Why chunked over V and not one fused backward kernel: a fused kernel would
+keep a [BLOCK_N, H] grad_h accumulator per program (256 KiB at H = 4096: not
+in registers), or recompute the logit tile once per H chunk, or use atomics;
+chunking over V keeps the three GEMMs in cuBLAS, makes grad_W exact and
+deterministic with no fp32 [V, H] buffer (2 GiB at V = 128,256, H = 4096), and
+bounds extra memory by O(N·C + N·H) with N·C ≈ 2^25 elements whatever V is.
+Chunking over N (Liger's choice) would need that fp32 [V, H] accumulator. The
+recomputed logits round differently from the forward's tl.dot (last bits), so
+gradients are exact to fp32 rounding relative to each row's largest entry.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, check_same_device, check_tensor, tile_choice, tl, triton
+
+# --------------------------------------------------------------------------- kernels (device functions)
+
+if HAS_TRITON:
+
+    @triton.jit
+    def online_update(m, s, t, z, AXIS: tl.constexpr, COMPUTE_T: tl.constexpr):
+        """Folds a tile z (−inf on masked lanes) into (m, s, t) by (L3); returns (m', s', t', α, e)."""
+        m_new = tl.maximum(m, tl.max(z, AXIS))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_ref)
+        m_b = tl.expand_dims(m_ref, AXIS)
+        e = tl.exp(z - m_b)
+        if COMPUTE_T:
+            # e = 0 at z = −inf and s = 0 exactly while m = −inf: the products
+            # below would be 0·(−inf) = nan there, so the −inf factor is
+            # replaced first (not the product afterwards).
+            ez = e * (tl.where(e > 0, z, m_b) - m_b)
+            shift = (tl.where(s > 0, m, m_ref) - m_ref) * s
+            t = alpha * (t + shift) + tl.sum(ez, AXIS)
+        s = alpha * s + tl.sum(e, AXIS)
+        return m_new, s, t, alpha, e
+
+    @triton.jit
+    def online_expectation(a, alpha, e, w, AXIS: tl.constexpr):
+        """(L4) with the α and e of the same ``online_update``; lanes with e = 0 add nothing (w may be ±inf there)."""
+        return alpha * a + tl.sum(e * tl.where(e > 0, w, 0.0), AXIS)
+
+    @triton.jit
+    def row_softmax(x_row, n_cols, temperature, COMPUTE_ENTROPY: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
+        """(lse, H) of one row of logits x / T by (L1)-(L3), one pass in BLOCK_V tiles (H: with COMPUTE_ENTROPY)."""
+        cols = tl.arange(0, BLOCK_V)
+        m = tl.full((), float("-inf"), ACC_DTYPE)
+        s = tl.zeros((), ACC_DTYPE)
+        t = tl.zeros((), ACC_DTYPE)
+        for v0 in range(0, n_cols, BLOCK_V):
+            c = v0 + cols
+            z = tl.load(x_row + c, mask=c < n_cols, other=float("-inf")).to(ACC_DTYPE) / temperature
+            m, s, t, _, _ = online_update(m, s, t, z, 0, COMPUTE_ENTROPY)
+        log_s = tl.log(s)
+        return m + log_s, log_s - t / s
+
+    @triton.jit
+    def row_pick(x_row, idx, n_cols, temperature, ACC_DTYPE: tl.constexpr):
+        """z_idx = x_row[idx] / T. Out-of-range indices are not checked on CUDA (it would cost a host
+        sync): they give nan instead of a wrong number or a fault."""
+        valid = (idx >= 0) & (idx < n_cols)
+        return tl.load(x_row + idx, mask=valid, other=float("nan")).to(ACC_DTYPE) / temperature
+
+    @triton.jit
+    def split_program(N, V, tiles_per_split, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Program (pid_n, pid_s) of a V-split fused forward: rows [pid_n·BLOCK_N, +BLOCK_N) (int64) and
+        their mask, vocabulary tiles [pid_s·tiles_per_split, +tiles_per_split) as [v_begin, v_end)."""
+        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        v_begin = tl.program_id(1) * tiles_per_split * BLOCK_V
+        return rows, rows < N, v_begin, tl.minimum(V, v_begin + tiles_per_split * BLOCK_V)
+
+    @triton.jit
+    def logits_tile(
+        x_ptr, stride_xn, stride_xh,  # hidden [N, H]
+        w_ptr, stride_wv, stride_wh,  # weight [V, H]
+        b_ptr,  # bias [V] (unused unless HAS_BIAS)
+        rows, cols, row_mask, col_mask,  # int64 [BLOCK_N], int64 [BLOCK_V] and their masks
+        H, temperature,
+        HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        """z = (x[rows] @ w[cols]ᵀ + b[cols]) / T as a [BLOCK_N, BLOCK_V] ACC_DTYPE tile, −inf on masked columns."""
+        acc = tl.zeros([BLOCK_N, BLOCK_V], ACC_DTYPE)
+        hs = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + hs
+            h_mask = h < H
+            a = tl.load(x_ptr + rows[:, None] * stride_xn + h[None, :] * stride_xh,
+                        mask=row_mask[:, None] & h_mask[None, :], other=0.0)
+            # Wᵀ tile [BLOCK_H, BLOCK_V] read through W's strides: no transposed copy is ever made.
+            b = tl.load(w_ptr + cols[None, :] * stride_wv + h[:, None] * stride_wh,
+                        mask=h_mask[:, None] & col_mask[None, :], other=0.0)
+            if DOT_UPCAST:
+                # Triton's interpreter multiplies the raw bits of bf16 operands
+                # (numpy has no bf16), and an fp64 accumulator needs fp64
+                # operands: the upcast is exact either way.
+                a = a.to(ACC_DTYPE)
+                b = b.to(ACC_DTYPE)
+            # out_dtype explicitly: Triton 3.6 defaults it to fp32 and rejects an fp64 acc.
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(ACC_DTYPE)[None, :]
+        return tl.where(col_mask[None, :], acc / temperature, float("-inf"))
+
+    @triton.jit
+    def elementwise_tile(x_ptr, stride_xn, n_cols, temperature, ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Program (row, column block) of an elementwise dlogits kernel: (row, columns, their mask, z = x / T)."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = c < n_cols
+        z = tl.load(x_ptr + row * stride_xn + c, mask=mask, other=0.0).to(ACC_DTYPE) / temperature
+        return row, c, mask, z
+
+    @triton.jit
+    def store_dlogits(dx_ptr, stride_dxn, row, c, mask, dz, temperature):
+        """∂L/∂x = ∂L/∂z / T into row ``row``, columns ``c`` of dx, in dx's dtype."""
+        tl.store(dx_ptr + row * stride_dxn + c, (dz / temperature).to(dx_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def softmax_dlogits(z, lse, ent, g_logp, g_ent, onehot, HAS_G_LOGP: tl.constexpr, HAS_G_ENT: tl.constexpr):
+        """∂L/∂z by (L5) for a tile of one row's z (−inf allowed: p = 0 and a zero gradient there)."""
+        log_p = z - lse
+        p = tl.exp(log_p)
+        dz = tl.zeros_like(z)
+        if HAS_G_LOGP:
+            dz += g_logp * (tl.where(onehot, 1.0, 0.0) - p)
+        if HAS_G_ENT:
+            dz -= g_ent * p * tl.where(p > 0, log_p + ent, 0.0)  # p log p → 0 at z = −inf
+        return dz
+
+
+# --------------------------------------------------------------------------- launch configuration
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation and output dtype: fp64 for fp64 inputs, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton dtype of an accumulation dtype (``acc_dtype``'s answer)."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """tl.dot's input precision: fp32 on CUDA follows torch's matmul setting (TF32 off by
+    default) so a kernel agrees with ``hidden @ weight.T``; 16-bit and fp64 ignore it ("ieee")."""
+    if device.type == "cuda" and dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def dot_upcast(dtype: torch.dtype, acc: torch.dtype, device: torch.device) -> bool:
+    """Whether ``logits_tile`` casts its operands to the accumulation dtype first (see there)."""
+    return (dtype == torch.bfloat16 and device.type != "cuda") or (acc == torch.float64 and dtype != acc)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: no query per call)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class LMHeadTile(NamedTuple):
+    """A fused LM-head forward's tile and launch choice (what ``bench/tune.py`` varies)."""
+
+    block_n: int  # rows per program
+    block_v: int  # vocabulary columns per tile
+    block_h: int  # reduction chunk of tl.dot
+    num_warps: int
+    num_stages: int
+
+
+class RowTile(NamedTuple):
+    """A row (or elementwise) kernel's tile: columns per step and warps."""
+
+    block_v: int
+    num_warps: int
+
+
+INTERPRETER_LMHEAD_TILE = LMHeadTile(16, 16, 16, 1, 1)  # tl.dot's minimum: tiny tests still cover many tiles
+FP64_LMHEAD_TILE = LMHeadTile(32, 32, 16, 4, 3)  # fp64 operands take twice the shared memory of fp32
+
+
+def row_tile(n_cols: int, device: torch.device) -> RowTile:
+    """Default for a kernel that walks rows of ``n_cols`` columns (not tuned on a GPU yet)."""
+    if device.type != "cuda":
+        return RowTile(32, 1)  # several tiles per row even for tiny test vocabularies
+    block = min(4096, triton.next_power_of_2(n_cols))
+    return RowTile(block, 8 if block >= 2048 else 4)
+
+
+class SplitPlan(NamedTuple):
+    row_blocks: int
+    splits: int  # vocabulary slices per row block, each a program
+    tiles_per_split: int
+
+
+def split_plan(n_rows: int, vocab: int, tile: LMHeadTile, device: torch.device) -> SplitPlan:
+    """Split V over programs when there are too few row blocks to fill the GPU (twice over)."""
+    target_programs = 2 * sm_count(device) if device.type == "cuda" else 4  # 4: the merge runs in tests
+    row_blocks = triton.cdiv(n_rows, tile.block_n)
+    v_tiles = triton.cdiv(vocab, tile.block_v)
+    splits = max(1, min(v_tiles, triton.cdiv(target_programs, row_blocks)))
+    tiles_per_split = triton.cdiv(v_tiles, splits)
+    return SplitPlan(row_blocks, triton.cdiv(v_tiles, tiles_per_split), tiles_per_split)  # no empty split
+
+
+def softmax_dlogits_tile(n_cols: int, device: torch.device) -> RowTile:
+    """The elementwise dlogits kernels of both LM-head backwards (logprobs' (L5), kl's (K2)):
+    shorter blocks than a row kernel's, more programs rather than longer ones."""
+    block, warps = row_tile(n_cols, device)
+    return tile_choice("softmax_dlogits", RowTile(min(block, 1024), min(warps, 4)))
+
+
+def bwd_chunk_cols(n_rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary columns per chunk of ``vocab_chunked_backward``: N·C ≈ 2^25 on a GPU."""
+    if device.type != "cuda":
+        cols = min(vocab, 48)  # small, and not a multiple of any kernel's block
+    else:
+        cols = min(vocab, max(256, ((1 << 25) // max(n_rows, 1)) // 256 * 256))
+    return tile_choice("lmhead_backward", cols)
+
+
+# --------------------------------------------------------------------------- launchers (host side of the core)
+
+
+def check_lm_head_args(hidden, weight, bias, prefix: str = "") -> None:
+    """hidden [..., H], weight [V, H] of hidden's dtype, bias [V]: errors name ``prefix + name``."""
+    h_name, w_name, b_name = (prefix + n for n in ("hidden", "weight", "bias"))
+    check_tensor(h_name, hidden, min_ndim=1, dtypes=FLOAT_DTYPES)
+    check_tensor(w_name, weight, ndim=2, dtypes=FLOAT_DTYPES)
+    if bias is not None:
+        check_tensor(b_name, bias, ndim=1, dtypes=FLOAT_DTYPES)
+    vocab, hdim = weight.shape
+    if vocab == 0 or hdim == 0:
+        raise ValueError(f"{w_name} must be a non-empty [V, H] matrix, got shape {tuple(weight.shape)}")
+    if hidden.shape[-1] != hdim:
+        raise ValueError(
+            f"{h_name} has last dimension {hidden.shape[-1]} but {w_name} has shape {tuple(weight.shape)} = [V, H]; "
+            f"{h_name}'s last dimension must equal H"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{w_name} has dtype {weight.dtype} but {h_name} has {hidden.dtype}; they must match")
+    if bias is not None and bias.shape[0] != vocab:
+        raise ValueError(f"{b_name} has shape {tuple(bias.shape)} but must be [V] = [{vocab}] to match {w_name}")
+    check_same_device(**{h_name: hidden, w_name: weight, b_name: bias})
+
+
+class SoftmaxStats(NamedTuple):
+    lse: torch.Tensor  # [N]
+    entropy: torch.Tensor | None  # [N], from t
+    mean: torch.Tensor | None  # [N], E_p[w] from a
+
+
+def merge_splits(m_part, s_part, t_part=None, a_part=None) -> SoftmaxStats:
+    """Combine [splits, N] states of disjoint vocabulary slices by (L3)/(L4): a few [splits, N] ops, no sync."""
+    m = m_part.amax(0)
+    m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    alpha = torch.exp(m_part - m_ref)
+    s = (alpha * s_part).sum(0)
+    log_s = torch.log(s)
+    entropy = mean = None
+    if t_part is not None:
+        shift = (torch.where(s_part > 0, m_part, m_ref) - m_ref) * s_part
+        entropy = log_s - (alpha * (t_part + shift)).sum(0) / s
+    if a_part is not None:
+        mean = (alpha * a_part).sum(0) / s
+    return SoftmaxStats(m_ref + log_s, entropy, mean)
+
+
+# torch.mm(..., out_dtype=torch.float32) (aten::mm.dtype, CUDA only) keeps 16-bit
+# operands and writes fp32; addmm likewise accumulates into fp32. Where they are
+# missing or refuse the dtypes we upcast the operands instead (slower, same
+# result) and stop trying.
+_out_dtype_ok = "dtype" in torch.ops.aten.mm.overloads()
+
+
+def mm_acc(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b with an fp32 (fp64 for fp64) *output* (into ``out`` if given): never rounded to 16 bits."""
+    global _out_dtype_ok
+    acc = acc_dtype(a.dtype)
+    if a.dtype == acc:
+        return torch.mm(a, b, out=out)
+    if a.is_cuda and _out_dtype_ok:
+        try:
+            return torch.mm(a, b, out_dtype=acc) if out is None else torch.mm(a, b, out_dtype=acc, out=out)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _out_dtype_ok = False
+    return torch.mm(a.to(acc), b.to(acc), out=out)
+
+
+def addmm_acc_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out += a @ b, ``out`` in the accumulation dtype; a 16-bit product is added unrounded.
+
+    Adding ``a @ b`` computed in 16 bits would round every call's product to
+    16 bits before the fp32 sum: the rounding fused_full_kl's backward had
+    (issue 14; tests/test_lmhead.py has a test that sees it).
+    """
+    global _out_dtype_ok
+    if a.dtype == out.dtype:
+        return out.addmm_(a, b)
+    if a.is_cuda and _out_dtype_ok:
+        try:
+            return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _out_dtype_ok = False
+    return out.add_(mm_acc(a, b))
+
+
+def vocab_chunked_backward(
+    hidden2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dlogits_fn: Callable[[int, int, torch.Tensor], torch.Tensor],
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(grad_hidden, grad_weight, grad_bias) of a loss of x = hidden @ weightᵀ + bias, by (L6).
+
+    ``hidden2d`` and ``weight`` share a dtype. ``dlogits_fn(v0, v1, x_c)`` gets
+    the fp32 (fp64) logits of columns [v0, v1) for every row and returns
+    ∂L/∂x_c [N, v1 − v0] in that dtype (as autograd of ``hidden @ weight.T``
+    would have it); it may write into ``x_c`` when the dtypes agree. ``needs``
+    says which of the three gradients to form; each comes back in the dtype of
+    the tensor it belongs to.
+    """
+    need_h, need_w, need_b = needs
+    n_rows, hdim = hidden2d.shape
+    vocab = weight.shape[0]
+    acc = acc_dtype(hidden2d.dtype)
+    grad_h = torch.zeros(n_rows, hdim, dtype=acc, device=hidden2d.device) if need_h else None
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
+    grad_b = torch.empty(vocab, dtype=bias.dtype, device=bias.device) if need_b else None
+    chunk = bwd_chunk_cols(n_rows, vocab, hidden2d.device)
+    for v0 in range(0, vocab, chunk):
+        v1 = min(vocab, v0 + chunk)
+        w_c = weight[v0:v1]
+        x_c = mm_acc(hidden2d, w_c.t())  # [N, C] fp32 (fp64): the forward's rounding
+        if bias is not None:
+            x_c += bias[v0:v1]
+        dx_c = dlogits_fn(v0, v1, x_c)
+        if need_w:
+            torch.mm(dx_c.t(), hidden2d, out=grad_w[v0:v1])
+        if need_b:
+            grad_b[v0:v1] = dx_c.sum(0, dtype=acc)
+        if need_h:
+            addmm_acc_(grad_h, dx_c, w_c)
+    if grad_h is not None:
+        grad_h = grad_h.to(hidden2d.dtype)
+    return grad_h, grad_w, grad_b
+
+
+# --------------------------------------------------------------------------- references
+
+
+def lm_head_logits_reference(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """hidden @ weight.T (+ bias) materialised in fp32 (fp64 for fp64 inputs): the references' logits."""
+    acc = acc_dtype(hidden.dtype)
+    logits = hidden.to(acc) @ weight.to(acc).t()
+    return logits if bias is None else logits + bias.to(acc)
