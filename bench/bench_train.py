@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchutil import REGISTRY, Result  # noqa: E402
+from benchutil import REGISTRY, ReplayClock, Result  # noqa: E402
 from trl_baseline import FASTPPO_IMPL_NAME, TRL_IMPL_NAME, E2EConfig, compare, format_report, trl_version  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,35 +63,15 @@ def e2e_runs(quick, smoke):
     return cfg, compare(cfg, rounds=rounds, impls=impls)
 
 
-class _ReplayClock:
-    """A timer for pytest-benchmark that replays measured durations: round k lasts ``durations[k]``.
-
-    The runs happen in subprocesses (clean memory figures, no shared state), so pytest-benchmark
-    cannot time them itself; this feeds it the per-iteration wall times measured inside the loops,
-    so its table, statistics and ``--benchmark-json`` hold those real figures.
-    """
-
-    __name__ = "per-iteration wall clock measured in the training loop (replayed)"
-
-    def __init__(self, durations):
-        self._durations, self._t, self._running = iter(durations), 0.0, False
-
-    def __call__(self) -> float:
-        if self._running:
-            self._t += next(self._durations)
-        self._running = not self._running
-        return self._t
+CLOCK = ReplayClock()  # the runs happen in subprocesses: pytest-benchmark replays their per-iteration times
 
 
 def _record(benchmark, group: str, impl_name: str, runs: list[dict]) -> None:
     warm = runs[0]["config"]["warmup_iterations"]
     durations = [t for r in runs for t in r["iteration_s"][warm:]]
     benchmark.group, benchmark.name = group, impl_name
-    timer, benchmark._timer = benchmark._timer, _ReplayClock(durations)
-    try:
-        benchmark.pedantic(lambda: None, rounds=len(durations), iterations=1, warmup_rounds=0)
-    finally:
-        benchmark._timer = timer
+    CLOCK.load(durations)
+    benchmark.pedantic(lambda: None, rounds=len(durations), iterations=1, warmup_rounds=0)
     recorded = list(benchmark.stats.stats.data) if benchmark.stats is not None else durations
     if len(recorded) != len(durations) or any(abs(a - b) > 1e-9 for a, b in zip(recorded, durations)):
         raise AssertionError("pytest-benchmark did not record the replayed iteration times")
@@ -116,6 +96,7 @@ def _record(benchmark, group: str, impl_name: str, runs: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark(timer=CLOCK)
 @pytest.mark.parametrize("impl", ["fastppo", "trl"])
 def test_e2e_episodes_per_second(impl, e2e_runs, benchmark, quick, capsys):
     cfg, runs = e2e_runs

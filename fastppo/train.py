@@ -163,8 +163,11 @@ def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float,
 
             ref_hidden, ref_head = ref_state
             head = lm_head_of(actor_critic.policy)
-            kls.append(fused_full_kl(hidden, head.weight.to(hidden.dtype), ref_hidden,
-                                     ref_head.weight.to(ref_hidden.dtype), temperature))
+            bias, ref_bias = getattr(head, "bias", None), getattr(ref_head, "bias", None)
+            kls.append(fused_full_kl(
+                hidden, head.weight.to(hidden.dtype), ref_hidden, ref_head.weight.to(ref_hidden.dtype), temperature,
+                bias=None if bias is None else bias.to(hidden.dtype),
+                ref_bias=None if ref_bias is None else ref_bias.to(ref_hidden.dtype)))
         else:
             kls.append(kl_penalty(logp, ref_logp, kl_estimator))
         logprobs.append(logp)
