@@ -214,6 +214,22 @@ class PPOConfig:
         default=64, metadata={"help": "Per-process batch of the no-grad generation and scoring passes."}
     )
 
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Pack each micro-batch's rows into one sequence without padding (positions restart per "
+                  "row; flash_attention_2, sdpa or eager). Same results to float tolerance, no compute on padding."},
+    )
+    group_by_length: bool = field(
+        default=True,
+        metadata={"help": "Within a minibatch, put rows of similar length in the same micro-batch (less padding; "
+                  "the minibatch is the same random draw). Off: micro-batches are consecutive slices, as TRL's."},
+    )
+    fused_policy_loss: bool = field(
+        default=False,
+        metadata={"help": "Compute the clipped policy loss and entropy bonus with fastppo.kernels."
+                  "fused_ppo_policy_loss (gradient formed in the forward: three GEMMs instead of four)."},
+    )
+
     # ------------------------------------------------------------------ generation
     response_length: int = field(
         default=53,

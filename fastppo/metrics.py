@@ -24,8 +24,8 @@ STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 @dataclass
 class UpdateResult:
     stats: torch.Tensor  # [len(STAT_NAMES), epochs, minibatches, micro_steps], NaN where not run
-    skipped_steps: int  # optimizer steps skipped for a non-finite loss or gradient
-    optimizer_steps: int
+    skipped_steps: torch.Tensor | float  # optimizer steps skipped for a non-finite loss or gradient (on the device)
+    optimizer_steps: torch.Tensor | float
     epochs_run: int
 
 
@@ -51,7 +51,7 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     ratio = torch.where(ran[STAT["ratio"]], ratio_row, torch.zeros_like(ratio_row))
     packed = torch.cat([
         objective, sums, counts, (ratio**2).sum().reshape(1),
-        torch.tensor([result.skipped_steps], dtype=torch.float32, device=objective.device),
+        torch.as_tensor(result.skipped_steps, dtype=torch.float32).to(objective.device).reshape(1),
     ])
     packed = all_reduce(packed).tolist()
     n_obj, n = objective.numel(), len(STAT_NAMES)

@@ -12,6 +12,7 @@ import copy
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -161,19 +162,6 @@ def lm_head_of(model: nn.Module) -> nn.Module:
     return head
 
 
-def response_hidden(model: nn.Module, input_ids, attention_mask, position_ids, context_length: int):
-    """Last hidden states that predict the response tokens: [B, T, H] for x+y of length L = context + T.
-
-    The decoder body runs without the LM head: the fused kernel applies the head tile by tile
-    and the [B, T, V] logits never exist.
-    """
-    decoder = causal_lm_of(model).get_decoder()
-    hidden = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state
-    return hidden[:, context_length - 1 : -1]
-
-
 def backbone_and_head(seq_cls_model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """Body and scalar head of an AutoModelForSequenceClassification (value or reward model)."""
     backbone = getattr(seq_cls_model, seq_cls_model.base_model_prefix, None)
@@ -196,16 +184,102 @@ def token_logprobs_from_hidden(model, hidden, targets, temperature: float, retur
     )
 
 
+# ============================================================================ batch layouts: no compute on padding
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``b`` rows of a rollout go through a decoder, and where the outputs land.
+
+    The decoder runs on ``input_ids`` [R, L]: the rows with their all-padding columns cut (R = b), or,
+    packed (``padding_free``), their real tokens in one sequence (R = 1) whose positions restart at
+    every row. Only the hidden states that predict real response tokens are kept (``gather``, flat
+    indices into R·L), so the LM head, the value head and every per-token op run on real tokens only;
+    ``scatter`` lays their [n] results out as the [b, T] response grid (0 elsewhere).
+    """
+
+    input_ids: torch.Tensor  # [R, L]
+    attention_mask: torch.Tensor | None  # [R, L]; None when packed (transformers reads the segments off positions)
+    position_ids: torch.Tensor  # [R, L]
+    gather: torch.Tensor  # [n] hidden states predicting real response tokens
+    targets: torch.Tensor  # [n] the response tokens they predict
+    rows: torch.Tensor  # [n] where each lands in the [b, T] output
+    cols: torch.Tensor  # [n]
+    last: torch.Tensor  # [b] each row's last real token (a reward model reads it)
+    shape: tuple[int, int]  # (b, T)
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(self.shape)
+        return out.index_put_((self.rows, self.cols), values)
+
+    def pick(self, grid: torch.Tensor) -> torch.Tensor:
+        """The [n] entries of a [b, T] grid at this layout's real response tokens."""
+        return grid[self.rows, self.cols]
+
+
+def make_layout(query_responses: torch.Tensor, context_length: int, query_lengths: list[int],
+                response_lengths: list[int], packed: bool) -> Layout:
+    """The layout of the given rows (``query_responses`` [b, C + T], left-padded queries, right-padded
+    responses) from their real lengths, known on the host: the index tensors are built there and
+    copied once, so no step of the update waits on the device."""
+    b, width = query_responses.shape
+    t = width - context_length
+    device = query_responses.device
+    flat, positions, gather, rows, cols, last = [], [], [], [], [], []
+    if packed:
+        offset = 0
+        for i, (ql, rl) in enumerate(zip(query_lengths, response_lengths)):
+            start = i * width + context_length - ql
+            flat.append(torch.arange(start, start + ql + rl))
+            positions.append(torch.arange(ql + rl))
+            gather.append(torch.arange(offset + ql - 1, offset + ql - 1 + rl))
+            last.append(offset + ql + rl - 1)
+            offset += ql + rl
+        index = torch.cat(flat).to(device, non_blocking=True)
+        input_ids = query_responses.reshape(-1).index_select(0, index)[None]
+        attention_mask = None
+        position_ids = torch.cat(positions)[None].to(device, non_blocking=True)
+    else:
+        lq, lr = max(query_lengths), max(response_lengths)
+        columns = slice(context_length - lq, context_length + lr)
+        input_ids = query_responses[:, columns]
+        real = torch.zeros(b, lq + lr, dtype=torch.long)
+        for i, (ql, rl) in enumerate(zip(query_lengths, response_lengths)):
+            real[i, lq - ql : lq + rl] = 1
+            gather.append(torch.arange(i * (lq + lr) + lq - 1, i * (lq + lr) + lq - 1 + rl))
+            last.append(i * (lq + lr) + lq + rl - 1)
+        attention_mask = real.to(device, non_blocking=True)
+        position_ids = (real.cumsum(1) - 1).clamp(min=0).to(device, non_blocking=True)
+    for i, rl in enumerate(response_lengths):
+        rows.append(torch.full((rl,), i))
+        cols.append(torch.arange(rl))
+    rows_t, cols_t = torch.cat(rows).to(device), torch.cat(cols).to(device)
+    targets = query_responses[rows_t, context_length + cols_t]
+    return Layout(input_ids, attention_mask, position_ids, torch.cat(gather).to(device), targets, rows_t, cols_t,
+                  torch.tensor(last, device=device), (b, t))
+
+
+def decoder_hidden(model: nn.Module, layout: Layout) -> torch.Tensor:
+    """[R·L, H] last hidden states of the decoder body (the LM head never runs here)."""
+    decoder = causal_lm_of(model).get_decoder()
+    hidden = decoder(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                     position_ids=layout.position_ids, use_cache=False).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
 # ============================================================================ the two forwards of PPO
 
 
 class PolicyAndValue(nn.Module):
-    """What DDP wraps: one forward gives the policy's log-probs (and entropy) of the response tokens
-    and the value of every response state, so every trained parameter, the LM head included, is
-    used inside ``forward`` and DDP syncs all their gradients.
+    """What DDP wraps: one forward gives the policy's log-probs (and entropy) of the real response
+    tokens and the value of every response state, so every trained parameter, the LM head included,
+    is used inside ``forward`` and DDP syncs all their gradients.
 
     ``value_model=None``: the policy is an ``AutoModelForCausalLMWithValueHead`` and the values come
     from its ``v_head`` on the same hidden states as the log-probs (one trunk, one forward).
+    Outputs are [b, T] grids (0 off the real tokens), or with ``policy_loss`` (a dict of
+    ``fused_ppo_policy_loss``'s arguments as [b, T] grids) the fused loss's output in place of the
+    log-probs and entropy.
     """
 
     def __init__(self, policy: nn.Module, value_model: nn.Module | None):
@@ -215,21 +289,39 @@ class PolicyAndValue(nn.Module):
         self.policy = policy
         self.value_model = value_model
 
-    def forward(self, input_ids, attention_mask, position_ids, context_length: int, temperature: float,
-                return_entropy: bool = False, return_hidden: bool = False):
-        hidden = response_hidden(self.policy, input_ids, attention_mask, position_ids, context_length)
-        targets = input_ids[:, context_length:]
-        out = token_logprobs_from_hidden(self.policy, hidden, targets, temperature, return_entropy)
-        logprobs, entropy = out if return_entropy else (out, None)
+    def forward(self, layout: Layout, temperature: float, return_entropy: bool = False, return_hidden: bool = False,
+                policy_loss: dict | None = None):
+        hidden = decoder_hidden(self.policy, layout).index_select(0, layout.gather)  # [n, H]
+        if policy_loss is None:
+            out = token_logprobs_from_hidden(self.policy, hidden, layout.targets, temperature, return_entropy)
+            logprobs, entropy = out if return_entropy else (out, None)
+            logprobs = layout.scatter(logprobs)
+            entropy = None if entropy is None else layout.scatter(entropy)
+        else:
+            logprobs = fused_policy_loss(self.policy, hidden, layout, temperature, **policy_loss)
+            entropy = None
         if self.value_model is None:
             values = self.policy.v_head(hidden).float()
         else:
             backbone, head = backbone_and_head(self.value_model)
-            value_hidden = backbone(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-            ).last_hidden_state[:, context_length - 1 : -1]
-            values = head(value_hidden).squeeze(-1).float()
-        return logprobs, entropy, values, (hidden if return_hidden else None)
+            value_hidden = backbone(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                                    position_ids=layout.position_ids, use_cache=False).last_hidden_state
+            values = head(value_hidden.reshape(-1, value_hidden.shape[-1]).index_select(0, layout.gather))
+            values = values.squeeze(-1).float()
+        return logprobs, entropy, layout.scatter(values), (hidden if return_hidden else None)
+
+
+def fused_policy_loss(model, hidden, layout: Layout, temperature: float, old_logprobs, advantages, mask, cliprange,
+                      entropy_coef):
+    """``fused_ppo_policy_loss`` on the layout's real tokens: the gradient is formed in the forward."""
+    from fastppo.kernels import fused_ppo_policy_loss
+
+    head = lm_head_of(model)
+    bias = getattr(head, "bias", None)
+    return fused_ppo_policy_loss(
+        hidden, head.weight.to(hidden.dtype), layout.targets, layout.pick(old_logprobs), layout.pick(advantages),
+        layout.pick(mask), cliprange, entropy_coef, temperature, bias=None if bias is None else bias.to(hidden.dtype),
+    )
 
 
 class Reference:
@@ -243,13 +335,13 @@ class Reference:
         return lm_of(self.policy).disable_adapter() if self.ref_model is None else contextlib.nullcontext()
 
     @torch.no_grad()
-    def __call__(self, input_ids, attention_mask, position_ids, context_length, temperature, with_hidden=False):
+    def __call__(self, layout: Layout, temperature, with_hidden=False):
         model = self.policy if self.ref_model is None else self.ref_model
         with self._context():
-            hidden = response_hidden(model, input_ids, attention_mask, position_ids, context_length)
-            logprobs = token_logprobs_from_hidden(model, hidden, input_ids[:, context_length:], temperature, False)
+            hidden = decoder_hidden(model, layout).index_select(0, layout.gather)
+            logprobs = token_logprobs_from_hidden(model, hidden, layout.targets, temperature, False)
         head = lm_head_of(model) if with_hidden else None
-        return logprobs, (hidden, head) if with_hidden else None
+        return layout.scatter(logprobs), (hidden, head) if with_hidden else None
 
 
 # ============================================================================ loading and preparing
@@ -275,8 +367,10 @@ def check_lm_head(model: nn.Module, vocab_size: int, device) -> None:
     with torch.no_grad():
         logits = lm(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1].float()
         expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        hidden = response_hidden(model, ids, mask, pos, 1)
-        got = token_logprobs_from_hidden(model, hidden, ids[:, 1:], 1.0, False)
+        n = ids.shape[1]
+        layout = make_layout(ids, 1, [1], [n - 1], packed=False)
+        got = layout.scatter(token_logprobs_from_hidden(
+            model, decoder_hidden(model, layout).index_select(0, layout.gather), layout.targets, 1.0, False))
     if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
         raise ValueError(
             f"{type(causal_lm_of(model)).__name__}: log-probs from the last hidden state and the LM head do not "
@@ -524,4 +618,24 @@ def check_positions(model_or_path, config, longest_prompt: int) -> None:
         raise ValueError(
             f"the longest prompt ({width} tokens) + response_length ({config.response_length}) = "
             f"{width + config.response_length} exceeds the model's {limit} positions: {hint}"
+        )
+
+
+def check_packing(model: nn.Module, device) -> None:
+    """``padding_free`` packs rows into one sequence and relies on the attention implementation to keep
+    them apart (transformers reads the segments off restarting position ids): refuse it where it does not."""
+    vocab = causal_lm_of(model).get_input_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, vocab, (n,), generator=gen).to(device) for n in (5, 4))
+    decoder = causal_lm_of(model).get_decoder()
+    with torch.no_grad():
+        alone = [decoder(input_ids=x[None], use_cache=False).last_hidden_state[0] for x in (a, b)]
+        packed = decoder(input_ids=torch.cat([a, b])[None], use_cache=False,
+                         position_ids=torch.cat([torch.arange(5), torch.arange(4)]).to(device)[None]).last_hidden_state[0]
+    if not torch.allclose(torch.cat(alone).float(), packed.float(), atol=1e-3, rtol=1e-3):
+        raise ValueError(
+            f"padding_free: {type(causal_lm_of(model)).__name__} with attn_implementation="
+            f"{causal_lm_of(model).config._attn_implementation!r} lets packed rows attend to each other; use "
+            "flash_attention_2, sdpa or eager on a transformers version that reads packed positions, or drop "
+            "--padding_free"
         )

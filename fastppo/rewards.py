@@ -125,22 +125,22 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     return scores.to(device)
 
 
-@torch.no_grad()
-def reward_model_scores(reward_model, query_responses, attention_mask, position_ids, last_index,
-                        chunk: int) -> torch.Tensor:
-    """[B] score of a sequence-classification model read at ``last_index`` (the last real token)."""
+def reward_model_scores(reward_model, rollout, chunk: int, packed: bool = False) -> torch.Tensor:
+    """[B] score of a sequence-classification model, read at each row's last real token (the stop token
+    when there is one); its head runs on those B hidden states only."""
     from fastppo.models import backbone_and_head
 
     backbone, head = backbone_and_head(reward_model)
     scores = []
-    for i in range(0, query_responses.shape[0], chunk):
-        hidden = backbone(
-            input_ids=query_responses[i : i + chunk], attention_mask=attention_mask[i : i + chunk],
-            position_ids=position_ids[i : i + chunk], use_cache=False,
-        ).last_hidden_state
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        scores.append(head(hidden[rows, last_index[i : i + chunk]]).squeeze(-1).float())
-    return torch.cat(scores)
+    with torch.inference_mode():
+        for i in range(0, rollout.query_responses.shape[0], chunk):
+            layout = rollout.layout(range(i, min(i + chunk, rollout.query_responses.shape[0])), packed)
+            hidden = backbone(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                              position_ids=layout.position_ids, use_cache=False).last_hidden_state
+            last = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.last)
+            scores.append(head(last).squeeze(-1).float())
+        out = torch.cat(scores)
+    return out.clone()
 
 
 def resolve_reward(reward, config) -> tuple[Callable | None, str | None, str | None]:

@@ -50,15 +50,20 @@ from fastppo.metrics import STAT, STAT_NAMES, UpdateResult
 
 @dataclass(frozen=True)
 class Rollout:
-    """One iteration's samples, per process. B rows, context C, response T, L = C + T."""
+    """One iteration's samples, per process. B rows, context C, response T, L = C + T.
 
-    query_responses: torch.Tensor  # [B, L] left-padded query, response cut after the stop token
+    T is the longest real response of the batch (the sampler's response_length when one ran to the end):
+    columns of padding only are never computed on.
+    """
+
+    query_responses: torch.Tensor  # [B, L] left-padded query, right-padded response cut after the stop token
     attention_mask: torch.Tensor  # [B, L] 1 on real query and response tokens
-    position_ids: torch.Tensor  # [B, L]
     context_length: int  # C
-    response_mask: torch.Tensor  # [B, T] bool: tokens trained on (real, and not masked out by the user)
+    response_mask: torch.Tensor  # [B, T] bool: tokens trained on (real, and not masked out by the caller)
     lengths: torch.Tensor  # [B] real response tokens
     has_stop: torch.Tensor  # [B] bool: the response ended with a stop token
+    query_lengths: tuple[int, ...]  # real query tokens per row, on the host (layouts are built there)
+    response_lengths: tuple[int, ...]  # real response tokens per row, on the host
 
     @property
     def responses(self) -> torch.Tensor:
@@ -66,14 +71,20 @@ class Rollout:
 
     @property
     def score_index(self) -> torch.Tensor:
-        """[B] the last trained response position: where the score goes and the reward model reads."""
+        """[B] the last trained response position: where the score goes."""
         t = self.response_mask.shape[1]
         return t - 1 - self.response_mask.flip(1).int().argmax(1)
 
+    def layout(self, rows: Sequence[int] | None = None, packed: bool = False):
+        """The model layout of ``rows`` (default: all): see ``fastppo.models.Layout``."""
+        from fastppo.models import make_layout
 
-def position_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens, so a left-padded prompt starts at 0."""
-    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+        if rows is None:
+            return make_layout(self.query_responses, self.context_length, list(self.query_lengths),
+                               list(self.response_lengths), packed)
+        index = torch.as_tensor(rows, device=self.query_responses.device)
+        return make_layout(self.query_responses.index_select(0, index), self.context_length,
+                           [self.query_lengths[r] for r in rows], [self.response_lengths[r] for r in rows], packed)
 
 
 def make_rollout(queries, query_mask, responses, stop_ids: list[int], pad_id: int) -> Rollout:
@@ -83,24 +94,30 @@ def make_rollout(queries, query_mask, responses, stop_ids: list[int], pad_id: in
     else:
         real = torch.ones_like(responses, dtype=torch.bool)
         has_stop = torch.zeros(responses.shape[0], dtype=torch.bool, device=responses.device)
-    return layout(queries, query_mask, responses, real, has_stop)
+    return assemble(queries, query_mask, responses, real, has_stop)
 
 
-def layout(queries, query_mask, responses, real, has_stop, train_mask: torch.Tensor | None = None) -> Rollout:
-    """x+y as one [B, L] batch: left-padded queries, right-padded responses (``real`` marks their tokens).
+def assemble(queries, query_mask, responses, real, has_stop, train_mask: torch.Tensor | None = None) -> Rollout:
+    """x+y as one [B, L] batch: left-padded queries, right-padded responses (``real`` marks their tokens),
+    cut to the longest real response. The real lengths go to the host here, once per iteration.
 
     ``train_mask`` (optional, [B, T]): tokens the caller excludes from training inside the real
     response (tool output in multi-turn); they stay in the sequence and in attention.
     """
-    attention_mask = torch.cat([query_mask, real.long()], 1)
+    lengths = real.sum(1)
+    query_lengths, response_lengths = query_mask.sum(1).tolist(), lengths.tolist()
+    t = max(1, max(response_lengths))
+    responses, real = responses[:, :t], real[:, :t]
+    mask = real if train_mask is None else real & train_mask[:, :t].bool()
     return Rollout(
         query_responses=torch.cat([queries, responses], 1),
-        attention_mask=attention_mask,
-        position_ids=position_ids_of(attention_mask),
+        attention_mask=torch.cat([query_mask, real.long()], 1),
         context_length=queries.shape[1],
-        response_mask=real if train_mask is None else real & train_mask.bool(),
-        lengths=real.sum(1),
+        response_mask=mask,
+        lengths=lengths,
         has_stop=has_stop,
+        query_lengths=tuple(query_lengths),
+        response_lengths=tuple(response_lengths),
     )
 
 
@@ -143,38 +160,46 @@ class Experience:
     kl: torch.Tensor  # per-token KL estimate
 
 
-@torch.no_grad()
 def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float, kl_estimator: str,
-                  chunk: int) -> Experience:
-    """Step 2: log π_θ_old, V, log π_ref and the per-token KL, in chunks of ``chunk`` rows.
+                  chunk: int, packed: bool = False, seconds: dict | None = None) -> Experience:
+    """Step 2: log π_θ_old and V (one call of the trained module), log π_ref and the per-token KL, in
+    chunks of ``chunk`` rows, under ``torch.inference_mode``.
 
-    ``actor_critic`` is the same module and call as the training forward, on the same [B, L] layout,
-    so with dropout off the first PPO ratio is exactly 1.
+    ``actor_critic`` is the same module and call as the training forward, on the same layout, so with
+    dropout off the first PPO ratio is exactly 1. ``seconds`` collects the time of each model's forwards.
     """
     full = kl_estimator == "full"
     logprobs, ref_logprobs, values, kls = [], [], [], []
-    for i in range(0, rollout.query_responses.shape[0], chunk):
-        args = (rollout.query_responses[i : i + chunk], rollout.attention_mask[i : i + chunk],
-                rollout.position_ids[i : i + chunk], rollout.context_length, temperature)
-        logp, _, value, hidden = actor_critic(*args, return_hidden=full)
-        ref_logp, ref_state = reference(*args, with_hidden=full)
-        if full:
-            from fastppo.models import lm_head_of
+    clock = {"policy_value": 0.0, "reference": 0.0}
+    with torch.inference_mode():
+        for i in range(0, rollout.query_responses.shape[0], chunk):
+            layout = rollout.layout(range(i, min(i + chunk, rollout.query_responses.shape[0])), packed)
+            t0 = time.perf_counter()
+            logp, _, value, hidden = actor_critic(layout, temperature, return_hidden=full)
+            t1 = time.perf_counter()
+            ref_logp, ref_state = reference(layout, temperature, with_hidden=full)
+            if full:
+                from fastppo.models import lm_head_of
 
-            ref_hidden, ref_head = ref_state
-            head = lm_head_of(actor_critic.policy)
-            bias, ref_bias = getattr(head, "bias", None), getattr(ref_head, "bias", None)
-            kls.append(fused_full_kl(
-                hidden, head.weight.to(hidden.dtype), ref_hidden, ref_head.weight.to(ref_hidden.dtype), temperature,
-                bias=None if bias is None else bias.to(hidden.dtype),
-                ref_bias=None if ref_bias is None else ref_bias.to(ref_hidden.dtype)))
-        else:
-            kls.append(kl_penalty(logp, ref_logp, kl_estimator))
-        logprobs.append(logp)
-        ref_logprobs.append(ref_logp)
-        values.append(value)
-    mask = rollout.response_mask
-    return Experience(torch.cat(logprobs), torch.cat(ref_logprobs), torch.cat(values) * mask, torch.cat(kls) * mask)
+                ref_hidden, ref_head = ref_state
+                head = lm_head_of(actor_critic.policy)
+                bias, ref_bias = getattr(head, "bias", None), getattr(ref_head, "bias", None)
+                kls.append(layout.scatter(fused_full_kl(
+                    hidden, head.weight.to(hidden.dtype), ref_hidden, ref_head.weight.to(ref_hidden.dtype),
+                    temperature, bias=None if bias is None else bias.to(hidden.dtype),
+                    ref_bias=None if ref_bias is None else ref_bias.to(ref_hidden.dtype))))
+            else:
+                kls.append(kl_penalty(logp, ref_logp, kl_estimator))
+            clock["policy_value"] += t1 - t0
+            clock["reference"] += time.perf_counter() - t1
+            logprobs.append(logp)
+            ref_logprobs.append(ref_logp)
+            values.append(value)
+        mask = rollout.response_mask
+        out = [torch.cat(logprobs), torch.cat(ref_logprobs), torch.cat(values) * mask, torch.cat(kls) * mask]
+    if seconds is not None:
+        seconds.update(clock)
+    return Experience(*(t.clone() for t in out))  # out of inference mode: usable as constants in the loss
 
 
 # ============================================================================ 3-4. rewards and advantages
@@ -243,8 +268,13 @@ def compute_advantages(rewards, values, response_mask, gamma: float, lam: float,
 
 def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask,
                cliprange: float, cliprange_value: float, vf_coef: float, entropy_coef: float,
-               ratio_threshold: float):
-    """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]), all means over trained tokens."""
+               ratio_threshold: float, fused_policy_loss=None):
+    """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]), all means over trained tokens.
+
+    ``fused_policy_loss``: the policy part already computed by ``fused_ppo_policy_loss`` (its ``loss``
+    is pg − c_H·H̄ with the gradient formed in the forward); ``new_logprobs`` and ``entropy`` are then its
+    per-token values laid out as grids, for the statistics.
+    """
     # clipped value loss: ½·max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²)
     v_clipped = old_values + (new_values - old_values).clamp(-cliprange_value, cliprange_value)
     vf_losses1 = (new_values - returns) ** 2
@@ -257,7 +287,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     pg_losses2 = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
     pg_loss = masked_mean(torch.max(pg_losses1, pg_losses2), mask)
     mean_entropy = masked_mean(entropy, mask)
-    loss = pg_loss + vf_coef * vf_loss - entropy_coef * mean_entropy
+    policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
+    loss = policy_loss + vf_coef * vf_loss
     mean_ratio = masked_mean(ratio, mask)
     # legacy TRL's ratio_threshold: a micro-batch whose ratios blew up contributes nothing (no host sync);
     # its logged losses are the ones applied (0), and ratio_skipped counts it
@@ -287,53 +318,83 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     return loss, stats
 
 
+def micro_batches(order: list[int], sizes: Sizes, lengths: Sequence[int], group_by_length: bool) -> list[list[list[int]]]:
+    """The rows of each micro-batch of each minibatch of one epoch, from the epoch's random order.
+
+    Minibatches are consecutive slices of the order (TRL's). ``group_by_length``: within a minibatch,
+    rows of similar length share a micro-batch (less padding to compute on); the minibatch, and so
+    the optimizer step's rows, is the same random draw.
+    """
+    out = []
+    for mb in range(sizes.num_mini_batches):
+        rows = order[mb * sizes.local_mini_batch_size : (mb + 1) * sizes.local_mini_batch_size]
+        if group_by_length and sizes.micro_steps > 1:
+            rows = sorted(rows, key=lambda r: lengths[r])
+        out.append([rows[k * sizes.micro_batch_size : (k + 1) * sizes.micro_batch_size]
+                    for k in range(sizes.micro_steps)])
+    return out
+
+
 def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targets: Targets, config: PPOConfig,
                sizes: Sizes, generator: torch.Generator, autocast: Callable = contextlib.nullcontext,
                log: Callable[[str], None] = print) -> UpdateResult:
     """Step 5: num_ppo_epochs × num_mini_batches optimizer steps, each over micro_steps micro-batches.
 
-    A step whose loss or gradient is not finite (on any process) is skipped: gradients are
-    dropped before ``optimizer.step`` so the weights never see them. One host sync per step.
+    A step whose loss or gradient is not finite (on any process) is skipped: the weights and the
+    optimizer state never see it. With fused AdamW the skip happens on the device (its ``found_inf``),
+    so the loop never waits for the device; another optimizer needs one host sync per step.
     """
     device = rollout.query_responses.device
     shape = (config.num_ppo_epochs, sizes.num_mini_batches, sizes.micro_steps)
     stats = torch.full((len(STAT_NAMES), *shape), float("nan"), device=device)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     max_norm = config.max_grad_norm if config.max_grad_norm else float("inf")
-    micro = sizes.micro_batch_size
-    skipped = steps = 0
+    on_device_skip = bool(optimizer.defaults.get("fused")) and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+    skipped = torch.zeros((), device=device)
+    total_lengths = [q + r for q, r in zip(rollout.query_lengths, rollout.response_lengths)]
+    fused = getattr(config, "fused_policy_loss", False)
+    epochs_run = config.num_ppo_epochs
     model.train()
     for epoch in range(config.num_ppo_epochs):
-        order = torch.randperm(sizes.local_batch_size, generator=generator).to(device)
-        for mb in range(sizes.num_mini_batches):
-            mb_rows = order[mb * sizes.local_mini_batch_size : (mb + 1) * sizes.local_mini_batch_size]
+        order = torch.randperm(sizes.local_batch_size, generator=generator).tolist()
+        for mb, micro in enumerate(micro_batches(order, sizes, total_lengths, config.group_by_length)):
             finite = torch.ones((), device=device)
-            for k in range(sizes.micro_steps):
-                rows = mb_rows[k * micro : (k + 1) * micro]
+            for k, rows in enumerate(micro):
+                layout = rollout.layout(rows, config.padding_free)
+                index = torch.as_tensor(rows, device=device)
+                old_logprobs, old_values, advantages, returns, mask = (
+                    t.index_select(0, index) for t in (experience.logprobs, experience.values, targets.advantages,
+                                                       targets.returns, rollout.response_mask))
+                policy_loss = dict(old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                                   cliprange=config.cliprange, entropy_coef=config.entropy_coef) if fused else None
                 sync = k == sizes.micro_steps - 1  # DDP all-reduces gradients on the last micro-step only
                 ctx = model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()
                 with ctx:
                     with autocast():
-                        new_logprobs, entropy, new_values, _ = model(
-                            rollout.query_responses[rows], rollout.attention_mask[rows], rollout.position_ids[rows],
-                            rollout.context_length, config.temperature, return_entropy=True,
-                        )
+                        new_logprobs, entropy, new_values, _ = model(layout, config.temperature, return_entropy=True,
+                                                                     policy_loss=policy_loss)
+                    fused_out = None
+                    if fused:
+                        fused_out = new_logprobs
+                        new_logprobs, entropy = layout.scatter(fused_out.logprobs), layout.scatter(fused_out.entropy)
                     loss, stats[:, epoch, mb, k] = ppo_losses(
-                        new_logprobs, new_values, entropy, experience.logprobs[rows], experience.values[rows],
-                        targets.advantages[rows], targets.returns[rows], rollout.response_mask[rows],
+                        new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask,
                         config.cliprange, config.cliprange_value, config.vf_coef, config.entropy_coef,
-                        config.ratio_threshold,
+                        config.ratio_threshold, fused_out,
                     )
                     finite = finite * torch.isfinite(loss.detach())
                     (loss / sizes.micro_steps).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             ok = (finite * torch.isfinite(grad_norm)).float()
             fdist.all_reduce_min(ok)
-            if ok.item() == 1.0:
+            if on_device_skip:
+                optimizer.found_inf = 1.0 - ok  # fused AdamW leaves weights and moments alone where it is 1
                 optimizer.step()
-                steps += 1
+                skipped += 1.0 - ok
+            elif ok.item() == 1.0:
+                optimizer.step()
             else:
-                skipped += 1
+                skipped += 1.0
                 log(f"non-finite loss or gradient at PPO epoch {epoch}, minibatch {mb}: "
                     "step skipped, weights unchanged")
             optimizer.zero_grad(set_to_none=True)
@@ -342,8 +403,12 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
             kl_now = torch.nanmean(stats[STAT["policykl"], epoch, sizes.num_mini_batches - 1]).reshape(1)
             fdist.all_reduce(kl_now)
             if kl_now.item() / sizes.world_size > 1.5 * config.target_kl:
-                return UpdateResult(stats, skipped, steps, epoch + 1)
-    return UpdateResult(stats, skipped, steps, config.num_ppo_epochs)
+                epochs_run = epoch + 1
+                break
+    if on_device_skip:
+        optimizer.found_inf = None
+    steps = epochs_run * sizes.num_mini_batches - skipped
+    return UpdateResult(stats, skipped, steps, epochs_run)
 
 
 # ============================================================================ the trainer object
@@ -557,9 +622,8 @@ class PPOTrainer:
         prompts = completions = None
         with self.autocast():
             if self.reward_model is not None:
-                scores = reward_model_scores(
-                    self.reward_model, rollout.query_responses, rollout.attention_mask, rollout.position_ids,
-                    rollout.context_length + rollout.score_index, config.local_rollout_forward_batch_size)
+                scores = reward_model_scores(self.reward_model, rollout, config.local_rollout_forward_batch_size,
+                                             config.padding_free)
             else:
                 prompts, completions = self.decode(rollout)
                 columns = reward_fn_columns(rollout.query_responses, rollout.attention_mask, rollout.context_length,
@@ -597,8 +661,10 @@ class PPOTrainer:
         # 2. scoring: log π_θ_old and V (one forward of the trained module), log π_ref, per-token KL
         self.actor_critic.eval()
         with self.autocast():
+            seconds = {}
             experience = score_rollout(self.actor_critic, self.reference, rollout, config.temperature,
-                                       config.kl_estimator, config.local_rollout_forward_batch_size)
+                                       config.kl_estimator, config.local_rollout_forward_batch_size,
+                                       config.padding_free, seconds)
         from fastppo.rewards import transform_scores
 
         final_scores = transform_scores(scores, config.use_score_scaling, config.use_score_norm, config.score_clip,
@@ -618,7 +684,8 @@ class PPOTrainer:
                             self.shuffle, self.autocast, self.log)
         t2 = time.perf_counter()
         return dict(experience=experience, targets=targets, result=result, kl_coef=kl_coef, lr=lr,
-                    final_scores=final_scores, seconds={"scoring": t1 - t0, "update": t2 - t1})
+                    final_scores=final_scores, seconds={"scoring": t1 - t0, "update": t2 - t1,
+                                                        **{f"scoring/{k}": v for k, v in seconds.items()}})
 
     def _end_iteration(self, rollout: Rollout, out: dict, logged_scores, eos) -> dict:
         """6. the iteration's metrics (one all-reduce), the β update, the schedule, the counters."""
@@ -627,6 +694,9 @@ class PPOTrainer:
         objective = objective_sums(out["experience"].kl, out["experience"].logprobs, out["targets"].non_score_reward,
                                    rollout.response_mask, logged_scores, eos)
         metrics = gather_metrics(objective, out["result"], self.sizes.world_size)
+        if metrics["train/skipped_steps"]:
+            self.log(f"{metrics['train/skipped_steps']:g} optimizer step(s) skipped for a non-finite loss or gradient "
+                     "(weights and optimizer state unchanged by them)")
         self.kl_ctl.update(metrics["objective/kl"], self.sizes.batch_size)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -654,9 +724,9 @@ class PPOTrainer:
         user_mask = None
         if response_masks is not None:
             user_mask, _ = right_pad([m.long().tolist() for m in response_masks], 0)
-        rollout = layout(q.to(self.device), q_mask.to(self.device), r.to(self.device), real.to(self.device),
-                         torch.zeros(len(queries), dtype=torch.bool, device=self.device),
-                         None if user_mask is None else user_mask.to(self.device))
+        rollout = assemble(q.to(self.device), q_mask.to(self.device), r.to(self.device), real.to(self.device),
+                           torch.zeros(len(queries), dtype=torch.bool, device=self.device),
+                           None if user_mask is None else user_mask.to(self.device))
         if not bool(rollout.response_mask.any(1).all()):
             raise ValueError("step: every response needs at least one token to train on (check response_masks)")
         out = self._optimize(rollout, scores, skip_masked=response_masks is not None)

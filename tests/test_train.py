@@ -27,7 +27,6 @@ from fastppo.train import (
     compute_advantages,
     make_rollout,
     per_token_rewards,
-    position_ids_of,
     ppo_losses,
     ppo_update,
     score_rollout,
@@ -99,7 +98,7 @@ def test_prompt_batches_shard_disjointly_with_equal_counts():
 def test_left_pad_and_positions():
     ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0, multiple_of=4)
     assert ids.tolist() == [[0, 5, 6, 7], [0, 0, 0, 8]]
-    assert position_ids_of(mask).tolist() == [[0, 0, 1, 2], [0, 0, 0, 0]]
+    assert ((mask.cumsum(1) - 1).clamp(min=0)).tolist() == [[0, 0, 1, 2], [0, 0, 0, 0]]
 
 
 # ---------------------------------------------------------------------------- the algorithm's pieces
@@ -188,10 +187,7 @@ def test_first_ratio_is_one(tmp_path, embedded_cache):
     module = trainer.actor_critic
     module.train()
     rows = torch.tensor([5, 2, 7, 0])
-    new_logprobs, _, new_values, _ = module(
-        rollout.query_responses[rows], rollout.attention_mask[rows], rollout.position_ids[rows],
-        rollout.context_length, config.temperature, return_entropy=True,
-    )
+    new_logprobs, _, new_values, _ = module(rollout.layout(rows.tolist()), config.temperature, return_entropy=True)
     torch.testing.assert_close(new_logprobs, experience.logprobs[rows], atol=1e-6, rtol=0)
     ratio = torch.exp(new_logprobs - experience.logprobs[rows])
     assert (ratio - 1).abs().max().item() < 1e-5
@@ -237,8 +233,7 @@ def test_reward_model_is_read_at_the_last_real_token(tmp_path, embedded_cache):
     rm = AutoModelForSequenceClassification.from_config(cfg).eval()
     queries, qmask = left_pad([[3, 4, 5], [6]], pad_id=0)
     rollout = make_rollout(queries, qmask, torch.tensor([[7, 1, 9], [8, 9, 10]]), stop_ids=[1], pad_id=0)
-    got = reward_model_scores(rm, rollout.query_responses, rollout.attention_mask, rollout.position_ids,
-                              rollout.context_length + rollout.score_index, chunk=1)
+    got = reward_model_scores(rm, rollout, chunk=1)
     with torch.no_grad():
         alone = [rm(input_ids=torch.tensor([seq])).logits[0, 0] for seq in ([3, 4, 5, 7, 1], [6, 8, 9, 10])]
     torch.testing.assert_close(got, torch.stack(alone), atol=1e-5, rtol=1e-5)
