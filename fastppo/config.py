@@ -734,7 +734,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PPOConfig:
     An unknown flag is argparse's usage error (exit 2) naming the closest known flags.
     """
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     namespace, unknown = parser.parse_known_args(argv)
     ignored, problems = {}, []
     i = 0
@@ -761,6 +761,22 @@ def parse_args(argv: Sequence[str] | None = None) -> PPOConfig:
     config = PPOConfig(**vars(namespace))
     config.__dict__["ignored"] = ignored
     return config
+
+
+def _join_negative_numbers(argv: list[str]) -> list[str]:
+    """``--flag -1e-5`` as ``--flag=-1e-5``: argparse reads a negative number in exponent notation as a flag."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and token.startswith("-"):
+            try:
+                float(token)
+            except ValueError:
+                pass
+            else:
+                out[-1] = f"{out[-1]}={token}"
+                continue
+        out.append(token)
+    return out
 
 
 def cli_config(argv: Sequence[str] | None = None) -> PPOConfig:
@@ -830,12 +846,21 @@ def _check_scheduler(config: PPOConfig) -> None:
 
 
 def _check_output_dir(path: str) -> None:
+    """The directory exists or can be made, and files can be written there: tried with a temporary file in
+    its nearest existing ancestor (permission bits alone say nothing to root or on read-only mounts)."""
+    import tempfile
+
     _check(not os.path.isfile(path), f"--output_dir {path!r} is a file; expected a directory")
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    _check(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK),
-           f"--output_dir {path!r} is not writable ({parent!r} does not let this user create files)")
+    _check(os.path.isdir(parent), f"--output_dir {path!r}: {parent!r} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fastppo-write-test-", dir=parent)
+    except OSError as e:
+        raise ValueError(f"--output_dir {path!r} is not writable ({parent!r}: {e.strerror})") from e
+    os.close(fd)
+    os.unlink(probe)
 
 
 def validate_config(config: PPOConfig) -> list[str]:
@@ -873,8 +898,13 @@ def validate_config(config: PPOConfig) -> list[str]:
            f"optim {c.optim!r} is not supported; use adamw_torch or adamw_torch_fused")
     _check_scheduler(c)
     # sampling
+    from fastppo.kernels._common import TEMPERATURE_RANGE
+
     _check(_is_finite(c.temperature) and c.temperature > 0, f"temperature must be a finite number > 0, got "
            f"{c.temperature}")
+    _check(TEMPERATURE_RANGE[0] <= c.temperature <= TEMPERATURE_RANGE[1],
+           f"temperature must be in [{TEMPERATURE_RANGE[0]:g}, {TEMPERATURE_RANGE[1]:g}] (logits / temperature in "
+           f"fp32 would overflow or underflow), got {c.temperature}")
     _check(c.stop_token in (None, "eos"), f"stop_token must be 'eos' or unset, got {c.stop_token!r}")
     _check(not (c.stop_token is not None and c.stop_token_id), "stop_token and stop_token_id are mutually exclusive; "
            "set one")

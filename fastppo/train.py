@@ -593,7 +593,7 @@ class PPOTrainer:
 
     def log(self, msg: str) -> None:
         if self.dist.is_main:
-            self.console.print(f"[fastppo] {msg}", highlight=False, markup=False)
+            self.console.print(f"[fastppo] {msg}", highlight=False, markup=False, soft_wrap=True)
 
     # ------------------------------------------------------------------ 1. rollout
 
@@ -902,14 +902,28 @@ def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool):
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m fastppo.train``: flags to a PPOTrainer, train, save. Bad input: exit 2, no traceback."""
+    config = cli_config(argv)
+    main_guard(lambda: PPOTrainer(args=config).train(), config)
+
+
+def main_guard(run: Callable, config: PPOConfig | None = None):
+    """Run ``run``; bad input becomes a one-line error and exit 2, a collective that timed out (a frozen
+    or dead process) a line naming this rank and --ddp_timeout, and exit 1."""
     from fastppo.rewards import RewardFunctionError
 
-    config = cli_config(argv)
     try:
-        PPOTrainer(args=config).train()
+        return run()
     except (ValueError, TypeError, OSError, RewardFunctionError) as e:  # bad input: the message says it all
         print(f"fastppo.train: error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        rank = os.environ.get("RANK", "0")
+        timeout = config.ddp_timeout if config is not None else "?"
+        print(f"fastppo.train: error: rank {rank}: a collective did not complete within --ddp_timeout {timeout} s; "
+              f"another process is frozen or dead ({str(e).splitlines()[0]})", file=sys.stderr)
+        raise SystemExit(1) from e
 
 
 if __name__ == "__main__":

@@ -105,9 +105,26 @@ def check_same_shape(**tensors: torch.Tensor | None) -> None:
                          "they must match")
 
 
+# Logits are divided by the temperature in fp32: far outside this range logits/T overflows (NaN log-probs)
+# or underflows to a uniform distribution.
+TEMPERATURE_RANGE = (1e-6, 1e6)
+
+
 def check_temperature(temperature) -> float:
-    """Temperatures divide logits: they must be finite numbers > 0."""
-    return check_float("temperature", temperature, minimum=0.0, exclusive_minimum=True)
+    """Temperatures divide logits: finite numbers in ``TEMPERATURE_RANGE``."""
+    t = check_float("temperature", temperature, minimum=0.0, exclusive_minimum=True)
+    low, high = TEMPERATURE_RANGE
+    if not low <= t <= high:
+        raise ValueError(f"temperature must be in [{low:g}, {high:g}] (logits / temperature in fp32 would "
+                         f"{'overflow to NaN' if t < low else 'underflow to a uniform distribution'}), got {t}")
+    return t
+
+
+def check_bool(name: str, value) -> bool:
+    """A flag must be a bool: a string like "false" is truthy and would silently turn it on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
 
 
 def check_index_range(index: torch.Tensor, vocab_size: int, name: str = "index") -> None:

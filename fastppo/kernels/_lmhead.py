@@ -307,6 +307,8 @@ def check_lm_head_args(hidden, weight, bias, prefix: str = "") -> None:
         raise TypeError(f"{w_name} has dtype {weight.dtype} but {h_name} has {hidden.dtype}; they must match")
     if bias is not None and bias.shape[0] != vocab:
         raise ValueError(f"{b_name} has shape {tuple(bias.shape)} but must be [V] = [{vocab}] to match {w_name}")
+    if bias is not None and bias.dtype != hidden.dtype:
+        raise TypeError(f"{b_name} has dtype {bias.dtype} but {h_name} has {hidden.dtype}; they must match")
     check_same_device(**{h_name: hidden, w_name: weight, b_name: bias})
 
 

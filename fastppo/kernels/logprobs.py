@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, check_index_range, check_same_device
-from fastppo.kernels._common import check_temperature, check_tensor, launch, tile_choice, tl, triton, use_triton
+from fastppo.kernels._common import check_bool, check_temperature, check_tensor, launch, tile_choice, tl, triton, use_triton
 from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, INTERPRETER_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype
 from fastppo.kernels._lmhead import check_lm_head_args, dot_precision, dot_upcast, lm_head_logits_reference
 from fastppo.kernels._lmhead import merge_splits, row_tile, softmax_dlogits_tile, split_plan, tl_dtype
@@ -316,6 +316,7 @@ def token_logprobs(logits, index, temperature=1.0, return_entropy=False):
     ``entropy_from_logits(logits / T)``.
     """
     temperature = _check_token_logprobs_args(logits, index, temperature)
+    check_bool("return_entropy", return_entropy)
     if not use_triton(logits):
         return token_logprobs_reference(logits, index, temperature, return_entropy)
     vocab = logits.shape[-1]
@@ -349,6 +350,7 @@ def fused_token_logprobs(hidden, weight, index, temperature=1.0, bias=None, retu
         through both outputs (the entropy gradient is not dropped).
     """
     temperature = _check_fused_token_logprobs_args(hidden, weight, index, temperature, bias)
+    check_bool("return_entropy", return_entropy)
     if not use_triton(hidden):
         return fused_token_logprobs_reference(hidden, weight, index, temperature, bias, return_entropy)
     vocab, hdim = weight.shape
@@ -372,6 +374,7 @@ def token_logprobs_reference(logits, index, temperature=1.0, return_entropy=Fals
     [N, V] input costs fp32 [N, V] temporaries, not fp64 ones.
     """
     temperature = _check_token_logprobs_args(logits, index, temperature)
+    check_bool("return_entropy", return_entropy)
     check_index_range(index, logits.shape[-1])
     z = logits.to(acc_dtype(logits.dtype)) / temperature
     log_p = torch.log_softmax(z, dim=-1)
@@ -388,4 +391,5 @@ def token_logprobs_reference(logits, index, temperature=1.0, return_entropy=Fals
 def fused_token_logprobs_reference(hidden, weight, index, temperature=1.0, bias=None, return_entropy=False):
     """Plain PyTorch ``fused_token_logprobs``: logits = hidden @ weight.T (+ bias) materialised in fp32."""
     temperature = _check_fused_token_logprobs_args(hidden, weight, index, temperature, bias)
+    check_bool("return_entropy", return_entropy)
     return token_logprobs_reference(lm_head_logits_reference(hidden, weight, bias), index, temperature, return_entropy)

@@ -65,8 +65,8 @@ def _check_truncate_at_stop_args(responses, stop_ids, pad_id) -> tuple[torch.Ten
     check_tensor("responses", responses, ndim=2, dtypes=INDEX_DTYPES)
     if isinstance(pad_id, bool) or not isinstance(pad_id, int):
         raise TypeError(f"pad_id must be an int, got {type(pad_id).__name__}")
-    if pad_id < 0:
-        raise ValueError(f"pad_id must be >= 0, got {pad_id}")
+    if not 0 <= pad_id <= torch.iinfo(torch.int64).max:
+        raise ValueError(f"pad_id must be a token id in [0, 2**63), got {pad_id}")
     if responses.dtype == torch.int32 and pad_id > torch.iinfo(torch.int32).max:
         raise ValueError(f"pad_id {pad_id} does not fit in int32 responses")
     if isinstance(stop_ids, torch.Tensor):
@@ -78,6 +78,9 @@ def _check_truncate_at_stop_args(responses, stop_ids, pad_id) -> tuple[torch.Ten
         ids = [stop_ids] if isinstance(stop_ids, int) and not isinstance(stop_ids, bool) else stop_ids
         if not isinstance(ids, Sequence) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TypeError(f"stop_ids must be an int, a sequence of ints or an integer tensor, got {stop_ids!r}")
+        big = [i for i in ids if not -(2**63) <= i < 2**63]
+        if big:
+            raise ValueError(f"stop_ids {big} do not fit in int64 (token ids are < 2**63)")
         stop_tensor = torch.tensor(list(ids), dtype=torch.int64, device=responses.device)
     if stop_tensor.numel() == 0:
         raise ValueError("stop_ids must name at least one token id, got none")
