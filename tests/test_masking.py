@@ -151,7 +151,7 @@ def test_torch_compile_fullgraph():
         (dict(stop_ids=2.0), TypeError, "stop_ids must be"),
         (dict(stop_ids=torch.tensor([2.0])), TypeError, "stop_ids must hold integer"),
         (dict(stop_ids=torch.tensor([2], device="meta")), ValueError, "stop_ids is on meta"),
-        (dict(pad_id=-1), ValueError, "pad_id must be >= 0"),
+        (dict(pad_id=-1), ValueError, "pad_id must be a token id in \\[0, 2\\*\\*63\\)"),
         (dict(pad_id=1.5), TypeError, "pad_id must be an int"),
         (dict(responses=torch.ones(2, 4, dtype=torch.int32), pad_id=2**31), ValueError, "does not fit in int32"),
     ],
