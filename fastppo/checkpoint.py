@@ -1,19 +1,250 @@
-"""Checkpoints: what a saved run holds and how it is written."""
+"""Checkpoints: everything a run needs to continue exactly, written so that a crash never corrupts one.
+
+A checkpoint ``output_dir/checkpoint-N`` (N = PPO iterations done) holds:
+
+* the models as transformers checkpoints (``save_pretrained``: the policy, or its LoRA adapter; with the
+  value head on its trunk, ``v_head.*`` beside it; a separate value model in ``value_model/``) and the
+  tokenizer, so every checkpoint also loads with ``from_pretrained``;
+* ``trainer_state.pt``: optimizer and scheduler state, β of the KL controller, the running score
+  moments, the counters (iteration, episode), the prompt sampler's position, the metrics so far;
+* ``rng_state_<rank>.pt`` per process: torch's CPU and CUDA generators, the update's shuffle generator,
+  Python's and NumPy's;
+* ``fastppo_config.json``: the config it was made with (a resume checks it against the new one).
+
+Atomic: every process writes into ``.tmp-checkpoint-N``; rank 0 fsyncs every file and the directory,
+renames it to ``checkpoint-N`` and only then rewrites the ``latest`` pointer (itself written to a
+temporary file and renamed). A process killed at any moment leaves either the previous checkpoint as
+``latest`` or the new one complete; a ``.tmp-*`` directory is never read and is cleared by the next save.
+"""
 from __future__ import annotations
 
 import json
 import os
+import random
+import re
+import shutil
+
+import torch
 
 from fastppo.config import PPOConfig
 
+LATEST = "latest"
+STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "fastppo_config.json"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# Settings a resumed run must share with the run that made the checkpoint (else the state does not fit).
+MUST_MATCH = ("model_name_or_path", "sft_model_path", "value_model_path", "reward_model_path", "reward_fn",
+              "shared_value_head", "use_peft", "lora_r", "lora_alpha", "lora_target_modules",
+              "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "seed")
 
-def save_checkpoint(path: str, policy, value_model, tokenizer, config: PPOConfig) -> None:
-    """Policy (LoRA adapter with PEFT; with the value head on its trunk, ``v_head.*`` beside its
-    weights) + tokenizer at ``path``; a separate value model at ``path/value_model``."""
+
+def _fsync_tree(path: str) -> None:
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        for name in [*dirs, "."]:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def save_model_files(path: str, policy, value_model, tokenizer, config: PPOConfig) -> None:
+    """The transformers-loadable part: policy (or adapter, v_head beside), tokenizer, value model, config."""
     os.makedirs(path, exist_ok=True)
     policy.save_pretrained(path)
     tokenizer.save_pretrained(path)
     if value_model is not None:
         value_model.save_pretrained(os.path.join(path, "value_model"))
-    with open(os.path.join(path, "fastppo_config.json"), "w") as f:
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(config.to_dict(), f, indent=2)
+
+
+def rng_state(shuffle: torch.Generator) -> dict:
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict, shuffle: torch.Generator) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    shuffle.set_state(state["shuffle"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(output_dir: str, step: int, rank: int, world_size: int, write_models, trainer_state: dict,
+                    rng: dict, save_total_limit: int | None, barrier) -> str:
+    """``checkpoint-<step>`` in ``output_dir``, atomically (module docstring); every rank calls this.
+
+    ``write_models(path)`` writes the model files (rank 0 only); ``trainer_state`` is rank 0's,
+    ``rng`` this rank's. Returns the checkpoint's path."""
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        if os.path.isdir(tmp):  # a save of this step that a crash interrupted
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    barrier()
+    torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pt"))
+    barrier()
+    if rank == 0:
+        write_models(tmp)
+        torch.save({**trainer_state, "world_size": world_size}, os.path.join(tmp, STATE_FILE))
+        _fsync_tree(tmp)
+        if os.path.isdir(final):  # only when a run is redone from an earlier checkpoint: replaced whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(output_dir)
+        write_atomic(os.path.join(output_dir, LATEST), os.path.basename(final))
+        if save_total_limit:
+            rotate_checkpoints(output_dir, save_total_limit)
+    barrier()
+    return final
+
+
+def checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoints in ``output_dir``, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
+             if (m := CHECKPOINT.match(name)) and os.path.isfile(os.path.join(output_dir, name, STATE_FILE))]
+    return sorted(found)
+
+
+def rotate_checkpoints(output_dir: str, limit: int) -> None:
+    """Keep the newest ``limit`` checkpoints (and always the one ``latest`` names); called after a save completed."""
+    latest = resolve_checkpoint("latest", output_dir, required=False)
+    found = checkpoints(output_dir)
+    for _, path in found[: max(0, len(found) - limit)]:
+        if path != latest:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def resolve_checkpoint(spec: str, output_dir: str, required: bool = True) -> str | None:
+    """``latest`` (the pointer, else the newest complete checkpoint) or a path, checked to be complete."""
+    if spec == "latest":
+        pointer = os.path.join(output_dir, LATEST)
+        path = None
+        if os.path.isfile(pointer):
+            with open(pointer) as f:
+                path = os.path.join(output_dir, f.read().strip())
+        if path is None or not os.path.isfile(os.path.join(path, STATE_FILE)):
+            found = checkpoints(output_dir)
+            path = found[-1][1] if found else None
+        if path is None:
+            if required:
+                raise FileNotFoundError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir!r}")
+            return None
+        return path
+    if not os.path.isfile(os.path.join(spec, STATE_FILE)):
+        raise FileNotFoundError(f"--resume_from_checkpoint {spec!r}: not a complete fastppo checkpoint "
+                                f"(no {STATE_FILE})")
+    return spec
+
+
+def check_compatible(path: str, config: PPOConfig, world_size: int) -> list[str]:
+    """A ValueError naming each setting that differs where the checkpoint's state would not fit; notes for the
+    other settings that differ (they apply from the resumed iteration on)."""
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        saved = json.load(f)
+    state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
+    current = config.to_dict()
+    wrong = [f"{name}: checkpoint {saved.get(name)!r}, now {current.get(name)!r}" for name in MUST_MATCH
+             if saved.get(name) != current.get(name)]
+    if state.get("world_size") != world_size:
+        wrong.append(f"processes: checkpoint {state.get('world_size')}, now {world_size}")
+    if wrong:
+        raise ValueError(f"cannot resume from {path!r}: it was made with other settings ({'; '.join(wrong)}); "
+                         "resume with the same ones, or start a fresh run in another --output_dir")
+    skip = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "disable_tqdm", "num_sample_generations",
+            "logging_steps", "save_steps", "save_total_limit", "report_to", "run_name", "ddp_timeout"}
+    return [f"{k} differs from the checkpoint's ({saved.get(k)!r} -> {v!r}); the new value applies from here"
+            for k, v in current.items() if k not in skip and k in saved and saved[k] != v]
+
+
+def load_weights(model, path: str) -> None:
+    """Weights of a ``save_pretrained`` directory into an existing model, strictly (tied copies excepted)."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors") and f != "v_head.safetensors")
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(path, name)))
+    state = {k: v for k, v in state.items() if not k.startswith("v_head.")}  # the trunk's value head: loaded apart
+    result = model.load_state_dict(state, strict=False)
+    tied = _tied_names(model)
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"weights in {path!r} do not fit the model: missing {missing[:5]}, unexpected "
+                         f"{result.unexpected_keys[:5]}")
+
+
+def _tied_names(model) -> set[str]:
+    """Parameter names that share storage with an earlier one (save_pretrained writes them once)."""
+    seen, tied = {}, set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.data_ptr() in seen:
+            tied.add(name)
+        seen.setdefault(p.data_ptr(), name)
+    return tied
+
+
+# What a fastppo run writes into output_dir (anything else there is the user's and is left alone).
+RUN_FILES = re.compile(r"^(checkpoint-\d+|\.tmp-checkpoint-\d+|latest|metrics\.jsonl|samples\.jsonl|curves\.png|runs|"
+                       r"value_model|fastppo_config\.json|config\.json|generation_config\.json|model.*\.safetensors|"
+                       r"model\.safetensors\.index\.json|adapter_.*|v_head\.safetensors|tokenizer.*|"
+                       r"special_tokens_map\.json|chat_template\.jinja|vocab\.json|merges\.txt)$")
+
+
+def run_files(output_dir: str) -> list[str]:
+    """The files and directories of a previous fastppo run in ``output_dir``."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(name for name in os.listdir(output_dir) if RUN_FILES.match(name))
+
+
+def remove_run_files(output_dir: str) -> None:
+    for name in run_files(output_dir):
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def truncate_jsonl(path: str, key: str, last: int) -> None:
+    """Keep the lines of ``path`` whose ``key`` is <= ``last`` (a resumed run rewrites what came after)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line).get(key, 0) <= last]
+    write_atomic(path, "".join(lines))

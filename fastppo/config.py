@@ -330,7 +330,17 @@ class PPOConfig:
     # ------------------------------------------------------------------ output
     output_dir: str = field(
         default="output/fastppo-default",
-        metadata={**_section("output"), "help": "Where checkpoints and logs go."},
+        metadata={**_section("output, checkpoints and resuming"),
+                  "help": "Where checkpoints and logs go. A directory holding a previous run is refused unless "
+                  "--resume_from_checkpoint or --overwrite_output_dir says what to do with it."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Delete a previous run's files in output_dir before training."}
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "Continue a run exactly from a checkpoint: a checkpoint-N directory, or 'latest' (the "
+                  "newest complete one in output_dir). torchrun's elastic restarts resume from latest on their own."},
     )
     seed: int = field(
         default=42, metadata={"help": "Random seed (each process samples with seed + rank·100003)."}

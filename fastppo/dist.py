@@ -40,7 +40,17 @@ def setup_distributed(timeout_s: int = 1800, use_cpu: bool = False) -> DistState
         torch.cuda.set_device(device)
     initialized_here = False
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        backend = "nccl" if cuda else "gloo"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one store across elastic restarts: without a namespace per restart a
+            # restarted rank can read the previous attempt's addresses and fail to connect (pytorch#135712)
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)
+            store = dist.PrefixStore(f"fastppo/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
         initialized_here = True
     return DistState(rank, world, local_rank, device, initialized_here)
 

@@ -136,7 +136,7 @@ class MetricsLogger:
             return
         os.makedirs(config.output_dir, exist_ok=True)
         self.path = os.path.join(config.output_dir, "metrics.jsonl")
-        self.file = open(self.path, "w")
+        self.file = open(self.path, "a")  # a fresh run starts from an empty output_dir; a resumed one appends
         targets = {t.lower() for t in config.report_to}
         everything = "all" in targets
         if everything or "tensorboard" in targets:
@@ -162,7 +162,7 @@ class MetricsLogger:
         self.history.append(scalars)
         if not self.is_main:
             return
-        self.file.write(json.dumps(scalars) + "\n")
+        self.file.write(json.dumps({**scalars, "step": step}) + "\n")
         self.file.flush()
         if self.tb is not None:
             for k, v in scalars.items():

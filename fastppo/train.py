@@ -509,13 +509,14 @@ class PPOTrainer:
                                  "responses would never stop")
         if legacy:
             self._legacy_dataset = bound.get("dataset")
-            self.prompts = self.prompt_rows = self.eval_prompts = None
+            self.prompts = self.prompt_rows = self.eval_prompts = self._resume_path = None
             self.sizes = derive_legacy_sizes(config, self.dist.world_size)
         else:
             self.prompts, self.prompt_rows = load_prompts(bound.get("train_dataset"), config, tokenizer, log=self.log)
             self.eval_prompts = (load_prompts(bound["eval_dataset"], config, tokenizer, "eval_dataset", self.log)[0]
                                  if bound.get("eval_dataset") is not None else None)
             self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
+            self._resume_path = self._decide_resume()
             M.check_positions(model if isinstance(model, nn.Module) else policy_path, config,
                               max(len(p) for p in self.prompts))
         if self.embedded:
@@ -590,6 +591,12 @@ class PPOTrainer:
         self.console = Console(stderr=False)
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
+        try:  # transformers 5 writes checkpoints with huggingface_hub's progress bars
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        except ImportError:  # pragma: no cover
+            pass
 
     def log(self, msg: str) -> None:
         if self.dist.is_main:
@@ -736,31 +743,38 @@ class PPOTrainer:
     # ------------------------------------------------------------------ the TRL 0.26 loop
 
     def train(self):
-        """``num_total_batches`` iterations of rollout → update; metrics, samples, callbacks, checkpoints."""
-        from fastppo.checkpoint import save_checkpoint
+        """``num_total_batches`` iterations of rollout → update; metrics, samples, callbacks, checkpoints.
+
+        Resumes from ``resume_from_checkpoint`` (or, after a torchrun elastic restart, from ``latest``);
+        SIGTERM or Ctrl-C makes every process finish its iteration, save a checkpoint and return."""
         from fastppo.metrics import MetricsLogger, plot_curves, print_samples
 
         config, sizes, state = self.config, self.sizes, self.state
         if self.api == "legacy":
             raise RuntimeError("train() is TRL 0.26's loop; the legacy API drives step() from the caller's loop")
+        first = self._start_output()
         self.log(f"{sizes.num_total_batches} iterations × {sizes.batch_size} episodes on {sizes.world_size} "
-                 f"process(es), {sizes.local_batch_size} per process; output in {config.output_dir}")
+                 f"process(es), {sizes.local_batch_size} per process; output in {config.output_dir}"
+                 + (f"; resuming after iteration {first - 1}" if first > 1 else ""))
         logger = self._logger = MetricsLogger(config, self.dist.is_main, self.log)
         progress = None
         stack = contextlib.ExitStack()
         stack.callback(logger.close)
+        stop = stack.enter_context(_StopSignals(self.log))
         if self.dist.is_main and not config.disable_tqdm:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             progress = Progress(TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                 console=self.console, transient=False)
-            task = progress.add_task("train", total=sizes.num_total_batches * sizes.batch_size)
+            task = progress.add_task("train", total=sizes.num_total_batches * sizes.batch_size,
+                                     completed=state.episode)
             progress.start()
             stack.callback(progress.stop)
         self._callback("on_train_begin")
-        start = time.perf_counter()
+        start, start_episode = time.perf_counter(), state.episode
+        preempted = False
         with stack:
-            for update in range(1, sizes.num_total_batches + 1):
+            for update in range(first, sizes.num_total_batches + 1):
                 # 1. rollout, then 2-5. scoring, rewards, GAE, update
                 batch = self.rollout()
                 out = self._optimize(batch.rollout, batch.scores)
@@ -768,7 +782,7 @@ class PPOTrainer:
                 metrics = self._end_iteration(batch.rollout, out, batch.scores, batch.eos_count)
                 state.epoch = state.episode / max(len(self.prompts), 1)
                 metrics.update({
-                    "eps": state.episode / (time.perf_counter() - start),
+                    "eps": (state.episode - start_episode) / (time.perf_counter() - start),
                     "lr": out["lr"],
                     "episode": state.episode,
                     **{f"time/{k}": v for k, v in {**batch.seconds, **out["seconds"]}.items()},
@@ -790,15 +804,17 @@ class PPOTrainer:
                     print_samples(self.console, prompts, completions, batch.scores.tolist(), update,
                                   os.path.join(config.output_dir, "samples.jsonl"))
                 self._callback("on_step_end")
-                if update % config.save_steps == 0 and update != sizes.num_total_batches:
-                    if self.dist.is_main:
-                        save_checkpoint(os.path.join(config.output_dir, f"checkpoint-{update}"), self.policy,
-                                        self.value_model, self.tokenizer, config)
-                    fdist.barrier()
+                preempted = stop.requested_anywhere()
+                if preempted or (update % config.save_steps == 0 and update != sizes.num_total_batches):
+                    self.save_checkpoint()
+                if preempted:
+                    self.log(f"stopped by a signal after iteration {update}: checkpoint saved; continue with "
+                             "--resume_from_checkpoint latest")
+                    break
                 if self.control.should_training_stop:
                     self.log(f"a callback stopped training after iteration {update}")
                     break
-        if self.dist.is_main:
+        if self.dist.is_main and not preempted:
             self.save_model(config.output_dir)
             plot_curves(state.log_history, os.path.join(config.output_dir, "curves.png"), self.log)
             self.log(f"done: {state.episode} episodes in {time.perf_counter() - start:.1f}s; model saved to "
@@ -813,6 +829,104 @@ class PPOTrainer:
 
             dist.destroy_process_group()
         return state
+
+    # ------------------------------------------------------------------ checkpoints and resuming
+
+    def _start_output(self) -> int:
+        """The output_dir for this run (resumed, overwritten or fresh); returns the first iteration to run."""
+        from fastppo import checkpoint as C
+
+        config = self.config
+        path = self._resume_path
+        if path is None:
+            if config.overwrite_output_dir and self.dist.is_main:
+                C.remove_run_files(config.output_dir)
+            fdist.barrier()
+            return 1
+        self._load_checkpoint(path)
+        if self.dist.is_main:
+            for name, key in (("metrics.jsonl", "step"), ("samples.jsonl", "iteration")):
+                C.truncate_jsonl(os.path.join(config.output_dir, name), key, self.state.global_step)
+        fdist.barrier()
+        return self.state.global_step + 1
+
+    def _decide_resume(self) -> str | None:
+        """Before any model loads: which checkpoint this run continues (None: a fresh run), and whether the
+        output_dir may be written. A previous run there is never silently mixed with or overwritten."""
+        from fastppo import checkpoint as C
+
+        config = self.config
+        spec = config.resume_from_checkpoint
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if spec is None and restarted:  # torchrun --max-restarts: carry on from the last checkpoint, if any
+            spec = "latest" if C.checkpoints(config.output_dir) else None
+            if spec:
+                self.log("elastic restart: resuming from the latest checkpoint")
+        if spec is not None:
+            path = C.resolve_checkpoint(spec, config.output_dir)
+            for note in C.check_compatible(path, config, self.dist.world_size):
+                self.log(note)
+            return path
+        existing = C.run_files(config.output_dir)
+        if existing and not config.overwrite_output_dir and not restarted:
+            raise ValueError(
+                f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}"
+                f"{', ...' if len(existing) > 6 else ''}); pass --resume_from_checkpoint latest to continue it, "
+                "--overwrite_output_dir to replace it, or another --output_dir"
+            )
+        return None
+
+    def save_checkpoint(self) -> str:
+        """``checkpoint-<iteration>`` with everything needed to continue exactly (see ``fastppo.checkpoint``)."""
+        from fastppo import checkpoint as C
+
+        config, state = self.config, self.state
+        trainer_state = {
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "kl_coef": self.kl_ctl.value,
+            "moments": self.moments.state_dict() if self.moments is not None else None,
+            "global_step": state.global_step, "episode": state.episode, "log_history": state.log_history,
+            "prompt_batches_drawn": state.global_step,
+        }
+        path = C.save_checkpoint(
+            config.output_dir, state.global_step, self.dist.rank, self.dist.world_size,
+            lambda tmp: C.save_model_files(tmp, self.policy, self.value_model, self.tokenizer, config),
+            trainer_state, C.rng_state(self.shuffle), config.save_total_limit, fdist.barrier)
+        self.log(f"checkpoint saved: {path}")
+        return path
+
+    def _load_checkpoint(self, path: str) -> None:
+        from fastppo import checkpoint as C
+        from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
+
+        policy = self.policy
+        lm = lm_of(policy)
+        if is_peft(policy):
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            set_peft_model_state_dict(lm, load_file(os.path.join(path, "adapter_model.safetensors")))
+        else:
+            C.load_weights(lm, path)
+        if isinstance(policy, AutoModelForCausalLMWithValueHead):
+            policy.v_head.load_state_dict(read_value_head(path))
+        if self.value_model is not None:
+            C.load_weights(self.value_model, os.path.join(path, "value_model"))
+        state = torch.load(os.path.join(path, C.STATE_FILE), map_location="cpu", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.kl_ctl.value = state["kl_coef"]
+        if self.moments is not None and state["moments"] is not None:
+            self.moments.load_state_dict(state["moments"])
+        self.state.global_step, self.state.episode = state["global_step"], state["episode"]
+        self.state.log_history = list(state["log_history"])
+        for _ in range(state["prompt_batches_drawn"]):  # the prompt order is a function of the seed: replay it
+            next(self._batches)
+        rng = torch.load(os.path.join(path, f"rng_state_{self.dist.rank}.pt"), map_location="cpu", weights_only=False)
+        C.set_rng_state(rng, self.shuffle)
+        self.log(f"resumed from {path} (iteration {state['global_step']}, episode {state['episode']})")
 
     def _log_state(self, metrics: dict) -> None:
         entry = {**metrics, "step": self.state.global_step}
@@ -834,11 +948,11 @@ class PPOTrainer:
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Policy (+ value head on its trunk), tokenizer and a separate value model (``value_model/``)."""
-        from fastppo.checkpoint import save_checkpoint
+        from fastppo.checkpoint import save_model_files
 
         if self.dist.is_main:
-            save_checkpoint(output_dir or self.config.output_dir, self.policy, self.value_model, self.tokenizer,
-                            self.config)
+            save_model_files(output_dir or self.config.output_dir, self.policy, self.value_model, self.tokenizer,
+                             self.config)
 
     def save_pretrained(self, save_directory: str) -> None:
         """Legacy TRL's name: the policy with its value head, and the tokenizer."""
@@ -884,6 +998,54 @@ class PPOTrainer:
         from fastppo.legacy import legacy_log_stats
 
         legacy_log_stats(self, stats, batch, rewards, columns_to_log)
+
+
+class _StopSignals:
+    """While training, SIGTERM (preemption, scancel, Kubernetes) and Ctrl-C ask every process to finish its
+    iteration, save a checkpoint and return; a second Ctrl-C interrupts at once."""
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self, log):
+        self.log = log
+        self.flag = False
+        self.previous = {}
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                number = getattr(signal, name)
+                self.previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number, frame):
+        import signal
+
+        if self.flag and number == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.flag = True
+        self.log(f"{signal.Signals(number).name} received: finishing this iteration, then saving a checkpoint")
+
+    def requested_anywhere(self) -> bool:
+        """Whether any process got a signal (one small all-reduce per iteration, so all stop together)."""
+        flag = torch.tensor([float(self.flag)])
+        if fdist.is_distributed():
+            import torch.distributed as dist
+
+            backend = dist.get_backend()
+            flag = flag.to("cuda") if backend == "nccl" else flag
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def __exit__(self, *exc):
+        import signal
+
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        return False
 
 
 def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool):

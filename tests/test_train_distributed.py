@@ -65,3 +65,55 @@ def test_torchrun_two_processes_keep_identical_weights(tmp_path):
 def _cache(tmp_path_factory, monkeypatch):
     if "FASTPPO_CACHE" not in os.environ:
         monkeypatch.setenv("FASTPPO_CACHE", str(tmp_path_factory.mktemp("fastppo-cache")))
+
+
+RESUME_WORKER = """
+import json, os, sys
+import torch
+from transformers import TrainerCallback
+from fastppo import PPOConfig, PPOTrainer
+
+settings, out, stop_at, resume = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume"
+
+class Stop(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = 0 < stop_at <= state.global_step
+        return control
+
+trainer = PPOTrainer(args=PPOConfig(**settings, output_dir=out, resume_from_checkpoint="latest" if resume else None),
+                     callbacks=[Stop()])
+trainer.train()
+torch.save({k: v.clone() for k, v in trainer.actor_critic.state_dict().items()},
+           os.path.join(out, f"final{os.environ['RANK']}.pt"))
+"""
+
+
+@pytest.mark.slow
+def test_two_rank_resume_equals_an_uninterrupted_run(tmp_path):
+    from fastppo.config import EMBEDDED_PRESET
+
+    (tmp_path / "worker.py").write_text(RESUME_WORKER)
+    settings = {**EMBEDDED_PRESET, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                "num_ppo_epochs": 2, "response_length": 5, "total_episodes": 32, "num_sample_generations": 0,
+                "disable_tqdm": True, "save_steps": 2, "use_score_scaling": True, "adaptive_kl": True,
+                "stop_token": "eos", "logging_steps": 1}
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+
+    def launch(out, stop_at, mode):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(tmp_path / "worker.py"), json.dumps(settings), str(out), str(stop_at), mode]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    launch(tmp_path / "whole", 0, "fresh")
+    launch(tmp_path / "cut", 2, "fresh")
+    launch(tmp_path / "cut", 0, "resume")
+    for rank in range(2):
+        whole = torch.load(tmp_path / "whole" / f"final{rank}.pt")
+        resumed = torch.load(tmp_path / "cut" / f"final{rank}.pt")
+        for name, p in whole.items():
+            torch.testing.assert_close(resumed[name], p, atol=0, rtol=0, msg=name)
+    strip = lambda rows: [{k: v for k, v in json.loads(r).items() if not k.startswith("time/") and k != "eps"}  # noqa
+                          for r in rows]
+    assert strip((tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()) == \
+        strip((tmp_path / "whole" / "metrics.jsonl").read_text().splitlines())
