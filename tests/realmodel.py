@@ -144,7 +144,8 @@ def convert(gguf_path: str, out_dir: str) -> None:
 
 
 def copy_checkpoint(src: str, dst, generation_config: dict | None = None) -> str:
-    """A copy of a checkpoint directory, weights linked (to change its generation_config.json without touching the cache)."""
+    """A copy of a checkpoint directory with its weights linked, and ``generation_config`` merged into its
+    generation_config.json: a variant of the cached checkpoint that leaves the cache untouched."""
     dst = str(dst)
     os.makedirs(dst)
     for name in os.listdir(src):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -66,21 +65,25 @@ def stopped(completions, completion_ids, **kwargs) -> list[float]:
 
 
 def assert_first_ratio_is_one(trainer) -> None:
-    """Old log-probs (rollout scoring, all rows) against the training forward (4 rows, shuffled) on the same
-    weights: ρ = 1 on every real token. Also: the responses decode to text."""
+    """Old log-probs (the rollout's scoring forward) against the training forward on the same weights: ρ = 1 on
+    every real token for the whole batch in a shuffled order, as one minibatch of one micro-batch trains it. Also:
+    the responses decode to text."""
     config = trainer.config
     batch = trainer.rollout()
     assert all(isinstance(c, str) for c in batch.completions) and any(c.strip() for c in batch.completions)
     rollout = batch.rollout
     experience = score_rollout(trainer.actor_critic, trainer.reference, rollout, config.temperature,
                                config.kl_estimator, config.local_rollout_forward_batch_size)
-    rows = torch.randperm(rollout.query_responses.shape[0])[:4].tolist()
     trainer.actor_critic.train()
-    with torch.no_grad():
-        new_logprobs, _, _, _ = trainer.actor_critic(rollout.layout(rows), config.temperature, return_entropy=True)
-    mask = rollout.response_mask[rows]
-    ratio = torch.exp(new_logprobs - experience.logprobs[rows])[mask]
-    assert ratio.numel() > 0 and (ratio - 1).abs().max().item() < 1e-5, (ratio - 1).abs().max().item()
+    n = rollout.query_responses.shape[0]
+    # a smaller micro-batch is another shape (fewer rows, its own padding): fp32 rounding differs there, measured
+    # up to 3e-5 in log-prob on this 30-layer model
+    for rows, tolerance in ((torch.randperm(n).tolist(), 1e-5), (torch.randperm(n)[: n // 2].tolist(), 1e-4)):
+        with torch.no_grad():
+            new_logprobs, _, _, _ = trainer.actor_critic(rollout.layout(rows), config.temperature, return_entropy=True)
+        mask = rollout.response_mask[rows]
+        ratio = torch.exp(new_logprobs - experience.logprobs[rows])[mask]
+        assert ratio.numel() > 0 and (ratio - 1).abs().max().item() < tolerance, (rows, (ratio - 1).abs().max())
 
 
 def stop_rate(trainer, n: int = 64, seed: int = 1234) -> float:
@@ -102,12 +105,17 @@ def stop_rate(trainer, n: int = 64, seed: int = 1234) -> float:
 
 
 def test_ppo_with_a_rule_reward_on_chat_prompts(tmp_path, smollm2):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """PPO on chat prompts against a rule reward: the reward's expectation rises. The value model is SmolLM2's
+    body with a scalar head initialised to zero: with transformers' random init its values (sd ~0.8 here) swamp a
+    0/1 reward in the first advantages, and a run of a few small batches may go either way."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    iterations = 5
-    trainer = PPOTrainer(args=config(tmp_path, smollm2, num_ppo_epochs=4, response_length=16,
+    iterations = 4
+    value_model = AutoModelForSequenceClassification.from_pretrained(smollm2, num_labels=1)
+    torch.nn.init.zeros_(value_model.score.weight)
+    trainer = PPOTrainer(args=config(tmp_path, smollm2, num_ppo_epochs=2, learning_rate=2e-5, response_length=16,
                                      total_episodes=8 * iterations),
-                         train_dataset=chat_dataset(), reward_model=stopped)
+                         train_dataset=chat_dataset(), reward_model=stopped, value_model=value_model)
     tok = trainer.tokenizer
     assert tok.pad_token_id == tok.eos_token_id == EOS  # the tokenizer as shipped
     assert tok.decode(trainer.prompts[0]).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
@@ -119,9 +127,12 @@ def test_ppo_with_a_rule_reward_on_chat_prompts(tmp_path, smollm2):
     scores = [m["objective/scores"] for m in history]
     print(f"stop rate {before:.3f} -> {after:.3f}; objective/scores {[round(s, 3) for s in scores]}")
     assert len(history) == iterations and all(math.isfinite(m["objective/kl"]) for m in history)
-    # the reward's expectation rose: 64 samples each, sd of each estimate <= 0.0625
+    # the reward's expectation rose. Measured on 64 samples from the same random state before and after (sd of
+    # each estimate <= 0.0625; seeds 0-3 of this run went from 0.42 to 0.77-0.89). objective/scores, 8 samples
+    # an iteration, is too noisy to compare iteration with iteration (one seed in four logged the same mean for
+    # its first two and last two); after the first update its mean is checked against the starting expectation.
     assert after > before + 0.2, (before, after, scores)
-    assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2, scores
+    assert sum(scores[1:]) / len(scores[1:]) > before, (before, scores)
     # checkpoint: a plain transformers checkpoint with the trained weights, that generates text
     out = tmp_path / "out"
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -134,8 +145,8 @@ def test_ppo_with_a_rule_reward_on_chat_prompts(tmp_path, smollm2):
     generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     text = tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True)
     assert any(c.isalpha() for c in text), text
-    samples = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(samples) == iterations
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["objective/scores"] for m in logged] == pytest.approx(scores)
 
 
 # ---------------------------------------------------------------------------- b. reward and value models
@@ -158,11 +169,12 @@ def test_ppo_with_reward_and_value_models_from_smollm2s_body(tmp_path, smollm2):
     # TRL's quick start passes a causal LM as reward and value model: fresh heads, refused unless asked for,
     # with an error that names the fix, before any training
     with pytest.raises(ValueError, match=r"reward model at .* has no trained scalar head.*allow_untrained_heads"):
-        PPOTrainer(args=config(tmp_path, smollm2, reward_model_path=smollm2), train_dataset=chat_dataset())
-    assert not (tmp_path / "out" / "model.safetensors").exists()
+        PPOTrainer(args=config(tmp_path, smollm2, reward_model_path=smollm2, output_dir=str(tmp_path / "refused")),
+                   train_dataset=chat_dataset())
     with pytest.raises(ValueError, match=r"value model at .* has no trained scalar head.*allow_untrained_heads"):
-        PPOTrainer(args=config(tmp_path, smollm2, value_model_path=smollm2), train_dataset=chat_dataset(),
-                   reward_model=stopped)
+        PPOTrainer(args=config(tmp_path, smollm2, value_model_path=smollm2, output_dir=str(tmp_path / "refused")),
+                   train_dataset=chat_dataset(), reward_model=stopped)
+    assert not list((tmp_path / "refused").rglob("*.safetensors"))  # refused before anything was trained or saved
 
     rm_dir = sequence_classifier(smollm2, tmp_path / "rm")
     trainer = PPOTrainer(args=config(tmp_path, smollm2, reward_model_path=rm_dir, value_model_path=smollm2,
