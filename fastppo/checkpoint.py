@@ -69,13 +69,16 @@ def write_atomic(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def save_model_files(path: str, policy, value_model, tokenizer, config: PPOConfig) -> None:
-    """The transformers-loadable part: policy (or adapter, v_head beside), tokenizer, value model, config."""
+def save_model_files(path: str, policy, value_model, tokenizer, config: PPOConfig, policy_state: dict | None = None,
+                     value_state: dict | None = None) -> None:
+    """The transformers-loadable part: policy (or adapter, v_head beside), tokenizer, value model, config.
+    ``policy_state``/``value_state``: whole weights to write instead of the modules' own (DeepSpeed ZeRO-3)."""
     os.makedirs(path, exist_ok=True)
-    policy.save_pretrained(path)
+    policy.save_pretrained(path, **({} if policy_state is None else {"state_dict": policy_state}))
     tokenizer.save_pretrained(path)
     if value_model is not None:
-        value_model.save_pretrained(os.path.join(path, "value_model"))
+        value_model.save_pretrained(os.path.join(path, "value_model"),
+                                    **({} if value_state is None else {"state_dict": value_state}))
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(config.to_dict(), f, indent=2)
 
@@ -102,11 +105,12 @@ def set_rng_state(state: dict, shuffle: torch.Generator) -> None:
 
 
 def save_checkpoint(output_dir: str, step: int, rank: int, world_size: int, write_models, trainer_state: dict,
-                    rng: dict, save_total_limit: int | None, barrier) -> str:
+                    rng: dict, save_total_limit: int | None, barrier, write_every_rank=None) -> str:
     """``checkpoint-<step>`` in ``output_dir``, atomically (module docstring); every rank calls this.
 
     ``write_models(path)`` writes the model files (rank 0 only); ``trainer_state`` is rank 0's,
-    ``rng`` this rank's. Returns the checkpoint's path."""
+    ``rng`` this rank's; ``write_every_rank(path)``, if given, runs on every rank before them (DeepSpeed's
+    engine checkpoint, a ZeRO-3 gather). Returns the checkpoint's path."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     if rank == 0:
@@ -115,6 +119,8 @@ def save_checkpoint(output_dir: str, step: int, rank: int, world_size: int, writ
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     barrier()
+    if write_every_rank is not None:
+        write_every_rank(tmp)
     torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pt"))
     barrier()
     if rank == 0:
@@ -172,9 +178,14 @@ def resolve_checkpoint(spec: str, output_dir: str, required: bool = True) -> str
     return spec
 
 
-def check_compatible(path: str, config: PPOConfig, world_size: int) -> list[str]:
+def _engine_name(zero_stage: int | None) -> str:
+    return "no DeepSpeed" if zero_stage is None else f"DeepSpeed ZeRO-{zero_stage}"
+
+
+def check_compatible(path: str, config: PPOConfig, world_size: int, zero_stage: int | None = None) -> list[str]:
     """A ValueError naming each setting that differs where the checkpoint's state would not fit; notes for the
-    other settings that differ (they apply from the resumed iteration on)."""
+    other settings that differ (they apply from the resumed iteration on). ``zero_stage``: this run's
+    DeepSpeed ZeRO stage (None: none), which must be the checkpoint's (the optimizer state's layout)."""
     with open(os.path.join(path, CONFIG_FILE)) as f:
         saved = json.load(f)
     state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
@@ -183,11 +194,15 @@ def check_compatible(path: str, config: PPOConfig, world_size: int) -> list[str]
              if saved.get(name) != current.get(name)]
     if state.get("world_size") != world_size:
         wrong.append(f"processes: checkpoint {state.get('world_size')}, now {world_size}")
+    saved_stage = (state.get("deepspeed") or {}).get("zero_stage")
+    if saved_stage != zero_stage:
+        wrong.append(f"engine: checkpoint {_engine_name(saved_stage)}, now {_engine_name(zero_stage)}")
     if wrong:
         raise ValueError(f"cannot resume from {path!r}: it was made with other settings ({'; '.join(wrong)}); "
                          "resume with the same ones, or start a fresh run in another --output_dir")
     skip = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "disable_tqdm", "num_sample_generations",
-            "logging_steps", "save_steps", "save_total_limit", "report_to", "run_name", "ddp_timeout"}
+            "logging_steps", "save_steps", "save_total_limit", "report_to", "run_name", "ddp_timeout", "deepspeed",
+            "zero_stage"}
     return [f"{k} differs from the checkpoint's ({saved.get(k)!r} -> {v!r}); the new value applies from here"
             for k, v in current.items() if k not in skip and k in saved and saved[k] != v]
 

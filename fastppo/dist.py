@@ -26,11 +26,12 @@ class DistState:
         return self.rank == 0
 
 
-def setup_distributed(timeout_s: int = 1800, use_cpu: bool = False) -> DistState:
+def setup_distributed(timeout_s: int = 1800, use_cpu: bool = False, need_group: bool = False) -> DistState:
     """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK: then NCCL on GPUs, Gloo on CPU. Else one process.
 
     ``timeout_s`` (``--ddp_timeout``) bounds every collective: a rank that waits longer for a frozen or
-    dead peer fails with an error instead of blocking forever."""
+    dead peer fails with an error instead of blocking forever. ``need_group``: a process group even for
+    one process (DeepSpeed needs one; it is then made in-process, without torchrun's variables)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -51,6 +52,11 @@ def setup_distributed(timeout_s: int = 1800, use_cpu: bool = False) -> DistState
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
+        initialized_here = True
+    elif need_group and not dist.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
         initialized_here = True
     return DistState(rank, world, local_rank, device, initialized_here)
 

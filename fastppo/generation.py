@@ -31,16 +31,28 @@ def _accepts_logits_to_keep(lm) -> bool:
 
 @torch.no_grad()
 def sample_responses(lm, queries, query_mask, response_length: int, temperature: float,
-                     stop_ids: list[int], pad_id: int, chunk: int) -> torch.Tensor:
+                     stop_ids: list[int], pad_id: int, chunk: int, synced: bool = False) -> torch.Tensor:
     """[B, T] sampled tokens (T = ``response_length``), ``chunk`` rows at a time; after a row's first stop
-    token every position holds ``pad_id``. With no stop ids every row has exactly T tokens."""
+    token every position holds ``pad_id``. With no stop ids every row has exactly T tokens.
+
+    ``synced``: a chunk's loop ends only when every process's rows have stopped (one all-reduce per token;
+    DeepSpeed ZeRO-3 without gathered weights, where each forward is a collective). Every process must
+    then sample the same number of chunks."""
     out = [_sample_chunk(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, temperature,
-                         stop_ids, pad_id) for i in range(0, queries.shape[0], chunk)]
+                         stop_ids, pad_id, synced) for i in range(0, queries.shape[0], chunk)]
     return torch.cat(out)
 
 
+def _all_stopped(done: torch.Tensor, synced: bool) -> bool:
+    if not synced:
+        return bool(done.all())
+    from fastppo.dist import all_reduce_min
+
+    return bool(all_reduce_min(done.all().float()))
+
+
 def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: float, stop_ids: list[int],
-                  pad_id: int) -> torch.Tensor:
+                  pad_id: int, synced: bool = False) -> torch.Tensor:
     from transformers import DynamicCache
 
     b = queries.shape[0]
@@ -62,7 +74,7 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
         tokens[:, t] = token
         if stops is not None:
             done = done | torch.isin(token, stops)
-            if bool(done.all()):  # one host sync per token: the loop ends as soon as every row stopped
+            if _all_stopped(done, synced):  # one host sync per token: the loop ends once every row stopped
                 break
         inputs = token[:, None]
         mask = torch.cat([mask, mask.new_ones(b, 1)], 1)

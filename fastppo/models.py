@@ -101,8 +101,15 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
     def gradient_checkpointing_enable(self, **kwargs):
         causal_lm_of(self).gradient_checkpointing_enable(**kwargs)
 
-    def save_pretrained(self, save_directory: str, **kwargs) -> None:
-        """The LM's files with ``v_head.*`` in its weights (legacy layout), or beside a PEFT adapter."""
+    def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
+        """The LM's files with ``v_head.*`` in its weights (legacy layout), or beside a PEFT adapter.
+        ``state_dict``: this wrapper's whole state (``pretrained_model.*``, ``v_head.*``) to write instead of
+        the modules' own tensors (DeepSpeed ZeRO-3 gathers it: the modules then hold partitions)."""
+        if state_dict is not None:
+            lm = {k[len("pretrained_model."):]: v for k, v in state_dict.items() if k.startswith("pretrained_model.")}
+            head = {k: v.detach().contiguous() for k, v in state_dict.items() if k.startswith(VALUE_HEAD_PREFIX)}
+            self.pretrained_model.save_pretrained(save_directory, state_dict={**lm, **head}, **kwargs)
+            return
         head = {VALUE_HEAD_PREFIX + k: v.detach().contiguous() for k, v in self.v_head.state_dict().items()}
         if self.is_peft_model:
             from safetensors.torch import save_file
@@ -171,17 +178,34 @@ def backbone_and_head(seq_cls_model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return backbone, head
 
 
+def gathered(*params):
+    """A context in which ``params`` are whole, for reading weights directly outside their module's forward.
+
+    Only DeepSpeed ZeRO-3 parameters that are partitioned right now are all-gathered (every process must
+    enter the context) and released at its end; anything else (plain tensors, ZeRO-2, parameters an
+    enclosing forward already gathered) makes it a no-op. Never around a training forward: releasing a
+    weight autograd saved breaks the backward (ZeRO-3 gathers those through its external parameters)."""
+    missing = [p for p in params if p is not None and getattr(p, "ds_status", None) is not None
+               and p.ds_status.name != "AVAILABLE"]
+    if not missing:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(missing, modifier_rank=None)
+
+
 def token_logprobs_from_hidden(model, hidden, targets, temperature: float, return_entropy: bool):
     head = lm_head_of(model)
     bias = getattr(head, "bias", None)
-    return fused_token_logprobs(
-        hidden,
-        head.weight.to(hidden.dtype),
-        targets,
-        temperature,
-        bias=None if bias is None else bias.to(hidden.dtype),
-        return_entropy=return_entropy,
-    )
+    with gathered(head.weight, bias):  # the reference's head under ZeRO-3; a no-op otherwise
+        return fused_token_logprobs(
+            hidden,
+            head.weight.to(hidden.dtype),
+            targets,
+            temperature,
+            bias=None if bias is None else bias.to(hidden.dtype),
+            return_entropy=return_entropy,
+        )
 
 
 # ============================================================================ batch layouts: no compute on padding

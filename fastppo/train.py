@@ -179,15 +179,16 @@ def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float,
             t1 = time.perf_counter()
             ref_logp, ref_state = reference(layout, temperature, with_hidden=full)
             if full:
-                from fastppo.models import lm_head_of
+                from fastppo.models import gathered, lm_head_of
 
                 ref_hidden, ref_head = ref_state
                 head = lm_head_of(actor_critic.policy)
                 bias, ref_bias = getattr(head, "bias", None), getattr(ref_head, "bias", None)
-                kls.append(layout.scatter(fused_full_kl(
-                    hidden, head.weight.to(hidden.dtype), ref_hidden, ref_head.weight.to(ref_hidden.dtype),
-                    temperature, bias=None if bias is None else bias.to(hidden.dtype),
-                    ref_bias=None if ref_bias is None else ref_bias.to(ref_hidden.dtype))))
+                with gathered(head.weight, bias, ref_head.weight, ref_bias):  # ZeRO-3 only: read outside a forward
+                    kls.append(layout.scatter(fused_full_kl(
+                        hidden, head.weight.to(hidden.dtype), ref_hidden, ref_head.weight.to(ref_hidden.dtype),
+                        temperature, bias=None if bias is None else bias.to(hidden.dtype),
+                        ref_bias=None if ref_bias is None else ref_bias.to(ref_hidden.dtype))))
             else:
                 kls.append(kl_penalty(logp, ref_logp, kl_estimator))
             clock["policy_value"] += t1 - t0
@@ -337,19 +338,21 @@ def micro_batches(order: list[int], sizes: Sizes, lengths: Sequence[int], group_
 
 def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targets: Targets, config: PPOConfig,
                sizes: Sizes, generator: torch.Generator, autocast: Callable = contextlib.nullcontext,
-               log: Callable[[str], None] = print) -> UpdateResult:
+               log: Callable[[str], None] = print, zero=None) -> UpdateResult:
     """Step 5: num_ppo_epochs × num_mini_batches optimizer steps, each over micro_steps micro-batches.
 
     A step whose loss or gradient is not finite (on any process) is skipped: the weights and the
     optimizer state never see it. With fused AdamW the skip happens on the device (its ``found_inf``),
     so the loop never waits for the device; another optimizer needs one host sync per step.
+    ``zero`` (``fastppo.zero.ZeRO``, ``model`` its engine): DeepSpeed accumulates, clips, steps and skips.
     """
     device = rollout.query_responses.device
     shape = (config.num_ppo_epochs, sizes.num_mini_batches, sizes.micro_steps)
     stats = torch.full((len(STAT_NAMES), *shape), float("nan"), device=device)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     max_norm = config.max_grad_norm if config.max_grad_norm else float("inf")
-    on_device_skip = bool(optimizer.defaults.get("fused")) and isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+    on_device_skip = zero is None and bool(optimizer.defaults.get("fused")) and isinstance(
+        optimizer, torch.optim.Adam | torch.optim.AdamW)
     skipped = torch.zeros((), device=device)
     total_lengths = [q + r for q, r in zip(rollout.query_lengths, rollout.response_lengths)]
     fused = getattr(config, "fused_policy_loss", False)
@@ -368,7 +371,8 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 policy_loss = dict(old_logprobs=old_logprobs, advantages=advantages, mask=mask,
                                    cliprange=config.cliprange, entropy_coef=config.entropy_coef) if fused else None
                 sync = k == sizes.micro_steps - 1  # DDP all-reduces gradients on the last micro-step only
-                ctx = model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()
+                ddp_accumulates = zero is None and hasattr(model, "no_sync") and not sync
+                ctx = model.no_sync() if ddp_accumulates else contextlib.nullcontext()
                 with ctx:
                     with autocast():
                         new_logprobs, entropy, new_values, _ = model(layout, config.temperature, return_entropy=True,
@@ -383,7 +387,16 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         config.ratio_threshold, fused_out,
                     )
                     finite = finite * torch.isfinite(loss.detach())
-                    (loss / sizes.micro_steps).backward()
+                    if zero is not None:
+                        zero.backward(loss, finite if sync else None, sizes.micro_steps)
+                    else:
+                        (loss / sizes.micro_steps).backward()
+            if zero is not None:
+                if zero.step():
+                    skipped += 1.0
+                    log(f"non-finite loss or gradient at PPO epoch {epoch}, minibatch {mb}: "
+                        "step skipped, weights unchanged")
+                continue
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             ok = (finite * torch.isfinite(grad_norm)).float()
             fdist.all_reduce_min(ok)
@@ -472,7 +485,17 @@ class PPOTrainer:
             from fastppo.embedded import embedded_model_path
 
             policy_path = embedded_model_path()
-        self.dist = fdist.setup_distributed(config.ddp_timeout, config.use_cpu)
+        from fastppo.config import deepspeed_request
+
+        ds_request = deepspeed_request(config)  # DeepSpeed asked for (--deepspeed, --zero_stage, accelerate launch)
+        if ds_request is not None and legacy:
+            raise ValueError(f"DeepSpeed ({ds_request[1]}) runs with TRL 0.26's PPOTrainer(args=..., ...) API and "
+                             "train(); the legacy PPOTrainer(config, model, ...) API trains with DDP (torchrun)")
+        if ds_request is not None and (bound.get("peft_config") is not None or (
+                isinstance(model, nn.Module) and M.is_peft(model))):
+            raise ValueError(f"a PEFT (LoRA) policy with DeepSpeed ({ds_request[1]}) is not supported yet; train LoRA "
+                             "with torchrun (DDP)")
+        self.dist = fdist.setup_distributed(config.ddp_timeout, config.use_cpu, need_group=ds_request is not None)
         self.device = self.dist.device
         self._setup_console()
         for note in notes:
@@ -509,13 +532,20 @@ class PPOTrainer:
                                  "responses would never stop")
         if legacy:
             self._legacy_dataset = bound.get("dataset")
-            self.prompts = self.prompt_rows = self.eval_prompts = self._resume_path = None
+            self.prompts = self.prompt_rows = self.eval_prompts = self._resume_path = self.ds_config = None
             self.sizes = derive_legacy_sizes(config, self.dist.world_size)
         else:
             self.prompts, self.prompt_rows = load_prompts(bound.get("train_dataset"), config, tokenizer, log=self.log)
             self.eval_prompts = (load_prompts(bound["eval_dataset"], config, tokenizer, "eval_dataset", self.log)[0]
                                  if bound.get("eval_dataset") is not None else None)
             self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
+            self.ds_config = None
+            if ds_request is not None:
+                from fastppo.zero import resolve_deepspeed_config
+
+                self.ds_config, ds_notes = resolve_deepspeed_config(ds_request, config, self.sizes)
+                for note in ds_notes:
+                    self.log(note)
             self._resume_path = self._decide_resume()
             M.check_positions(model if isinstance(model, nn.Module) else policy_path, config,
                               max(len(p) for p in self.prompts))
@@ -530,7 +560,8 @@ class PPOTrainer:
         self.policy, self.ref_model, self.value_model, self.reward_model = built
         self.actor_critic = M.PolicyAndValue(self.policy, self.value_model)
         self.model = self.actor_critic
-        if self.dist.world_size > 1:
+        self.zero = None
+        if self.dist.world_size > 1 and self.ds_config is None:
             self.model = nn.parallel.DistributedDataParallel(
                 self.actor_critic, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
@@ -540,6 +571,12 @@ class PPOTrainer:
         optimizers = (bound.get("optimizer"), bound.get("lr_scheduler")) if legacy else (
             bound.get("optimizers") or (None, None))
         self.optimizer = optimizers[0] or self._adamw()
+        if self.ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
+            from fastppo.zero import ZeRO
+
+            self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, self.reward_model],
+                             self.device, self.log, ds_request[1])
+            self.model = self.zero.engine
         self.lr_scheduler = optimizers[1] if optimizers[1] is not None or legacy else self._scheduler()
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
                        else FixedKLController(config.kl_coef))
@@ -619,10 +656,12 @@ class PPOTrainer:
         queries, query_mask = left_pad(prompt_ids, tok.pad_token_id, config.pad_to_multiple_of)
         queries, query_mask = queries.to(self.device), query_mask.to(self.device)
         self.actor_critic.eval()
-        with self.autocast():
+        context, synced = (contextlib.nullcontext(), False) if self.zero is None else \
+            self.zero.generation(self._lm(), config.ds3_gather_for_generation)
+        with self.autocast(), context:
             responses = sample_responses(
                 self._lm(), queries, query_mask, config.response_length, config.temperature, self.stop_ids,
-                tok.pad_token_id, config.local_rollout_forward_batch_size,
+                tok.pad_token_id, config.local_rollout_forward_batch_size, **({"synced": True} if synced else {}),
             )
         rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
         t1 = time.perf_counter()
@@ -688,7 +727,7 @@ class PPOTrainer:
         # 5. PPO update, at the learning rate of this iteration
         lr = self.optimizer.param_groups[0]["lr"]
         result = ppo_update(self.model, self.optimizer, rollout, experience, targets, config, self.sizes,
-                            self.shuffle, self.autocast, self.log)
+                            self.shuffle, self.autocast, self.log, zero=self.zero)
         t2 = time.perf_counter()
         return dict(experience=experience, targets=targets, result=result, kl_coef=kl_coef, lr=lr,
                     final_scores=final_scores, seconds={"scoring": t1 - t0, "update": t2 - t1,
@@ -814,8 +853,9 @@ class PPOTrainer:
                 if self.control.should_training_stop:
                     self.log(f"a callback stopped training after iteration {update}")
                     break
+        if not preempted:
+            self.save_model(config.output_dir)  # every rank: a collective under ZeRO-3; rank 0 writes
         if self.dist.is_main and not preempted:
-            self.save_model(config.output_dir)
             plot_curves(state.log_history, os.path.join(config.output_dir, "curves.png"), self.log)
             self.log(f"done: {state.episode} episodes in {time.perf_counter() - start:.1f}s; model saved to "
                      f"{config.output_dir}")
@@ -827,6 +867,8 @@ class PPOTrainer:
         if self.dist.initialized_here:
             import torch.distributed as dist
 
+            if self.zero is not None:  # DeepSpeed's hooks and buffers, while every rank is alive
+                self.zero.destroy()
             dist.destroy_process_group()
         return state
 
@@ -864,7 +906,9 @@ class PPOTrainer:
                 self.log("elastic restart: resuming from the latest checkpoint")
         if spec is not None:
             path = C.resolve_checkpoint(spec, config.output_dir)
-            for note in C.check_compatible(path, config, self.dist.world_size):
+            from fastppo.zero import zero_stage_of
+
+            for note in C.check_compatible(path, config, self.dist.world_size, zero_stage_of(self.ds_config)):
                 self.log(note)
             return path
         existing = C.run_files(config.output_dir)
@@ -881,18 +925,28 @@ class PPOTrainer:
         from fastppo import checkpoint as C
 
         config, state = self.config, self.state
+        tag = f"global_step{state.global_step}"
         trainer_state = {
-            "optimizer": self.optimizer.state_dict(),
+            # under DeepSpeed its engine checkpoint (deepspeed/<tag>) holds each rank's optimizer partition
+            "optimizer": self.optimizer.state_dict() if self.zero is None else None,
+            "deepspeed": None if self.zero is None else {"zero_stage": self.zero.stage, "tag": tag},
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "kl_coef": self.kl_ctl.value,
             "moments": self.moments.state_dict() if self.moments is not None else None,
             "global_step": state.global_step, "episode": state.episode, "log_history": state.log_history,
             "prompt_batches_drawn": state.global_step,
         }
+        states = [None, None]  # whole weights gathered under ZeRO-3 (rank 0)
+
+        def every_rank(tmp):
+            self.zero.save(tmp, tag)
+            states[:] = self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)
+
         path = C.save_checkpoint(
             config.output_dir, state.global_step, self.dist.rank, self.dist.world_size,
-            lambda tmp: C.save_model_files(tmp, self.policy, self.value_model, self.tokenizer, config),
-            trainer_state, C.rng_state(self.shuffle), config.save_total_limit, fdist.barrier)
+            lambda tmp: C.save_model_files(tmp, self.policy, self.value_model, self.tokenizer, config, *states),
+            trainer_state, C.rng_state(self.shuffle), config.save_total_limit, fdist.barrier,
+            every_rank if self.zero is not None else None)
         self.log(f"checkpoint saved: {path}")
         return path
 
@@ -900,21 +954,24 @@ class PPOTrainer:
         from fastppo import checkpoint as C
         from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
 
+        state = torch.load(os.path.join(path, C.STATE_FILE), map_location="cpu", weights_only=False)
         policy = self.policy
         lm = lm_of(policy)
-        if is_peft(policy):
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            set_peft_model_state_dict(lm, load_file(os.path.join(path, "adapter_model.safetensors")))
+        if self.zero is not None:  # the engine's checkpoint: weights (fp32 partitions) and optimizer state, exactly
+            self.zero.load(path, state["deepspeed"]["tag"])
         else:
-            C.load_weights(lm, path)
-        if isinstance(policy, AutoModelForCausalLMWithValueHead):
-            policy.v_head.load_state_dict(read_value_head(path))
-        if self.value_model is not None:
-            C.load_weights(self.value_model, os.path.join(path, "value_model"))
-        state = torch.load(os.path.join(path, C.STATE_FILE), map_location="cpu", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+            if is_peft(policy):
+                from peft import set_peft_model_state_dict
+                from safetensors.torch import load_file
+
+                set_peft_model_state_dict(lm, load_file(os.path.join(path, "adapter_model.safetensors")))
+            else:
+                C.load_weights(lm, path)
+            if isinstance(policy, AutoModelForCausalLMWithValueHead):
+                policy.v_head.load_state_dict(read_value_head(path))
+            if self.value_model is not None:
+                C.load_weights(self.value_model, os.path.join(path, "value_model"))
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.kl_ctl.value = state["kl_coef"]
@@ -950,9 +1007,11 @@ class PPOTrainer:
         """Policy (+ value head on its trunk), tokenizer and a separate value model (``value_model/``)."""
         from fastppo.checkpoint import save_model_files
 
+        states = (None, None) if self.zero is None else \
+            self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)  # ZeRO-3: every rank calls
         if self.dist.is_main:
             save_model_files(output_dir or self.config.output_dir, self.policy, self.value_model, self.tokenizer,
-                             self.config)
+                             self.config, *states)
 
     def save_pretrained(self, save_directory: str) -> None:
         """Legacy TRL's name: the policy with its value head, and the tokenizer."""
