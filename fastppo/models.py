@@ -98,8 +98,8 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
     def generate(self, *args, **kwargs):
         return self.pretrained_model.generate(*args, **kwargs)
 
-    def gradient_checkpointing_enable(self, **kwargs):
-        causal_lm_of(self).gradient_checkpointing_enable(**kwargs)
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+        enable_checkpointing(causal_lm_of(self), gradient_checkpointing_kwargs)
 
     def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
         """The LM's files with ``v_head.*`` in its weights (legacy layout), or beside a PEFT adapter.
@@ -371,6 +371,14 @@ class Reference:
 # ============================================================================ loading and preparing
 
 
+def enable_checkpointing(model: nn.Module, kwargs: dict | None) -> None:
+    """Activation checkpointing under its transformers 5 name, or its 4.x name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers 4.x
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def disable_dropout(model: nn.Module) -> None:
     """p = 0 everywhere (TRL does the same): with dropout on, the rollout and training forwards differ."""
     for module in model.modules():
@@ -546,7 +554,7 @@ def prepare_models(policy, ref_model, value_model, reward_model, tokenizer, conf
         kwargs = config.gradient_checkpointing_kwargs or {"use_reentrant": False}
         for model in (causal_lm_of(policy), value_model):
             if model is not None:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                enable_checkpointing(model, kwargs)
     check_lm_head(policy, len(tokenizer), device)
 
 

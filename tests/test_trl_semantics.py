@@ -174,13 +174,15 @@ def test_revision_trust_remote_code_and_checkpointing_kwargs_reach_transformers(
 
         monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
     enabled = []
-    original_gc = PreTrainedModel.gradient_checkpointing_enable
+    name = ("activation_checkpointing_enable" if hasattr(PreTrainedModel, "activation_checkpointing_enable")
+            else "gradient_checkpointing_enable")  # transformers 5 / 4
+    original_gc = getattr(PreTrainedModel, name)
 
-    def spy_gc(self, gradient_checkpointing_kwargs=None):
-        enabled.append(gradient_checkpointing_kwargs)
-        return original_gc(self, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+    def spy_gc(self, kwargs=None, **rest):
+        enabled.append(kwargs)
+        return original_gc(self, kwargs, **rest)
 
-    monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", spy_gc)
+    monkeypatch.setattr(PreTrainedModel, name, spy_gc)
     PPOTrainer(args=tiny(tmp_path, model_name_or_path=model_dir, model_revision="v1", trust_remote_code=True,
                          gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}))
     assert calls and all(c.get("revision") == "v1" and c.get("trust_remote_code") is True for c in calls)
