@@ -178,9 +178,11 @@ def test_revision_trust_remote_code_and_checkpointing_kwargs_reach_transformers(
             else "gradient_checkpointing_enable")  # transformers 5 / 4
     original_gc = getattr(PreTrainedModel, name)
 
-    def spy_gc(self, kwargs=None, **rest):
-        enabled.append(kwargs)
-        return original_gc(self, kwargs, **rest)
+    keyword = name.replace("_enable", "_kwargs")
+
+    def spy_gc(self, *args, **kwargs):
+        enabled.append(args[0] if args else kwargs.get(keyword))
+        return original_gc(self, *args, **kwargs)
 
     monkeypatch.setattr(PreTrainedModel, name, spy_gc)
     PPOTrainer(args=tiny(tmp_path, model_name_or_path=model_dir, model_revision="v1", trust_remote_code=True,
