@@ -2,9 +2,10 @@
 
     pytest bench/bench_train.py --benchmark-group-by=group -s          # ~2-3 minutes on a CPU
     pytest bench/bench_train.py --quick -s                              # ~1 minute
+    pytest bench/bench_train.py --e2e-model smollm2 -s                  # SmolLM2-135M-Instruct, ~15 minutes
     python bench/trl_baseline.py --impl both --rounds 3 --iterations 20   # the same, outside pytest
 
-Both trainers run the embedded default (tiny local Llama, built-in prompts, the default reward
+By default both trainers run the embedded default (tiny local Llama, built-in prompts, the default reward
 function; TRL gets it as a reward *model*, see ``trl_baseline.RewardFnModel``) with identical
 hyper-parameters; see ``trl_baseline.py`` for exactly what is matched and how. Each run is a fresh
 process, and the runs are interleaved (fastppo, TRL, fastppo, TRL, ...) so that load drift on a
@@ -32,16 +33,28 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchutil import REGISTRY, ReplayClock, Result  # noqa: E402
-from trl_baseline import FASTPPO_IMPL_NAME, TRL_IMPL_NAME, E2EConfig, compare, format_report, trl_version  # noqa: E402
+from trl_baseline import (  # noqa: E402
+    FASTPPO_IMPL_NAME, FASTPPO_VARIANTS, TRL_IMPL_NAME, E2EConfig, compare, format_report, trl_version,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IMPLS = {"fastppo": FASTPPO_IMPL_NAME, "trl": TRL_IMPL_NAME}
+IMPLS = {"fastppo": FASTPPO_IMPL_NAME,
+         "fastppo-fast": f"{FASTPPO_IMPL_NAME} --shared_value_head --padding_free",
+         "trl": TRL_IMPL_NAME}
+assert set(IMPLS) == {*FASTPPO_VARIANTS, "trl"}
 
 
-def e2e_config(quick: bool, smoke: bool = False) -> tuple[E2EConfig, int]:
+def e2e_config(quick: bool, smoke: bool = False, model: str = "embedded") -> tuple[E2EConfig, int]:
     """(config, interleaved rounds). Sizes follow the issue: a small model, batch 16-32, 12-16 tokens.
 
-    ``smoke``: the smallest run that still goes through both trainers' loops (checks the harness only)."""
+    ``smoke``: the smallest run that still goes through both trainers' loops (checks the harness only).
+    ``model="smollm2"``: issue 11's real-model case (batch 8, 24 tokens, 4 epochs, lr 3e-6, T 0.7,
+    separate value and reward models)."""
+    if model == "smollm2":
+        return E2EConfig(model="smollm2", per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                         num_ppo_epochs=4, response_length=24, learning_rate=3e-6, temperature=0.7, kl_coef=0.05,
+                         stop_on_eos=True, missing_eos_penalty=1.0, iterations=2 if smoke else 3,
+                         warmup_iterations=1, threads=0, local_rollout_forward_batch_size=8), 1 if quick else 2
     if smoke:
         return E2EConfig(per_device_train_batch_size=4, gradient_accumulation_steps=1, num_ppo_epochs=1,
                          response_length=6, iterations=2, warmup_iterations=1), 1
@@ -56,10 +69,10 @@ def e2e_config(quick: bool, smoke: bool = False) -> tuple[E2EConfig, int]:
 
 
 @pytest.fixture(scope="session")
-def e2e_runs(quick, smoke):
-    """Every run of both trainers, interleaved, once per session: {"fastppo": [...], "trl": [...]}."""
-    cfg, rounds = e2e_config(quick, smoke)
-    impls = ("fastppo", "trl") if trl_version() else ("fastppo",)
+def e2e_runs(request, quick, smoke):
+    """Every run of every trainer, interleaved, once per session: {"fastppo": [...], "trl": [...], ...}."""
+    cfg, rounds = e2e_config(quick, smoke, request.config.getoption("--e2e-model"))
+    impls = (*FASTPPO_VARIANTS, "trl") if trl_version() else tuple(FASTPPO_VARIANTS)
     return cfg, compare(cfg, rounds=rounds, impls=impls)
 
 
@@ -97,7 +110,7 @@ def _record(benchmark, group: str, impl_name: str, runs: list[dict]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.benchmark(timer=CLOCK)
-@pytest.mark.parametrize("impl", ["fastppo", "trl"])
+@pytest.mark.parametrize("impl", list(IMPLS))
 def test_e2e_episodes_per_second(impl, e2e_runs, benchmark, quick, capsys):
     cfg, runs = e2e_runs
     if impl not in runs:
@@ -105,6 +118,6 @@ def test_e2e_episodes_per_second(impl, e2e_runs, benchmark, quick, capsys):
                     "to compare against its PPOTrainer")
     group = f"e2e {DEVICE}: PPO iter B={cfg.batch_size} T={cfg.response_length} ep={cfg.num_ppo_epochs}"
     _record(benchmark, group, IMPLS[impl], runs[impl])
-    if impl == "trl" or "trl" not in runs:  # the last case: print the side-by-side report once
+    if impl == list(runs)[-1]:  # the last case: print the side-by-side report once
         with capsys.disabled():
             print(f"\n\nend to end ({DEVICE}), {cfg.describe()}\n{format_report(runs)}\n")

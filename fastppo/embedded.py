@@ -16,7 +16,7 @@ from importlib import resources
 from fastppo.rewards import NEGATIVE_WORDS, POSITIVE_WORDS
 
 EMBEDDED_VERSION = 1  # bump when the vocabulary or the architecture changes
-PROMPTS_PATH = str(resources.files("fastppo") / "data" / "prompts.jsonl")
+PROMPTS_PATH = str(resources.files("fastppo") / "builtin_prompts.jsonl")
 DEFAULT_REWARD_FN = "fastppo.rewards:positive_words"
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"

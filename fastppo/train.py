@@ -397,7 +397,10 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                     log(f"non-finite loss or gradient at PPO epoch {epoch}, minibatch {mb}: "
                         "step skipped, weights unchanged")
                 continue
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if math.isinf(max_norm):  # no clipping: the norm only for the finite check (no scaling pass)
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             ok = (finite * torch.isfinite(grad_norm)).float()
             fdist.all_reduce_min(ok)
             if on_device_skip:
@@ -548,7 +551,7 @@ class PPOTrainer:
                     self.log(note)
             self._resume_path = self._decide_resume()
             M.check_positions(model if isinstance(model, nn.Module) else policy_path, config,
-                              max(len(p) for p in self.prompts))
+                              max(len(p) for p in self.prompts + (self.eval_prompts or [])))
         if self.embedded:
             self.log(f"no model given: the embedded default (tiny Llama at {policy_path}, built-in prompts, "
                      f"reward {self.reward_fn_name})")
@@ -642,8 +645,11 @@ class PPOTrainer:
     # ------------------------------------------------------------------ 1. rollout
 
     @torch.no_grad()
-    def rollout(self, prompt_ids: Sequence[Sequence[int]] | None = None) -> RolloutBatch:
-        """Step 1: the next prompts (or ``prompt_ids``), responses y ~ π_θ_old, cut at the stop token, scored."""
+    def rollout(self, prompt_ids: Sequence[Sequence[int]] | None = None, temperature: float | None = None
+                ) -> RolloutBatch:
+        """Step 1: the next prompts (or ``prompt_ids``), responses y ~ π_θ_old, cut at the stop token, scored.
+
+        ``temperature``: sample at this one instead of the config's (the near-greedy sample table)."""
         from fastppo.data import left_pad
         from fastppo.generation import sample_responses
 
@@ -660,7 +666,8 @@ class PPOTrainer:
             self.zero.generation(self._lm(), config.ds3_gather_for_generation)
         with self.autocast(), context:
             responses = sample_responses(
-                self._lm(), queries, query_mask, config.response_length, config.temperature, self.stop_ids,
+                self._lm(), queries, query_mask, config.response_length,
+                config.temperature if temperature is None else temperature, self.stop_ids,
                 tok.pad_token_id, config.local_rollout_forward_batch_size, **({"synced": True} if synced else {}),
             )
         rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
@@ -681,6 +688,36 @@ class PPOTrainer:
                                      config.penalty_reward_value)
         seconds = {"generation": t1 - t0, "reward": time.perf_counter() - t1}
         return RolloutBatch(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds)
+
+    # TRL's sample table decodes near-greedily (its generate_completions' temperature)
+    SAMPLE_TABLE_TEMPERATURE = 0.01 + 1e-7
+
+    def generate_completions(self, sampling: bool = False) -> tuple[list[str], list[str], list[float]]:
+        """TRL's sample table: completions of the eval_dataset's prompts, near-greedy, scored; printed
+        on the main process (and appended to samples.jsonl). ``sampling``: the first
+        ``per_device_eval_batch_size`` prompts only (what ``train()`` shows), else every eval prompt.
+
+        Generated under a forked random state, so showing samples never changes what training draws.
+        Every process runs it (generation and frozen models are collectives under ZeRO-3)."""
+        from fastppo.metrics import print_samples
+
+        if self.eval_prompts is None:
+            raise ValueError("generate_completions needs an eval_dataset (PPOTrainer(eval_dataset=...))")
+        chunk = self.config.per_device_eval_batch_size
+        starts = range(0, chunk if sampling else len(self.eval_prompts), chunk)
+        prompts, completions, scores = [], [], []
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for start in starts:
+                batch = self.rollout(self.eval_prompts[start:start + chunk], self.SAMPLE_TABLE_TEMPERATURE)
+                texts = (batch.prompts, batch.completions) if batch.prompts is not None else self.decode(batch.rollout)
+                prompts += texts[0]
+                completions += texts[1]
+                scores += batch.scores.tolist()
+        if self.dist.is_main:
+            print_samples(self.console, prompts, completions, scores, self.state.global_step,
+                          os.path.join(self.config.output_dir, "samples.jsonl"), n=len(prompts))
+        return prompts, completions, scores
 
     def _lm(self):
         from fastppo.models import lm_of
@@ -837,11 +874,14 @@ class PPOTrainer:
                     self.log(f"iter {update}/{sizes.num_total_batches} episode {state.episode}: scores "
                              f"{metrics['objective/scores']:.3f} kl {metrics['objective/kl']:.2f} entropy "
                              f"{metrics['objective/entropy']:.1f} vf_loss {metrics['loss/value_avg']:.3f}")
-                if self.dist.is_main and sizes.sample_generations_freq and (update - 1) % sizes.sample_generations_freq == 0:
-                    prompts, completions = (batch.prompts, batch.completions) if batch.prompts is not None \
-                        else self.decode(batch.rollout)
-                    print_samples(self.console, prompts, completions, batch.scores.tolist(), update,
-                                  os.path.join(config.output_dir, "samples.jsonl"))
+                if sizes.sample_generations_freq and (update - 1) % sizes.sample_generations_freq == 0:
+                    if self.eval_prompts is not None:  # TRL's table: the eval prompts, near-greedy
+                        self.generate_completions(sampling=True)
+                    elif self.dist.is_main:  # no eval_dataset: this iteration's own samples
+                        prompts, completions = (batch.prompts, batch.completions) if batch.prompts is not None \
+                            else self.decode(batch.rollout)
+                        print_samples(self.console, prompts, completions, batch.scores.tolist(), update,
+                                      os.path.join(config.output_dir, "samples.jsonl"))
                 self._callback("on_step_end")
                 preempted = stop.requested_anywhere()
                 if preempted or (update % config.save_steps == 0 and update != sizes.num_total_batches):
@@ -942,12 +982,15 @@ class PPOTrainer:
             self.zero.save(tmp, tag)
             states[:] = self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)
 
+        start = time.perf_counter()
         path = C.save_checkpoint(
             config.output_dir, state.global_step, self.dist.rank, self.dist.world_size,
             lambda tmp: C.save_model_files(tmp, self.policy, self.value_model, self.tokenizer, config, *states),
             trainer_state, C.rng_state(self.shuffle), config.save_total_limit, fdist.barrier,
             every_rank if self.zero is not None else None)
-        self.log(f"checkpoint saved: {path}")
+        if self.dist.is_main:
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+            self.log(f"checkpoint saved: {path} ({size / 1e6:.1f} MB in {time.perf_counter() - start:.2f} s)")
         return path
 
     def _load_checkpoint(self, path: str) -> None:

@@ -91,12 +91,13 @@ def test_peers_run_where_installed(smoke_run, module, impl):
     assert any(b["name"] == impl for b in report["benchmarks"]), f"{impl} did not run"
 
 
-def test_end_to_end_runs_both_trainers(smoke_run):
+def test_end_to_end_runs_every_trainer(smoke_run):
     if not installed("trl"):
         pytest.skip("trl is not installed")
     _, report = smoke_run
     e2e = {b["name"]: b for b in report["benchmarks"] if b["group"].startswith("e2e")}
-    assert set(e2e) == {"fastppo.train", "reference: TRL 0.26 PPOTrainer"}
+    assert set(e2e) == {"fastppo.train", "fastppo.train --shared_value_head --padding_free",
+                        "reference: TRL 0.26 PPOTrainer"}
     for b in e2e.values():
         assert b["extra_info"]["episodes_per_s_median"] > 0
 

@@ -110,6 +110,40 @@ def test_trl_026_constructor_with_in_memory_objects_and_callbacks(tmp_path, mode
     assert trainer.optimizer is not None and trainer.lr_scheduler is not None
 
 
+def test_eval_dataset_feeds_the_sample_table_and_leaves_training_alone(tmp_path, model_dir):
+    """TRL's sample table comes from the eval_dataset (near-greedy, scored); showing it draws under a
+    forked random state, so the trained weights equal a run without eval_dataset bit for bit."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train_rows = [{"prompt": p} for p in ["the movie was", "i think the plot is", "overall the cast"] * 6]
+    eval_rows = [{"prompt": p} for p in ["the ending felt", "the music is", "my friend said", "a long film"]]
+
+    def run(out: str, **extra):
+        trainer = PPOTrainer(args=small(tmp_path, output_dir=str(tmp_path / out), num_sample_generations=2,
+                                        per_device_eval_batch_size=3, total_episodes=16),
+                             processing_class=tokenizer, model=model_dir, reward_model=positive_count,
+                             train_dataset=train_rows, **extra)
+        trainer.train()
+        with open(tmp_path / out / "samples.jsonl") as f:
+            return digest(trainer.policy.state_dict()), [json.loads(line) for line in f], trainer
+
+    plain, plain_samples, _ = run("plain")
+    with_eval, samples, trainer = run("eval", eval_dataset=eval_rows)
+    assert with_eval == plain
+    assert {s["query"] for s in plain_samples} <= {r["prompt"] for r in train_rows}
+    # two tables (iterations 1 and 2) of the first per_device_eval_batch_size eval prompts
+    assert [s["query"] for s in samples] == [r["prompt"] for r in eval_rows[:3]] * 2
+    assert all(s["score"] == positive_count(None, [s["response"]])[0] for s in samples)
+    # the whole eval set on demand
+    prompts, completions, scores = trainer.generate_completions()
+    assert prompts == [r["prompt"] for r in eval_rows] and len(completions) == len(scores) == 4
+    no_eval = PPOTrainer(args=small(tmp_path, output_dir=str(tmp_path / "none")), processing_class=tokenizer,
+                         model=model_dir, reward_model=positive_count, train_dataset=train_rows)
+    with pytest.raises(ValueError, match="needs an eval_dataset"):
+        no_eval.generate_completions()
+
+
 def test_reward_function_without_kwargs_gets_only_what_it_names(tmp_path, model_dir):
     calls = []
 
