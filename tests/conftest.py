@@ -36,6 +36,21 @@ def reference_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The embedded default's tiny model, built into a cache private to the test module (so tests neither
+    read nor write ~/.cache/fastppo, and a module that corrupts its copy harms no other)."""
+    from fastppo import embedded
+
+    old = os.environ.get("FASTPPO_CACHE")
+    os.environ["FASTPPO_CACHE"] = str(tmp_path_factory.mktemp("fastppo-cache"))
+    yield embedded.embedded_model_path()
+    if old is None:
+        os.environ.pop("FASTPPO_CACHE", None)
+    else:
+        os.environ["FASTPPO_CACHE"] = old
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -16,28 +16,17 @@ import sys
 import pytest
 import torch
 
-from fastppo import PPOConfig, PPOTrainer, embedded
+from fastppo import PPOConfig, PPOTrainer
 from fastppo.config import EMBEDDED_PRESET
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    old = os.environ.get("FASTPPO_CACHE")
-    os.environ["FASTPPO_CACHE"] = str(tmp_path_factory.mktemp("fastppo-cache"))
-    yield embedded.embedded_model_path()
-    if old is None:
-        os.environ.pop("FASTPPO_CACHE", None)
-    else:
-        os.environ["FASTPPO_CACHE"] = old
-
-
-@pytest.fixture(scope="module")
-def unloadable(cache, tmp_path_factory):
+def unloadable(model_dir, tmp_path_factory):
     """The embedded model's config and tokenizer with a weights file that cannot load."""
     path = tmp_path_factory.mktemp("unloadable") / "model"
-    shutil.copytree(cache, path)
+    shutil.copytree(model_dir, path)
     (path / "model.safetensors").write_bytes(b"not a safetensors file")
     return str(path)
 
@@ -152,7 +141,7 @@ def test_bad_dataset_file(tmp_path, unloadable, contents, fragments):
 
 
 @pytest.mark.slow
-def test_trl_fields_without_a_meaning_are_accepted_and_logged(tmp_path, cache):
+def test_trl_fields_without_a_meaning_are_accepted_and_logged(tmp_path, model_dir):
     proc = cli(["--eval_strategy", "steps", "--dataset_test_split", "test", "--do_eval", "--total_episodes", "64",
                 "--response_length", "4", "--num_sample_generations", "0", "--disable_tqdm"], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -174,14 +163,14 @@ def tiny(tmp_path, **overrides) -> PPOConfig:
     return PPOConfig(**base)
 
 
-def test_a_causal_lm_as_reward_model_is_refused(tmp_path, cache):
+def test_a_causal_lm_as_reward_model_is_refused(tmp_path, model_dir):
     """transformers loads a causal LM as sequence classification with a random score head (and warns);
     fastppo refuses such a reward model unless told otherwise."""
     with pytest.raises(ValueError, match=r"reward model .* has no trained scalar head \(score.weight missing"):
-        PPOTrainer(args=tiny(tmp_path, reward_model_path=cache))
+        PPOTrainer(args=tiny(tmp_path, reward_model_path=model_dir))
     with pytest.raises(ValueError, match=r"value model .* has no trained scalar head"):
-        PPOTrainer(args=tiny(tmp_path, value_model_path=cache))
-    trainer = PPOTrainer(args=tiny(tmp_path, reward_model_path=cache, allow_untrained_heads=True))
+        PPOTrainer(args=tiny(tmp_path, value_model_path=model_dir))
+    trainer = PPOTrainer(args=tiny(tmp_path, reward_model_path=model_dir, allow_untrained_heads=True))
     assert trainer.reward_model is not None
 
 
@@ -189,7 +178,7 @@ def test_a_causal_lm_as_reward_model_is_refused(tmp_path, cache):
     ("sys.exit(0)", r"called sys\.exit\(0\)"),
     ("sys.exit(3)", r"called sys\.exit\(3\)"),
 ])
-def test_reward_function_that_exits_is_an_error_not_a_success(tmp_path, cache, monkeypatch, body, fragment):
+def test_reward_function_that_exits_is_an_error_not_a_success(tmp_path, model_dir, monkeypatch, body, fragment):
     module = f"exiting_reward_{abs(hash(body))}"
     (tmp_path / f"{module}.py").write_text(f"import sys\ndef fn(prompts, completions):\n    {body}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -200,11 +189,11 @@ def test_reward_function_that_exits_is_an_error_not_a_success(tmp_path, cache, m
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
-def test_learned_position_model_refused_instead_of_crashing(tmp_path, cache):
+def test_learned_position_model_refused_instead_of_crashing(tmp_path, model_dir):
     """GPT-2's learned positions would raise a bare IndexError inside generation past n_positions."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    tok = AutoTokenizer.from_pretrained(cache)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=16,
                                        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id))
     path = tmp_path / "gpt2"
@@ -217,7 +206,7 @@ def test_learned_position_model_refused_instead_of_crashing(tmp_path, cache):
     trainer.train()  # runs within its 16 positions
 
 
-def test_long_prompts_truncated_and_empty_prompts_dropped_with_a_count(tmp_path, cache, capsys):
+def test_long_prompts_truncated_and_empty_prompts_dropped_with_a_count(tmp_path, model_dir, capsys):
     rows = [{"prompt": "the movie was very good and the plot was fun"}, {"prompt": ""}, {"prompt": "the cast"},
             {"prompt": ""}] * 4
     trainer = PPOTrainer(args=tiny(tmp_path, max_prompt_length=3), train_dataset=rows)
@@ -229,7 +218,7 @@ def test_long_prompts_truncated_and_empty_prompts_dropped_with_a_count(tmp_path,
     assert trainer.prompts[0] == tail
 
 
-def test_scheduler_kwargs_make_cosine_with_min_lr_work(tmp_path, cache):
+def test_scheduler_kwargs_make_cosine_with_min_lr_work(tmp_path, model_dir):
     trainer = PPOTrainer(args=tiny(tmp_path, lr_scheduler_type="cosine_with_min_lr", total_episodes=32,
                                    lr_scheduler_kwargs=json.dumps({"min_lr": 1e-4}), logging_steps=1))
     trainer.train()
@@ -257,7 +246,7 @@ main_guard(trainer.train, config)
 
 
 @pytest.mark.slow
-def test_frozen_rank_times_out_with_a_message_naming_the_rank(tmp_path, cache):
+def test_frozen_rank_times_out_with_a_message_naming_the_rank(tmp_path, model_dir):
     (tmp_path / "worker.py").write_text(FROZEN_WORKER)
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

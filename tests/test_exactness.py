@@ -3,12 +3,10 @@ same tokens as transformers' generate), packed rows equal padded rows, padding c
 policy loss trains like the unfused one, and the update loop never waits for the device."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from fastppo import embedded
 from fastppo.config import EMBEDDED_PRESET, PPOConfig, derive_sizes
 from fastppo.data import left_pad
 from fastppo.generation import sample_responses
@@ -16,17 +14,6 @@ from fastppo.train import PPOTrainer, Targets, compute_advantages, micro_batches
     score_rollout
 
 pytestmark = pytest.mark.usefixtures("reference_path")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    old = os.environ.get("FASTPPO_CACHE")
-    os.environ["FASTPPO_CACHE"] = str(tmp_path_factory.mktemp("fastppo-cache"))
-    yield embedded.embedded_model_path()
-    if old is None:
-        os.environ.pop("FASTPPO_CACHE", None)
-    else:
-        os.environ["FASTPPO_CACHE"] = old
 
 
 def config(tmp_path, **overrides) -> PPOConfig:

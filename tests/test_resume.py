@@ -12,22 +12,11 @@ import sys
 import pytest
 import torch
 
-from fastppo import PPOConfig, PPOTrainer, embedded
+from fastppo import PPOConfig, PPOTrainer
 from fastppo.checkpoint import checkpoints, resolve_checkpoint
 from fastppo.config import EMBEDDED_PRESET
 
-pytestmark = pytest.mark.usefixtures("reference_path")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cache(tmp_path_factory):
-    old = os.environ.get("FASTPPO_CACHE")
-    os.environ["FASTPPO_CACHE"] = str(tmp_path_factory.mktemp("fastppo-cache"))
-    yield embedded.embedded_model_path()
-    if old is None:
-        os.environ.pop("FASTPPO_CACHE", None)
-    else:
-        os.environ["FASTPPO_CACHE"] = old
+pytestmark = pytest.mark.usefixtures("reference_path", "model_dir")
 
 
 SETTINGS = {**EMBEDDED_PRESET, **dict(

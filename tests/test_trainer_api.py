@@ -12,22 +12,11 @@ import sys
 import pytest
 import torch
 
-from fastppo import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, embedded
+from fastppo import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from fastppo.config import EMBEDDED_PRESET, cli_config
 from fastppo.rewards import POSITIVE_WORDS
 
 pytestmark = pytest.mark.usefixtures("reference_path")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    old = os.environ.get("FASTPPO_CACHE")
-    os.environ["FASTPPO_CACHE"] = str(tmp_path_factory.mktemp("fastppo-cache"))
-    yield embedded.embedded_model_path()
-    if old is None:
-        os.environ.pop("FASTPPO_CACHE", None)
-    else:
-        os.environ["FASTPPO_CACHE"] = old
 
 
 def digest(state_dict) -> str:

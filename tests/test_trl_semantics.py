@@ -5,28 +5,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
 
 import pytest
 import torch
 
-from fastppo import PPOConfig, PPOTrainer, embedded
+from fastppo import PPOConfig, PPOTrainer
 from fastppo.config import EMBEDDED_PRESET, derive_sizes, parse_args, resolve_config
 from fastppo.train import apply_eos_penalties, compute_advantages, per_token_rewards, score_rollout
 
 pytestmark = pytest.mark.usefixtures("reference_path")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    old = os.environ.get("FASTPPO_CACHE")
-    os.environ["FASTPPO_CACHE"] = str(tmp_path_factory.mktemp("fastppo-cache"))
-    yield embedded.embedded_model_path()
-    if old is None:
-        os.environ.pop("FASTPPO_CACHE", None)
-    else:
-        os.environ["FASTPPO_CACHE"] = old
 
 
 def tiny(tmp_path, **overrides) -> PPOConfig:
