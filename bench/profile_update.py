@@ -1,0 +1,61 @@
+"""Where fastppo's PPO update spends its time: torch.profiler's operator table for one update.
+
+    python bench/profile_update.py                 # SmolLM2-135M-Instruct, issue 11's settings
+    python bench/profile_update.py --variant fastppo-fast --model embedded
+
+Runs ``trl_baseline.run_fastppo`` for two iterations and profiles the second iteration's update
+(``PPOTrainer._optimize``: scoring, rewards, GAE and the PPO epochs), printing the top operators by
+self CPU time (on a GPU, by self CUDA time).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+import trl_baseline as B  # noqa: E402
+from fastppo import train as T  # noqa: E402
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("smollm2", "embedded"), default="smollm2")
+    p.add_argument("--variant", choices=tuple(B.FASTPPO_VARIANTS), default="fastppo")
+    p.add_argument("--rows", type=int, default=30, help="operators to print")
+    args = p.parse_args(argv)
+
+    original, calls = T.PPOTrainer._optimize, []
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+
+    def profiled(self, *a, **k):
+        calls.append(None)
+        if len(calls) != 2:  # the first update warms up
+            return original(self, *a, **k)
+        with torch.profiler.profile(activities=activities) as prof:
+            out = original(self, *a, **k)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                        row_limit=args.rows))
+        return out
+
+    T.PPOTrainer._optimize = profiled
+    if args.model == "smollm2":  # issue 11's settings, as bench_train.py --e2e-model smollm2 runs them
+        cfg = B.E2EConfig(model="smollm2", per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                          num_ppo_epochs=4, response_length=24, learning_rate=3e-6, temperature=0.7, kl_coef=0.05,
+                          stop_on_eos=True, missing_eos_penalty=1.0, iterations=1, warmup_iterations=1, threads=0,
+                          local_rollout_forward_batch_size=8)
+    else:
+        cfg = B.E2EConfig(iterations=1, warmup_iterations=1)
+    with tempfile.TemporaryDirectory() as out:
+        B.run_fastppo(cfg, os.path.join(out, "run"), args.variant)
+
+
+if __name__ == "__main__":
+    main()
