@@ -1,7 +1,9 @@
-"""What the kernel tests share, stated once: tolerances, the Triton-path device, LM-head inputs."""
+"""What the tests share, stated once: tolerances, the Triton-path device, LM-head inputs, run digests."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 
 import pytest
@@ -88,3 +90,19 @@ def recorded_launches(module, kernel_name: str):
         yield calls
     finally:
         setattr(module, kernel_name, kernel)
+
+
+def digest(state_dict) -> str:
+    """A hash of a state dict's names and exact bytes: equal digests mean bitwise-equal weights."""
+    h = hashlib.sha256()
+    for k in sorted(state_dict):
+        h.update(k.encode())
+        h.update(state_dict[k].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def metrics_without_clock(path) -> list[dict]:
+    """A metrics.jsonl without its wall-clock fields (the only ones a resume or another engine may change)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "eps"} for m in rows]

@@ -24,6 +24,7 @@ from fastppo.config import (
     derive_sizes,
     validate_config,
 )
+from helpers import metrics_without_clock
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(
@@ -44,35 +45,7 @@ SETTINGS = {
 # whole after its first use, which would hide the partitioning
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
-WORKER = """
-import faulthandler, json, os, sys
-faulthandler.dump_traceback_later(280, exit=True)  # a hung rank prints every thread's stack, then exits
-from transformers import TrainerCallback
-import fastppo.train as T
-from fastppo import PPOConfig, PPOTrainer
-
-settings, out, stop_at, resume = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume"
-nan_iteration = settings.pop("_nan_iteration", 0)
-
-class Stop(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = 0 < stop_at <= state.global_step
-        return control
-
-trainer = PPOTrainer(args=PPOConfig(**settings, output_dir=out, resume_from_checkpoint="latest" if resume else None),
-                     callbacks=[Stop()])
-losses, fired = T.ppo_losses, []
-
-def poisoned(*args, **kwargs):
-    loss, stats = losses(*args, **kwargs)
-    if trainer.state.global_step == nan_iteration - 1 and not fired and os.environ["RANK"] == "1":
-        fired.append(True)
-        loss = loss * float("nan")
-    return loss, stats
-
-T.ppo_losses = poisoned
-trainer.train()
-"""
+PPO_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ppo_worker.py")  # one torchrun rank
 
 
 def env() -> dict:
@@ -82,7 +55,6 @@ def env() -> dict:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     path = tmp_path_factory.mktemp("deepspeed")
-    (path / "worker.py").write_text(WORKER)
     old = os.environ.get("FASTPPO_CACHE")
     if old is None:
         os.environ["FASTPPO_CACHE"] = str(path / "cache")
@@ -93,7 +65,7 @@ def workdir(tmp_path_factory):
 
 def torchrun(workdir, out, settings: dict, stop_at: int = 0, mode: str = "fresh") -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(workdir / "worker.py"), json.dumps(settings), str(out), str(stop_at), mode]
+           PPO_WORKER, json.dumps(settings), str(out), str(stop_at), mode]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
@@ -109,9 +81,7 @@ def weights(out) -> dict[str, torch.Tensor]:
 
 
 def metrics(out) -> list[dict]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "eps"} for m in rows]
+    return metrics_without_clock(os.path.join(out, "metrics.jsonl"))
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -2,8 +2,6 @@
 incompatible checkpoints, output_dir never mixed or wiped, torchrun's elastic restart."""
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +13,7 @@ import torch
 from fastppo import PPOConfig, PPOTrainer
 from fastppo.checkpoint import checkpoints, resolve_checkpoint
 from fastppo.config import EMBEDDED_PRESET
+from helpers import digest, metrics_without_clock
 
 pytestmark = pytest.mark.usefixtures("reference_path", "model_dir")
 
@@ -23,20 +22,6 @@ SETTINGS = {**EMBEDDED_PRESET, **dict(
     per_device_train_batch_size=4, gradient_accumulation_steps=2, num_ppo_epochs=2, response_length=6,
     total_episodes=32, num_sample_generations=0, disable_tqdm=True, save_steps=2, stop_token="eos",
     use_score_scaling=True, adaptive_kl=True)}
-
-
-def digest(state_dict) -> str:
-    h = hashlib.sha256()
-    for k in sorted(state_dict):
-        h.update(k.encode())
-        h.update(state_dict[k].detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def metrics(path) -> list[dict]:
-    """metrics.jsonl without the wall-clock fields (the only ones a resume may change)."""
-    rows = [json.loads(line) for line in open(path)]
-    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "eps"} for m in rows]
 
 
 def stop_after(step: int):
@@ -64,7 +49,8 @@ def test_resume_equals_an_uninterrupted_run_bitwise(tmp_path, extra):
                                         resume_from_checkpoint="latest"))
     resumed.train()
     assert digest(resumed.actor_critic.state_dict()) == digest(whole.actor_critic.state_dict())
-    assert metrics(tmp_path / "cut" / "metrics.jsonl") == metrics(tmp_path / "whole" / "metrics.jsonl")
+    assert (metrics_without_clock(tmp_path / "cut" / "metrics.jsonl")
+            == metrics_without_clock(tmp_path / "whole" / "metrics.jsonl"))
     assert resumed.kl_ctl.value == whole.kl_ctl.value and resumed.moments.mean == whole.moments.mean
 
 
@@ -182,7 +168,7 @@ def test_sigkill_inside_a_save_leaves_latest_loadable(tmp_path, phase):
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"resumed from {latest}" in again.stdout
-    assert len(metrics(out / "metrics.jsonl")) == 10  # iterations 1..10, each once
+    assert len(metrics_without_clock(out / "metrics.jsonl")) == 10  # iterations 1..10, each once
 
 
 @pytest.mark.slow
@@ -210,7 +196,7 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_resumes(tmp_path):
                              env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"resuming after iteration {step}" in resumed.stdout
-    assert [m["step"] for m in metrics(out / "metrics.jsonl")] == list(range(1, 101))
+    assert [m["step"] for m in metrics_without_clock(out / "metrics.jsonl")] == list(range(1, 101))
 
 
 ELASTIC_WORKER = """
@@ -246,6 +232,6 @@ def test_torchrun_elastic_restart_resumes_from_latest(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "elastic restart: resuming from the latest checkpoint" in output
-    rows = metrics(tmp_path / "run" / "metrics.jsonl")
+    rows = metrics_without_clock(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in rows] == list(range(1, 6))  # 40 episodes / (2 × 4) per iteration, none twice
     assert torch.load(tmp_path / "weights.pt")  # finished and saved

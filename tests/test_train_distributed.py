@@ -10,29 +10,15 @@ import sys
 import pytest
 import torch
 
-WORKER = """
-import faulthandler, json, os, sys
-faulthandler.dump_traceback_later(240, exit=True)  # a hung rank prints every thread's stack, then exits
-import torch
-from fastppo import PPOConfig, PPOTrainer
+from helpers import metrics_without_clock
 
-trainer = PPOTrainer(args=PPOConfig(**json.loads(sys.argv[1])))
-trainer.train()
-rank = int(os.environ["RANK"])
-out = sys.argv[2]
-torch.save({"policy": {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()},
-            "value": {k: v.detach().clone() for k, v in trainer.value_model.state_dict().items()}},
-           os.path.join(out, f"weights{rank}.pt"))
-with open(os.path.join(out, f"history{rank}.json"), "w") as f:
-    json.dump(trainer.state.log_history, f)
-"""
+PPO_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ppo_worker.py")  # one torchrun rank
 
 
 @pytest.mark.slow
 def test_torchrun_two_processes_keep_identical_weights(tmp_path):
-    (tmp_path / "worker.py").write_text(WORKER)
     config = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, gradient_accumulation_steps=4,
+        _save_final=True, per_device_train_batch_size=2, gradient_accumulation_steps=4,
         num_mini_batches=2, num_ppo_epochs=2, response_length=6, total_episodes=48, num_sample_generations=0,
         disable_tqdm=True, local_rollout_forward_batch_size=8, learning_rate=1e-2, use_score_scaling=True,
         adaptive_kl=True, kl_target=0.5, kl_horizon=100, logging_steps=1,
@@ -40,16 +26,16 @@ def test_torchrun_two_processes_keep_identical_weights(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1",
                FASTPPO_CACHE=os.environ.get("FASTPPO_CACHE", str(tmp_path / "cache")))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(tmp_path / "worker.py"), json.dumps(config), str(tmp_path)]
+           PPO_WORKER, json.dumps(config), str(tmp_path / "out"), "0", "fresh"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    histories = [json.loads((tmp_path / f"history{r}.json").read_text()) for r in range(2)]
+    weights = [torch.load(tmp_path / "out" / f"final{r}.pt") for r in range(2)]
+    histories = [w["log_history"] for w in weights]
     # 48 episodes over 2 ranks × 8 per rank per iteration = 3 iterations, the same on both ranks;
     # each optimizer step accumulates 2 micro-batches (DDP's no_sync path)
     assert [m["episode"] for m in histories[0]] == [16, 32, 48] == [m["episode"] for m in histories[1]]
     assert [m["kl_coef"] for m in histories[0]] == [m["kl_coef"] for m in histories[1]]
-    weights = [torch.load(tmp_path / f"weights{r}.pt") for r in range(2)]
     for part in ("policy", "value"):
         for name, p in weights[0][part].items():
             torch.testing.assert_close(p, weights[1][part][name], atol=0, rtol=0, msg=f"{part}.{name}")
@@ -67,41 +53,19 @@ def _cache(tmp_path_factory, monkeypatch):
         monkeypatch.setenv("FASTPPO_CACHE", str(tmp_path_factory.mktemp("fastppo-cache")))
 
 
-RESUME_WORKER = """
-import json, os, sys
-import torch
-from transformers import TrainerCallback
-from fastppo import PPOConfig, PPOTrainer
-
-settings, out, stop_at, resume = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume"
-
-class Stop(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = 0 < stop_at <= state.global_step
-        return control
-
-trainer = PPOTrainer(args=PPOConfig(**settings, output_dir=out, resume_from_checkpoint="latest" if resume else None),
-                     callbacks=[Stop()])
-trainer.train()
-torch.save({k: v.clone() for k, v in trainer.actor_critic.state_dict().items()},
-           os.path.join(out, f"final{os.environ['RANK']}.pt"))
-"""
-
-
 @pytest.mark.slow
 def test_two_rank_resume_equals_an_uninterrupted_run(tmp_path):
     from fastppo.config import EMBEDDED_PRESET
 
-    (tmp_path / "worker.py").write_text(RESUME_WORKER)
     settings = {**EMBEDDED_PRESET, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
                 "num_ppo_epochs": 2, "response_length": 5, "total_episodes": 32, "num_sample_generations": 0,
                 "disable_tqdm": True, "save_steps": 2, "use_score_scaling": True, "adaptive_kl": True,
-                "stop_token": "eos", "logging_steps": 1}
+                "stop_token": "eos", "logging_steps": 1, "_save_final": True}
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
 
     def launch(out, stop_at, mode):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(tmp_path / "worker.py"), json.dumps(settings), str(out), str(stop_at), mode]
+               PPO_WORKER, json.dumps(settings), str(out), str(stop_at), mode]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -109,11 +73,9 @@ def test_two_rank_resume_equals_an_uninterrupted_run(tmp_path):
     launch(tmp_path / "cut", 2, "fresh")
     launch(tmp_path / "cut", 0, "resume")
     for rank in range(2):
-        whole = torch.load(tmp_path / "whole" / f"final{rank}.pt")
-        resumed = torch.load(tmp_path / "cut" / f"final{rank}.pt")
+        whole = torch.load(tmp_path / "whole" / f"final{rank}.pt")["actor_critic"]
+        resumed = torch.load(tmp_path / "cut" / f"final{rank}.pt")["actor_critic"]
         for name, p in whole.items():
             torch.testing.assert_close(resumed[name], p, atol=0, rtol=0, msg=name)
-    strip = lambda rows: [{k: v for k, v in json.loads(r).items() if not k.startswith("time/") and k != "eps"}  # noqa
-                          for r in rows]
-    assert strip((tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()) == \
-        strip((tmp_path / "whole" / "metrics.jsonl").read_text().splitlines())
+    assert (metrics_without_clock(tmp_path / "cut" / "metrics.jsonl")
+            == metrics_without_clock(tmp_path / "whole" / "metrics.jsonl"))

@@ -2,7 +2,6 @@
 generate()/step()/log_stats() loop, the value head on the policy's trunk, and the CLI as a thin wrapper."""
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -15,16 +14,9 @@ import torch
 from fastppo import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from fastppo.config import EMBEDDED_PRESET, cli_config
 from fastppo.rewards import POSITIVE_WORDS
+from helpers import digest
 
 pytestmark = pytest.mark.usefixtures("reference_path")
-
-
-def digest(state_dict) -> str:
-    h = hashlib.sha256()
-    for k in sorted(state_dict):
-        h.update(k.encode())
-        h.update(state_dict[k].detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def positive_count(prompts, completions, **kwargs):
