@@ -19,6 +19,7 @@ temporary file and renamed). A process killed at any moment leaves either the pr
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -80,7 +81,12 @@ def save_model_files(path: str, policy, value_model, tokenizer, config: PPOConfi
         value_model.save_pretrained(os.path.join(path, "value_model"),
                                     **({} if value_state is None else {"state_dict": value_state}))
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(config.to_dict(), f, indent=2)
+        json.dump(config_as_json(config), f, indent=2)
+
+
+def config_as_json(config: PPOConfig) -> dict:
+    """The config as its JSON file holds it (tuples become lists), so a saved and a live config compare equal."""
+    return json.loads(json.dumps(config.to_dict()))
 
 
 def rng_state(shuffle: torch.Generator) -> dict:
@@ -188,8 +194,9 @@ def check_compatible(path: str, config: PPOConfig, world_size: int, zero_stage: 
     DeepSpeed ZeRO stage (None: none), which must be the checkpoint's (the optimizer state's layout)."""
     with open(os.path.join(path, CONFIG_FILE)) as f:
         saved = json.load(f)
-    state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
-    current = config.to_dict()
+    # memory-mapped: only two small entries are read here (the optimizer state is loaded once, later)
+    state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False, mmap=True)
+    current = config_as_json(config)
     wrong = [f"{name}: checkpoint {saved.get(name)!r}, now {current.get(name)!r}" for name in MUST_MATCH
              if saved.get(name) != current.get(name)]
     if state.get("world_size") != world_size:
@@ -261,5 +268,13 @@ def truncate_jsonl(path: str, key: str, last: int) -> None:
     if not os.path.isfile(path):
         return
     with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line).get(key, 0) <= last]
+        lines = [line for line in f if _jsonl_key(line, key) <= last]
     write_atomic(path, "".join(lines))
+
+
+def _jsonl_key(line: str, key: str) -> float:
+    """A line's ``key``; a blank line, or a torn last line of a killed write, counts as past every value."""
+    try:
+        return json.loads(line).get(key, 0)
+    except json.JSONDecodeError:
+        return math.inf

@@ -445,6 +445,8 @@ class PPOConfig:
         self.__dict__.setdefault("ignored", {})
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "stop_token_id" and isinstance(value, int) and not isinstance(value, bool):
+            value = [value]  # TRL's type is a single int; fastppo also takes several
         super().__setattr__(name, value)
         if "given" in self.__dict__ and name in _FIELD_NAMES:
             self.__dict__["given"] = self.__dict__["given"] | {name}

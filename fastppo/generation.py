@@ -23,8 +23,10 @@ import torch.nn as nn
 
 
 def _accepts_logits_to_keep(lm) -> bool:
+    # a PEFT wrapper's forward takes **kwargs and hands them to its base model: ask the base model
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     try:
-        return "logits_to_keep" in inspect.signature(lm.forward).parameters
+        return "logits_to_keep" in inspect.signature(base.forward).parameters
     except (TypeError, ValueError):
         return False
 

@@ -556,6 +556,11 @@ def prepare_models(policy, ref_model, value_model, reward_model, tokenizer, conf
             if model is not None:
                 enable_checkpointing(model, kwargs)
     check_lm_head(policy, len(tokenizer), device)
+    if config.padding_free:  # every forward of these models runs on packed rows
+        for what, model in (("policy", policy), ("reference model", ref_model), ("value model", value_model),
+                            ("reward model", reward_model)):
+            if model is not None:
+                check_packing(model, device, what)
 
 
 def freeze_shared_layers(policy: nn.Module, num_shared_layers: int) -> None:
@@ -596,10 +601,9 @@ def build_models(bound: dict, config, policy_path: str | None, tokenizer, reward
         ref_model = load_causal_lm(ref_model, config, "reference model", frozen=True, bf16=bf16)
     peft_config = None if legacy else bound.get("peft_config")
     want_peft = peft_config is not None or config.use_peft
-    if is_peft(policy) or want_peft:
-        ref_model = None  # the policy with its adapter disabled
-    elif ref_model is None:
+    if ref_model is None and not (is_peft(policy) or want_peft):
         ref_model = frozen_copy(policy, torch.bfloat16 if bf16 and not config.dtype else None)
+    # under PEFT no ref_model means the policy with its adapter disabled; a given one is used, as TRL does
     value_model = None if shared else bound.get("value_model")
     if not shared and not isinstance(value_model, nn.Module):
         explicit = value_model or config.value_model_path
@@ -653,21 +657,22 @@ def check_positions(model_or_path, config, longest_prompt: int) -> None:
         )
 
 
-def check_packing(model: nn.Module, device) -> None:
+def check_packing(model: nn.Module, device, what: str = "policy") -> None:
     """``padding_free`` packs rows into one sequence and relies on the attention implementation to keep
     them apart (transformers reads the segments off restarting position ids): refuse it where it does not."""
-    vocab = causal_lm_of(model).get_input_embeddings().weight.shape[0]
+    is_scalar_model = getattr(model, "score", None) is not None or getattr(model, "classifier", None) is not None
+    body = backbone_and_head(model)[0] if is_scalar_model else causal_lm_of(model).get_decoder()
+    vocab = body.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randint(0, vocab, (n,), generator=gen).to(device) for n in (5, 4))
-    decoder = causal_lm_of(model).get_decoder()
     with torch.no_grad():
-        alone = [decoder(input_ids=x[None], use_cache=False).last_hidden_state[0] for x in (a, b)]
-        packed = decoder(input_ids=torch.cat([a, b])[None], use_cache=False,
-                         position_ids=torch.cat([torch.arange(5), torch.arange(4)]).to(device)[None]).last_hidden_state[0]
+        alone = [body(input_ids=x[None], use_cache=False).last_hidden_state[0] for x in (a, b)]
+        packed = body(input_ids=torch.cat([a, b])[None], use_cache=False,
+                      position_ids=torch.cat([torch.arange(5), torch.arange(4)]).to(device)[None]).last_hidden_state[0]
     if not torch.allclose(torch.cat(alone).float(), packed.float(), atol=1e-3, rtol=1e-3):
         raise ValueError(
-            f"padding_free: {type(causal_lm_of(model)).__name__} with attn_implementation="
-            f"{causal_lm_of(model).config._attn_implementation!r} lets packed rows attend to each other; use "
+            f"padding_free: the {what} ({type(model).__name__} with attn_implementation="
+            f"{body.config._attn_implementation!r}) lets packed rows attend to each other; use "
             "flash_attention_2, sdpa or eager on a transformers version that reads packed positions, or drop "
             "--padding_free"
         )

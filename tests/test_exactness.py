@@ -42,6 +42,20 @@ def random_lm(vocab=64, seed=0):
     return lm.eval()
 
 
+def test_sampler_computes_last_position_logits_only_under_lora_too():
+    """A LoRA policy (PEFT's forward takes **kwargs) still gets logits_to_keep=1: the prefill never makes
+    [rows, prompt, vocab] logits."""
+    peft = pytest.importorskip("peft")
+    from fastppo.generation import sample_responses
+
+    lm = peft.get_peft_model(random_lm(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    seen = []
+    lm.get_base_model().register_forward_hook(lambda module, args, out: seen.append(out.logits.shape[1]))
+    queries = torch.randint(2, 64, (3, 7))
+    sample_responses(lm, queries, torch.ones_like(queries), 4, 1.0, [], 0, 8)
+    assert seen and set(seen) == {1}
+
+
 @pytest.mark.parametrize("stop_ids", [[], [1], [1, 5]])
 def test_sampler_draws_the_tokens_generate_draws(stop_ids):
     """Same random state, same tokens as transformers' generate with plain sampling (and a neutral
@@ -150,11 +164,16 @@ def test_packed_scoring_and_reward_model_equal_padded(tmp_path, model_dir):
                                reward_model_scores(rm, batch.rollout, 8, True), atol=2e-5, rtol=2e-5)
 
 
-def test_a_model_that_cannot_keep_packed_rows_apart_is_refused(model_dir):
+def test_a_model_that_cannot_keep_packed_rows_apart_is_refused(tmp_path, model_dir):
+    """--padding_free checks at start that every model keeps packed rows apart, and refuses one that
+    does not (here a policy whose decoder ignores the position ids) before any training."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     from fastppo.models import check_packing
 
-    lm = random_lm()
-    check_packing(lm, torch.device("cpu"))  # sdpa on transformers 5 reads the segments off the positions
+    reward = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+    check_packing(reward, torch.device("cpu"), "reward model")  # sdpa on transformers 5 reads the positions
+    lm = AutoModelForCausalLM.from_pretrained(model_dir)
     decoder = lm.get_decoder()
     original = decoder.forward
 
@@ -162,8 +181,9 @@ def test_a_model_that_cannot_keep_packed_rows_apart_is_refused(model_dir):
         return original(*args, **kwargs)
 
     decoder.forward = ignore_positions
-    with pytest.raises(ValueError, match="padding_free.*attend to each other"):
-        check_packing(lm, torch.device("cpu"))
+    PPOTrainer(args=config(tmp_path, output_dir=str(tmp_path / "padded")), model=lm)  # padded rows: fine
+    with pytest.raises(ValueError, match="padding_free: the policy .*attend to each other"):
+        PPOTrainer(args=config(tmp_path, padding_free=True), model=lm)
 
 
 def test_micro_batches_group_rows_of_similar_length_within_each_minibatch():

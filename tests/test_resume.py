@@ -2,6 +2,7 @@
 incompatible checkpoints, output_dir never mixed or wiped, torchrun's elastic restart."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -235,3 +236,32 @@ def test_torchrun_elastic_restart_resumes_from_latest(tmp_path):
     rows = metrics_without_clock(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in rows] == list(range(1, 6))  # 40 episodes / (2 × 4) per iteration, none twice
     assert torch.load(tmp_path / "weights.pt")  # finished and saved
+
+
+def test_a_config_written_with_tuples_resumes(tmp_path):
+    """JSON turns tuples into lists: a config that set a tuple (LoRA targets) still matches its checkpoint."""
+    from fastppo.checkpoint import CONFIG_FILE, STATE_FILE, check_compatible
+
+    config = PPOConfig(output_dir=str(tmp_path), lora_target_modules=("q_proj", "v_proj"), stop_token_id=(2, 3))
+    with open(tmp_path / CONFIG_FILE, "w") as f:
+        json.dump(config.to_dict(), f)
+    torch.save({"world_size": 1}, tmp_path / STATE_FILE)
+    assert check_compatible(str(tmp_path), config, world_size=1) == []
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    """A process killed while appending to metrics.jsonl leaves half a line: resuming drops it."""
+    from fastppo.checkpoint import truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n\n{"step": 3, "x"')
+    truncate_jsonl(str(path), "step", 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_a_single_int_stop_token_id_is_one_stop_token(tmp_path):
+    """TRL's stop_token_id is one int; fastppo also takes a list."""
+    assert PPOConfig(stop_token_id=2).stop_token_id == [2]
+    config = PPOConfig()
+    config.stop_token_id = 7
+    assert config.stop_token_id == [7] and "stop_token_id" in config.given

@@ -122,6 +122,17 @@ def test_var_empty_selection_raises():
         masked_whiten(x, none)
 
 
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_unchecked_var_equals_checked_and_is_nan_when_too_small(unbiased):
+    x, mask = make_inputs()
+    torch.testing.assert_close(masked_var(x, mask, unbiased, check=False), masked_var(x, mask, unbiased))
+    one = torch.zeros_like(mask, dtype=torch.bool)
+    one[1, 2] = True
+    assert math.isnan(masked_var(x, torch.zeros_like(one), unbiased, check=False))
+    small = masked_var(x, one, unbiased, check=False)
+    assert math.isnan(small) if unbiased else small == 0
+
+
 def test_unbiased_var_of_one_element_raises():
     x, _ = make_inputs()
     one = torch.zeros_like(x, dtype=torch.bool)

@@ -131,6 +131,18 @@ def test_ppo_losses_at_ratio_one():
     torch.testing.assert_close(s["vf_loss"], 0.5 * ((values - ret) ** 2).mean().item())
 
 
+def test_ppo_losses_with_a_single_trained_token():
+    """One trained token in a micro-batch (batch 1, the stop token first) is a step, not an error: its
+    variance statistics are NaN (dropped from the logged means), the loss is finite."""
+    logp, adv, ret, values = (torch.randn(1, 4) for _ in range(4))
+    mask = torch.tensor([[True, False, False, False]])
+    loss, stats = ppo_losses(logp + 0.1, values, torch.rand(1, 4), logp, values, adv, ret, mask, 0.2, 0.2, 0.1, 0.0,
+                             10.0)
+    s = dict(zip(STAT_NAMES, stats.tolist()))
+    assert torch.isfinite(loss) and math.isnan(s["returns_var"]) and math.isnan(s["values_var"])
+    assert s["ratio"] == pytest.approx(math.exp(0.1), rel=1e-6)
+
+
 def test_adaptive_kl_controller_moves_beta_toward_target():
     up = AdaptiveKLController(0.1, target=1.0, horizon=100)
     up.update(current_kl=5.0, n_steps=10)  # error clipped to +0.2
@@ -312,6 +324,19 @@ def test_peft_run_trains_adapters_and_uses_the_base_as_reference(tmp_path, embed
             torch.testing.assert_close(p, dict(trained_base.named_parameters())[name].detach())
     reloaded = AutoModelForCausalLM.from_pretrained(out)  # transformers loads base + adapter
     assert any("lora" in n for n, _ in reloaded.named_parameters())
+
+
+def test_peft_with_an_explicit_ref_model_uses_it(tmp_path, embedded_cache):
+    """TRL keeps a ref_model the caller passes, PEFT or not; only ref_model=None means the adapter-off policy."""
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("peft")
+    ref = AutoModelForCausalLM.from_pretrained(embedded_cache)
+    trainer = PPOTrainer(args=tiny(tmp_path, use_peft=True, lora_r=4, lora_alpha=8,
+                                   lora_target_modules=["q_proj", "v_proj"]), ref_model=ref)
+    assert trainer.ref_model is ref and not any(p.requires_grad for p in ref.parameters())
+    assert PPOTrainer(args=tiny(tmp_path, output_dir=str(tmp_path / "none"), use_peft=True, lora_r=4,
+                                lora_target_modules=["q_proj"])).ref_model is None
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])

@@ -57,27 +57,32 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return _mean(x, m, dim)
 
 
-def _var(x: torch.Tensor, m: torch.Tensor, unbiased: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    n = int(m.sum())  # host sync: the only way to raise on a too-small selection
-    if n == 0:
-        raise ValueError("mask selects no element; the masked variance is undefined (the sum of the mask is zero)")
-    if unbiased and n < 2:
-        raise ValueError("mask selects 1 element; the unbiased masked variance needs at least 2")
+def _var(x: torch.Tensor, m: torch.Tensor, unbiased: bool, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    if check:
+        n = int(m.sum())  # host sync: the only way to raise on a too-small selection
+        if n == 0:
+            raise ValueError("mask selects no element; the masked variance is undefined (the sum of the mask is zero)")
+        if unbiased and n < 2:
+            raise ValueError("mask selects 1 element; the unbiased masked variance needs at least 2")
+    else:
+        n = m.sum().to(x.dtype)  # stays on the device
     mean = _mean(x, m)
     var = _mean((x - mean) ** 2, m)
     if unbiased:
-        var = var * (n / (n - 1))  # Bessel's correction
+        # Bessel's correction; unchecked, a selection too small for it gives NaN
+        var = var * (n / (n - 1)) if check else torch.where(n > 1, var * n / (n - 1), float("nan"))
     return mean, var
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, check: bool = True) -> torch.Tensor:
     """Variance of ``x`` over all entries where ``mask`` is nonzero (a 0-d tensor).
 
     Raises ValueError when the mask selects nothing, or a single element with
-    ``unbiased=True``.
+    ``unbiased=True``. ``check=False`` skips that check and its host sync (for
+    statistics inside a training step): such a selection then gives NaN.
     """
     x, m = _prepare(x, mask)
-    return _var(x, m, unbiased)[1]
+    return _var(x, m, unbiased, check)[1]
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
