@@ -40,16 +40,11 @@ MUST_MATCH = ("model_name_or_path", "sft_model_path", "value_model_path", "rewar
 
 
 def _fsync_tree(path: str) -> None:
-    for root, dirs, files in os.walk(path):
+    for root, _, files in os.walk(path):  # every file, then its directory (os.walk visits each directory once)
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
-        for name in [*dirs, "."]:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        _fsync_dir(root)
 
 
 def _fsync_dir(path: str) -> None:

@@ -4,7 +4,7 @@ Names, meanings and defaults are TRL 0.26's ``PPOConfig`` (``trl.experimental.pp
 ``ScriptArguments``/``ModelConfig`` flags its example script takes), so a TRL command line or a
 ``PPOConfig(...)`` written for TRL means the same here. The legacy API's names (TRL ≤ 0.11:
 ``batch_size``, ``ppo_epochs``, ``init_kl_coef``, ...) are fields too, with their legacy defaults;
-``PPOConfig.for_legacy_api()`` resolves them (see ``LEGACY_ALIASES``).
+``resolve_config(config, api)`` resolves them for one API (see ``LEGACY_ALIASES``).
 
 Two rules keep the defaults honest:
 
@@ -348,7 +348,8 @@ class PPOConfig:
     logging_steps: int = field(default=10, metadata={"help": "Log metrics every this many PPO iterations."})
     logging_first_step: bool = field(default=False, metadata={"help": "Also log the first iteration."})
     save_steps: int = field(
-        default=500, metadata={"help": "Checkpoint every this many PPO iterations (and always at the end)."}
+        default=500, metadata={"help": "Checkpoint every this many PPO iterations (at the end the final model is "
+                              "saved instead; a stop by SIGTERM saves a checkpoint)."}
     )
     save_total_limit: int | None = field(
         default=None,
@@ -1065,13 +1066,12 @@ def validate_config(config: PPOConfig) -> list[str]:
            f"optim {c.optim!r} is not supported; use adamw_torch or adamw_torch_fused")
     _check_scheduler(c)
     # sampling
-    from fastppo.kernels._common import TEMPERATURE_RANGE
+    from fastppo.kernels._common import check_temperature
 
-    _check(_is_finite(c.temperature) and c.temperature > 0, f"temperature must be a finite number > 0, got "
-           f"{c.temperature}")
-    _check(TEMPERATURE_RANGE[0] <= c.temperature <= TEMPERATURE_RANGE[1],
-           f"temperature must be in [{TEMPERATURE_RANGE[0]:g}, {TEMPERATURE_RANGE[1]:g}] (logits / temperature in "
-           f"fp32 would overflow or underflow), got {c.temperature}")
+    try:  # the kernels' own check, once: the sampler and the log-probs divide by it
+        check_temperature(c.temperature)
+    except TypeError as e:  # every setting error is a ValueError
+        raise ValueError(str(e)) from None
     _check(c.stop_token in (None, "eos"), f"stop_token must be 'eos' or unset, got {c.stop_token!r}")
     _check(not (c.stop_token is not None and c.stop_token_id), "stop_token and stop_token_id are mutually exclusive; "
            "set one")

@@ -130,7 +130,6 @@ class MetricsLogger:
 
     def __init__(self, config, is_main: bool, log: Callable[[str], None]):
         self.is_main = is_main
-        self.history: list[dict] = []
         self.tb = self.wandb = None
         if not is_main:
             return
@@ -158,10 +157,9 @@ class MetricsLogger:
                     log("report_to wandb: wandb is not installed; skipping it")
 
     def log(self, metrics: dict, step: int) -> None:
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        self.history.append(scalars)
         if not self.is_main:
             return
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         self.file.write(json.dumps({**scalars, "step": step}) + "\n")
         self.file.flush()
         if self.tb is not None:

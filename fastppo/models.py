@@ -516,13 +516,14 @@ def apply_peft(policy: nn.Module, peft_config, config) -> nn.Module:
     """LoRA on the policy's language model (inside a value-head wrapper, the head stays fully trainable)."""
     from peft import LoraConfig, get_peft_model
 
-    if peft_config is None:
-        if config.lora_target_modules and "lm_head" in config.lora_target_modules:
-            raise ValueError("lora_target_modules may not include lm_head: log-probs use the LM head weight directly")
+    if peft_config is None:  # the flags (validate_config has refused an lm_head target among them)
         peft_config = LoraConfig(
             r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=config.lora_target_modules, task_type="CAUSAL_LM",
         )
+    elif "lm_head" in (getattr(peft_config, "target_modules", None) or ()):
+        raise ValueError("peft_config: target_modules may not include lm_head: log-probs are computed from the LM "
+                         "head weight directly, so an adapter on it would be ignored")
     if isinstance(policy, AutoModelForCausalLMWithValueHead):
         policy.pretrained_model = get_peft_model(policy.pretrained_model, peft_config)
         return policy

@@ -166,15 +166,10 @@ def resolve_reward(reward, config) -> tuple[Callable | None, str | None, str | N
     return load_reward_fn(spec), spec, None
 
 
-def reward_fn_columns(query_responses, attention_mask, context_length: int, rows=None) -> dict:
+def reward_fn_columns(prompt_ids: list[list[int]], completion_ids: list[list[int]], rows=None) -> dict:
     """The keywords a reward function gets beside the texts: ``prompt_ids`` and ``completion_ids`` (real
     tokens; the completion up to and including its stop token) and the dataset ``rows``' other columns."""
-    real = attention_mask.bool().cpu()
-    ids = query_responses.cpu()
-    columns = {
-        "prompt_ids": [q[m].tolist() for q, m in zip(ids[:, :context_length], real[:, :context_length])],
-        "completion_ids": [r[m].tolist() for r, m in zip(ids[:, context_length:], real[:, context_length:])],
-    }
+    columns = {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
     if rows is not None:
         for name in rows.column_names:
             if name not in columns and name not in ("prompts", "completions"):

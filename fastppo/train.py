@@ -75,6 +75,12 @@ class Rollout:
         t = self.response_mask.shape[1]
         return t - 1 - self.response_mask.flip(1).int().argmax(1)
 
+    def token_ids(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Each row's real prompt tokens and real response tokens (up to and including the stop token)."""
+        ids, real, c = self.query_responses.cpu(), self.attention_mask.bool().cpu(), self.context_length
+        return ([q[m].tolist() for q, m in zip(ids[:, :c], real[:, :c])],
+                [r[m].tolist() for r, m in zip(ids[:, c:], real[:, c:])])
+
     def layout(self, rows: Sequence[int] | None = None, packed: bool = False):
         """The model layout of ``rows`` (default: all): see ``fastppo.models.Layout``."""
         from fastppo.models import make_layout
@@ -678,8 +684,9 @@ class PPOTrainer:
                 scores = reward_model_scores(self.reward_model, rollout, config.local_rollout_forward_batch_size,
                                              config.padding_free)
             else:
-                prompts, completions = self.decode(rollout)
-                columns = reward_fn_columns(rollout.query_responses, rollout.attention_mask, rollout.context_length,
+                prompt_ids, completion_ids = rollout.token_ids()
+                prompts, completions = self.decode(prompt_ids, completion_ids)
+                columns = reward_fn_columns(prompt_ids, completion_ids,
                                             None if rows is None else self.prompt_rows.select(rows))
                 scores = call_reward_fn(self.reward_fn, self.reward_fn_name, prompts, completions, self.device,
                                         **columns)
@@ -710,7 +717,7 @@ class PPOTrainer:
         with torch.random.fork_rng(devices=devices):
             for start in starts:
                 batch = self.rollout(self.eval_prompts[start:start + chunk], self.SAMPLE_TABLE_TEMPERATURE)
-                texts = (batch.prompts, batch.completions) if batch.prompts is not None else self.decode(batch.rollout)
+                texts = (batch.prompts, batch.completions) if batch.prompts is not None else self.decode(*batch.rollout.token_ids())
                 prompts += texts[0]
                 completions += texts[1]
                 scores += batch.scores.tolist()
@@ -724,16 +731,10 @@ class PPOTrainer:
 
         return lm_of(self.policy)
 
-    def decode(self, rollout: Rollout) -> tuple[list[str], list[str]]:
-        """Prompts (real tokens) and completions (up to and including the stop token), special tokens skipped."""
-        queries = rollout.query_responses[:, : rollout.context_length]
-        qmask = rollout.attention_mask[:, : rollout.context_length].bool()
-        real = rollout.attention_mask[:, rollout.context_length:].bool()
-        prompts = self.tokenizer.batch_decode([q[m].tolist() for q, m in zip(queries.cpu(), qmask.cpu())],
-                                              skip_special_tokens=True)
-        completions = self.tokenizer.batch_decode(
-            [r[m].tolist() for r, m in zip(rollout.responses.cpu(), real.cpu())], skip_special_tokens=True)
-        return prompts, completions
+    def decode(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[list[str], list[str]]:
+        """Prompts and completions as text (``Rollout.token_ids``), special tokens skipped."""
+        return (self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True),
+                self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
 
     # ------------------------------------------------------------------ 2-5. scoring, rewards, GAE, update
 
@@ -879,7 +880,7 @@ class PPOTrainer:
                         self.generate_completions(sampling=True)
                     elif self.dist.is_main:  # no eval_dataset: this iteration's own samples
                         prompts, completions = (batch.prompts, batch.completions) if batch.prompts is not None \
-                            else self.decode(batch.rollout)
+                            else self.decode(*batch.rollout.token_ids())
                         print_samples(self.console, prompts, completions, batch.scores.tolist(), update,
                                       os.path.join(config.output_dir, "samples.jsonl"))
                 self._callback("on_step_end")

@@ -339,6 +339,12 @@ def test_peft_with_an_explicit_ref_model_uses_it(tmp_path, embedded_cache):
                                 lora_target_modules=["q_proj"])).ref_model is None
 
 
+def test_a_peft_config_with_an_lm_head_adapter_is_refused(tmp_path, embedded_cache):
+    peft = pytest.importorskip("peft")
+    with pytest.raises(ValueError, match="peft_config: target_modules may not include lm_head"):
+        PPOTrainer(args=tiny(tmp_path), peft_config=peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_stop_token_and_local_dataset_files(tmp_path, fmt):
     import datasets

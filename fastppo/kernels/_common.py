@@ -115,8 +115,9 @@ def check_temperature(temperature) -> float:
     t = check_float("temperature", temperature, minimum=0.0, exclusive_minimum=True)
     low, high = TEMPERATURE_RANGE
     if not low <= t <= high:
-        raise ValueError(f"temperature must be in [{low:g}, {high:g}] (logits / temperature in fp32 would "
-                         f"{'overflow to NaN' if t < low else 'underflow to a uniform distribution'}), got {t}")
+        raise ValueError(f"temperature must be in [{low:g}, {high:g}], the supported range (far below it "
+                         "logits / temperature in fp32 overflows to NaN, far above it every distribution is "
+                         f"uniform), got {t}")
     return t
 
 
