@@ -23,6 +23,7 @@ It skips, with the reason, when TRL 0.26.x is not importable (``pip install 'trl
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchutil import REGISTRY, ReplayClock, Result  # noqa: E402
 from trl_baseline import (  # noqa: E402
-    FASTPPO_IMPL_NAME, FASTPPO_VARIANTS, TRL_IMPL_NAME, E2EConfig, compare, format_report, trl_version,
+    FASTPPO_IMPL_NAME, FASTPPO_VARIANTS, SMOLLM2_CASE, TRL_IMPL_NAME, E2EConfig, compare, format_report, trl_version,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,10 +52,7 @@ def e2e_config(quick: bool, smoke: bool = False, model: str = "embedded") -> tup
     ``model="smollm2"``: issue 11's real-model case (batch 8, 24 tokens, 4 epochs, lr 3e-6, T 0.7,
     separate value and reward models)."""
     if model == "smollm2":
-        return E2EConfig(model="smollm2", per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                         num_ppo_epochs=4, response_length=24, learning_rate=3e-6, temperature=0.7, kl_coef=0.05,
-                         stop_on_eos=True, missing_eos_penalty=1.0, iterations=2 if smoke else 3,
-                         warmup_iterations=1, threads=0, local_rollout_forward_batch_size=8), 1 if quick else 2
+        return dataclasses.replace(SMOLLM2_CASE, iterations=2 if smoke else 3), 1 if quick else 2
     if smoke:
         return E2EConfig(per_device_train_batch_size=4, gradient_accumulation_steps=1, num_ppo_epochs=1,
                          response_length=6, iterations=2, warmup_iterations=1), 1

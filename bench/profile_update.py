@@ -10,6 +10,7 @@ self CPU time (on a GPU, by self CUDA time).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -46,13 +47,8 @@ def main(argv=None) -> None:
         return out
 
     T.PPOTrainer._optimize = profiled
-    if args.model == "smollm2":  # issue 11's settings, as bench_train.py --e2e-model smollm2 runs them
-        cfg = B.E2EConfig(model="smollm2", per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                          num_ppo_epochs=4, response_length=24, learning_rate=3e-6, temperature=0.7, kl_coef=0.05,
-                          stop_on_eos=True, missing_eos_penalty=1.0, iterations=1, warmup_iterations=1, threads=0,
-                          local_rollout_forward_batch_size=8)
-    else:
-        cfg = B.E2EConfig(iterations=1, warmup_iterations=1)
+    base = B.SMOLLM2_CASE if args.model == "smollm2" else B.E2EConfig()
+    cfg = dataclasses.replace(base, iterations=1, warmup_iterations=1)
     with tempfile.TemporaryDirectory() as out:
         B.run_fastppo(cfg, os.path.join(out, "run"), args.variant)
 

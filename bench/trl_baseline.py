@@ -244,20 +244,32 @@ def chat_prompts(tokenizer) -> tuple[list[list[int]], int]:
     return [[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids], width
 
 
-def reward_model_dir(model_dir: str, out: str, seed: int) -> str:
-    """The model's body with a fresh score head drawn from ``seed``, saved once: both trainers load it."""
+def reward_model_dir(model_dir: str, seed: int) -> str:
+    """The model's body with a fresh score head drawn from ``seed``, saved once beside the model (whose cache
+    is per transformers version) and renamed into place complete: both trainers load it."""
+    import shutil
+    import tempfile
+
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    path = os.path.join(out, "reward_model")
+    path = f"{model_dir.rstrip(os.sep)}-reward-head-seed{seed}"
     if not os.path.isdir(path):
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model.config.pad_token_id = tokenizer.pad_token_id
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}-", dir=os.path.dirname(path))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, path)
+        except OSError:  # another run renamed its copy into place first
+            if not os.path.isdir(path):
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -270,6 +282,14 @@ class _IterationClock:
     def __init__(self):
         self.start = None
         self.stamps: list[float] = []
+
+
+# issue 11's real-model case: SmolLM2-135M-Instruct, batch 8, 24 tokens, 4 epochs, lr 3e-6, T 0.7, separate
+# value and reward models (bench_train.py --e2e-model smollm2, profile_update.py, the command in RESULTS.md)
+SMOLLM2_CASE = E2EConfig(model="smollm2", per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                         num_ppo_epochs=4, response_length=24, learning_rate=3e-6, temperature=0.7, kl_coef=0.05,
+                         stop_on_eos=True, missing_eos_penalty=1.0, iterations=3, warmup_iterations=1, threads=0,
+                         local_rollout_forward_batch_size=8)
 
 
 def shared_settings(cfg: E2EConfig, output_dir: str) -> dict:
@@ -369,7 +389,7 @@ def _model_and_prompts(cfg: E2EConfig, output_dir: str):
         path = smollm2_dir()
         tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
         prompts, width = chat_prompts(tokenizer)
-        return path, tokenizer, prompts, width, reward_model_dir(path, os.path.dirname(output_dir), cfg.seed)
+        return path, tokenizer, prompts, width, reward_model_dir(path, cfg.seed)
     from fastppo.embedded import embedded_model_path
 
     path = embedded_model_path()
@@ -515,11 +535,10 @@ def _reset_peak_rss() -> bool:
 PREIMPORTS = {
     "fastppo": ("fastppo.train", "fastppo.kernels", "datasets", "rich.console", "rich.progress", "rich.table",
                 "matplotlib.pyplot", "transformers.optimization"),
-    "fastppo-fast": ("fastppo.train", "fastppo.kernels", "datasets", "rich.console", "rich.progress", "rich.table",
-                     "matplotlib.pyplot", "transformers.optimization"),
     "trl": ("trl.experimental.ppo", "datasets", "accelerate", "pandas", "transformers.trainer", "fastppo.embedded",
             "fastppo.rewards"),
 }
+PREIMPORTS.update({variant: PREIMPORTS["fastppo"] for variant in FASTPPO_VARIANTS})
 
 
 def _preimport(impl: str) -> None:
@@ -611,6 +630,8 @@ def measure_in_subprocess(impl: str, cfg: E2EConfig, timeout: float = 600) -> di
 def compare(cfg: E2EConfig, rounds: int = 1, impls=("fastppo", "trl")) -> dict[str, list[dict]]:
     """``rounds`` × each impl, interleaved (fastppo, TRL, fastppo, TRL, ...) so load drift hits both."""
     results: dict[str, list[dict]] = {i: [] for i in impls}
+    if cfg.model == "smollm2":  # built here, so that no child's time or memory includes it
+        reward_model_dir(smollm2_dir(), cfg.seed)
     for _ in range(rounds):
         for impl in impls:
             results[impl].append(measure_in_subprocess(impl, cfg))

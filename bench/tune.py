@@ -50,6 +50,7 @@ class Problem(NamedTuple):
     expected: object  # the reference's outputs on the same inputs
     default: object  # the tile the tile function picks at this shape
     grid: list  # the GPU candidates
+    backward: bool  # whether the timed call includes the backward (GAE never does)
 
 
 def problem(target: str, shape, device: str, backward: bool) -> Problem:
@@ -126,7 +127,8 @@ def problem(target: str, shape, device: str, backward: bool) -> Problem:
     def with_grad(out):
         return torch.autograd.grad(outputs_sum(out), inputs) if backward else out
 
-    return Problem(lambda: with_grad(run(fn)), with_grad(run(ref_fn)), default, grid)
+    return Problem(lambda: with_grad(run(fn)), with_grad(run(ref_fn)), default, grid,
+                   backward or target in ALWAYS_BACKWARD)
 
 
 def smoke_candidates(target: str, default) -> list:
@@ -162,7 +164,7 @@ def sweep(target: str, shape, device: str, backward: bool, smoke: bool, repeats:
         print(f"  {target} {tile}: " + (f"{row['median_s'] * 1e3:.3f} ms" if "median_s" in row else row["error"]),
               flush=True)
     return {"shape": list(shape), "default": list(prob.default) if isinstance(prob.default, tuple) else prob.default,
-            "passes": "fwd+bwd" if backward or target in ALWAYS_BACKWARD else "fwd", "rows": rows}
+            "passes": "fwd+bwd" if prob.backward else "fwd", "rows": rows}
 
 
 def report(target: str, result: dict, device_name: str, smoke: bool) -> None:
