@@ -145,9 +145,18 @@ def legacy_dataloader(dataset, config, state, collator: Callable | None):
     torch's default one cannot stack variable-length prompts)."""
     from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+    class EpochSampler(DistributedSampler):
+        """Reshuffles on every pass, as accelerate's prepared loader (legacy TRL's) does by calling
+        set_epoch; a plain DistributedSampler repeats its first order forever."""
+
+        def __iter__(self):
+            order = super().__iter__()  # drawn now, from seed + epoch
+            self.set_epoch(self.epoch + 1)
+            return order
+
     if state.world_size > 1:
-        sampler = DistributedSampler(dataset, num_replicas=state.world_size, rank=state.rank, shuffle=True,
-                                     seed=config.seed, drop_last=True)
+        sampler = EpochSampler(dataset, num_replicas=state.world_size, rank=state.rank, shuffle=True,
+                               seed=config.seed, drop_last=True)
     else:
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(config.seed))
     return DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, drop_last=True,

@@ -42,13 +42,9 @@ def model_dir(tmp_path_factory):
     read nor write ~/.cache/fastppo, and a module that corrupts its copy harms no other)."""
     from fastppo import embedded
 
-    old = os.environ.get("FASTPPO_CACHE")
-    os.environ["FASTPPO_CACHE"] = str(tmp_path_factory.mktemp("fastppo-cache"))
-    yield embedded.embedded_model_path()
-    if old is None:
-        os.environ.pop("FASTPPO_CACHE", None)
-    else:
-        os.environ["FASTPPO_CACHE"] = old
+    with pytest.MonkeyPatch.context() as patch:  # restored even when building the model fails
+        patch.setenv("FASTPPO_CACHE", str(tmp_path_factory.mktemp("fastppo-cache")))
+        yield embedded.embedded_model_path()
 
 
 @pytest.fixture(autouse=True)

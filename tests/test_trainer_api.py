@@ -320,3 +320,22 @@ def test_a_legacy_v_head_checkpoint_loads(tmp_path, model_dir):
     torch.testing.assert_close(model.v_head.summary.bias, head["v_head.summary.bias"])
     logits, loss, value = model(input_ids=torch.tensor([[3, 4, 5]]))
     assert logits.dtype == torch.float32 and value.shape == (1, 3) and loss is None
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_legacy_dataloader_reshuffles_every_pass(world_size):
+    """Each pass over trainer.dataloader is a new order (accelerate's loader, legacy TRL's, reshuffles);
+    under torchrun the ranks' shards stay disjoint."""
+    from types import SimpleNamespace
+
+    from fastppo.legacy import legacy_dataloader
+
+    rows = [{"i": i} for i in range(64)]
+    config = SimpleNamespace(seed=0, batch_size=4)
+    loaders = [legacy_dataloader(rows, config, SimpleNamespace(world_size=world_size, rank=r), None)
+               for r in range(world_size)]
+    passes = [[[i for batch in loader for i in batch["i"]] for _ in range(2)] for loader in loaders]
+    assert all(first != second for first, second in passes)
+    for k in range(2):
+        seen = [i for p in passes for i in p[k]]
+        assert len(seen) == len(set(seen)) == 64
