@@ -17,7 +17,7 @@ def __getattr__(name: str):
 
         return PPOConfig
     if name == "PPOTrainer":
-        from fastppo.train import PPOTrainer
+        from fastppo.trainer import PPOTrainer
 
         return PPOTrainer
     if name == "AutoModelForCausalLMWithValueHead":

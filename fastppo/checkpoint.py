@@ -18,6 +18,7 @@ temporary file and renamed). A process killed at any moment leaves either the pr
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -65,8 +66,8 @@ def write_atomic(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def save_model_files(path: str, policy, value_model, tokenizer, config: PPOConfig, policy_state: dict | None = None,
-                     value_state: dict | None = None) -> None:
+def save_model_files(path: str, policy, value_model, tokenizer, config: PPOConfig, model_args=None,
+                     policy_state: dict | None = None, value_state: dict | None = None) -> None:
     """The transformers-loadable part: policy (or adapter, v_head beside), tokenizer, value model, config.
     ``policy_state``/``value_state``: whole weights to write instead of the modules' own (DeepSpeed ZeRO-3)."""
     os.makedirs(path, exist_ok=True)
@@ -76,12 +77,16 @@ def save_model_files(path: str, policy, value_model, tokenizer, config: PPOConfi
         value_model.save_pretrained(os.path.join(path, "value_model"),
                                     **({} if value_state is None else {"state_dict": value_state}))
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(config_as_json(config), f, indent=2)
+        json.dump(config_as_json(config, model_args), f, indent=2)
 
 
-def config_as_json(config: PPOConfig) -> dict:
-    """The config as its JSON file holds it (tuples become lists), so a saved and a live config compare equal."""
-    return json.loads(json.dumps(config.to_dict()))
+def config_as_json(config: PPOConfig, model_args=None) -> dict:
+    """The run's settings (``PPOConfig`` and, when given, the model flags) as the checkpoint's JSON file holds
+    them (tuples become lists, enums their values), so a saved and a live config compare equal."""
+    settings = config.to_dict()
+    if model_args is not None:
+        settings.update(dataclasses.asdict(model_args))
+    return json.loads(json.dumps(settings, default=str))
 
 
 def rng_state(shuffle: torch.Generator) -> dict:
@@ -183,7 +188,8 @@ def _engine_name(zero_stage: int | None) -> str:
     return "no DeepSpeed" if zero_stage is None else f"DeepSpeed ZeRO-{zero_stage}"
 
 
-def check_compatible(path: str, config: PPOConfig, world_size: int, zero_stage: int | None = None) -> list[str]:
+def check_compatible(path: str, config: PPOConfig, world_size: int, zero_stage: int | None = None,
+                     model_args=None) -> list[str]:
     """A ValueError naming each setting that differs where the checkpoint's state would not fit; notes for the
     other settings that differ (they apply from the resumed iteration on). ``zero_stage``: this run's
     DeepSpeed ZeRO stage (None: none), which must be the checkpoint's (the optimizer state's layout)."""
@@ -191,7 +197,7 @@ def check_compatible(path: str, config: PPOConfig, world_size: int, zero_stage: 
         saved = json.load(f)
     # memory-mapped: only two small entries are read here (the optimizer state is loaded once, later)
     state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False, mmap=True)
-    current = config_as_json(config)
+    current = config_as_json(config, model_args)
     wrong = [f"{name}: checkpoint {saved.get(name)!r}, now {current.get(name)!r}" for name in MUST_MATCH
              if saved.get(name) != current.get(name)]
     if state.get("world_size") != world_size:
@@ -202,11 +208,18 @@ def check_compatible(path: str, config: PPOConfig, world_size: int, zero_stage: 
     if wrong:
         raise ValueError(f"cannot resume from {path!r}: it was made with other settings ({'; '.join(wrong)}); "
                          "resume with the same ones, or start a fresh run in another --output_dir")
-    skip = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "disable_tqdm", "num_sample_generations",
-            "logging_steps", "save_steps", "save_total_limit", "report_to", "run_name", "ddp_timeout", "deepspeed",
-            "zero_stage"}
     return [f"{k} differs from the checkpoint's ({saved.get(k)!r} -> {v!r}); the new value applies from here"
-            for k, v in current.items() if k not in skip and k in saved and saved[k] != v]
+            for k, v in current.items() if k in NOTED and k in saved and saved[k] != v]
+
+
+# Settings whose change on resume is worth a note (PPO's own and the optimisation's; not bookkeeping).
+NOTED = frozenset(
+    {f for f in PPOConfig.__dataclass_fields__ if f in vars(PPOConfig).get("__annotations__", {})}
+    | {"learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "weight_decay", "adam_beta1",
+       "adam_beta2", "adam_epsilon", "max_grad_norm", "num_train_epochs", "max_steps", "bf16", "optim"}
+) - {"output_dir", "overwrite_output_dir", "num_sample_generations", "logging_steps", "run_name", "exp_name",
+     "world_size", "num_total_batches", "micro_batch_size", "local_batch_size", "batch_size", "local_mini_batch_size",
+     "mini_batch_size", "total_episodes", "zero_stage", "dataset_num_proc", "gradient_checkpointing", "num_threads"}
 
 
 def load_weights(model, path: str) -> None:

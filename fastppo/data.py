@@ -44,6 +44,21 @@ def load_prompt_dataset(name: str, split: str, config_name: str | None = None):
     return data
 
 
+def split_names(name: str, config_name: str | None = None) -> list[str]:
+    """The splits a dataset has (a local file: only the one it is loaded as; [] when they cannot be listed)."""
+    import datasets
+
+    if os.path.isfile(name):
+        return []
+    try:
+        if os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in SAVED_DATASET_FILES):
+            data = datasets.load_from_disk(name)
+            return list(data.keys()) if isinstance(data, datasets.DatasetDict) else []
+        return list(datasets.get_dataset_split_names(name, config_name))
+    except Exception:  # an unlistable dataset simply has no eval split here
+        return []
+
+
 def check_json_file(path: str) -> None:
     """A JSON (lines) file that ``datasets`` would reject gets an error naming the file and the line."""
     import json

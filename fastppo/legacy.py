@@ -1,11 +1,33 @@
-"""Legacy TRL's (<= 0.11) loop helpers for ``PPOTrainer``: ``dataloader``, ``generate``, ``log_stats`` and the
-``accelerator`` attributes user loops read. The algorithm itself is ``PPOTrainer.step`` in ``train.py``."""
+"""Legacy TRL's (<= 0.11) API as an adapter over fastppo's steps: its ``PPOConfig`` (fields, defaults and
+validation), its ``PPOTrainer`` (``generate``/``step``/``log_stats`` and the other documented methods),
+``AutoModelForCausalLMWithValueHead`` and ``create_reference_model``. Intel's extension ships the same API.
+
+A legacy user changes one import line, ``from trl import ...`` to ``from fastppo.legacy import ...``.
+The legacy trainer translates its config into fastppo's (``PPOConfig.to_core``: the same batch split in
+TRL 0.26's terms) and drives the core trainer's ``update()`` with the caller's own samples.
+"""
 from __future__ import annotations
 
+import json
+import os
+import random
+import sys
+import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn as nn
+
+from fastppo.errors import SettingsError
+from fastppo.models import AutoModelForCausalLMWithValueHead, lm_of
+
+try:  # create_reference_model is the value-head module's (TRL's own home for it)
+    from fastppo.models import create_reference_model
+except ImportError:  # pragma: no cover
+    create_reference_model = None
 
 # generate() kwargs whose given value keeps sampling exactly softmax(logits / temperature)
 _NEUTRAL = {
@@ -16,37 +38,148 @@ _NEUTRAL = {
 _PASSED_THROUGH = ("max_new_tokens", "temperature", "pad_token_id", "eos_token_id")
 
 
-_TRL_PARAMETERS = ("args", "processing_class", "model", "ref_model", "reward_model", "train_dataset", "value_model",
-                   "data_collator", "eval_dataset", "optimizers", "callbacks", "peft_config")
+@dataclass
+class PPOConfig:
+    """Legacy TRL's ``PPOConfig`` (v0.11): the same fields, defaults and construction-time checks."""
+
+    exp_name: str = field(default=os.path.basename(sys.argv[0])[: -len(".py")] or "fastppo",
+                          metadata={"help": "Name of this experiment."})
+    seed: int = field(default=0, metadata={"help": "Random seed."})
+    log_with: Literal["wandb", "tensorboard"] | None = field(
+        default=None, metadata={"help": "Log with wandb or tensorboard (besides metrics.jsonl)."})
+    task_name: str | None = field(default=None, metadata={"help": "Name of the task (tracking only)."})
+    model_name: str = field(default="gpt2", metadata={"help": "Model name (for the user's own loading code)."})
+    query_dataset: str = field(default="stanfordnlp/imdb", metadata={"help": "Dataset name (user's code)."})
+    reward_model: str = field(default="sentiment-analysis:lvwerra/distilbert-imdb",
+                              metadata={"help": "Reward model name (for the user's own loading code)."})
+    remove_unused_columns: bool = field(default=True, metadata={"help": "Remove unused dataset columns."})
+    tracker_kwargs: dict | str | None = field(default_factory=dict, metadata={"help": "Tracker keywords (JSON)."})
+    accelerator_kwargs: dict | str | None = field(default_factory=dict, metadata={"help": "Accelerator keywords."})
+    project_kwargs: dict | str | None = field(default_factory=dict, metadata={"help": "Project keywords."})
+    tracker_project_name: str = field(default="trl", metadata={"help": "wandb project / tensorboard run name."})
+    push_to_hub_if_best_kwargs: dict | str | None = field(default_factory=dict, metadata={"help": "Not supported."})
+    steps: int = field(default=20000, metadata={"help": "Number of training samples."})
+    learning_rate: float = field(default=1.41e-5, metadata={"help": "Adam learning rate."})
+    adap_kl_ctrl: bool = field(default=True, metadata={"help": "Use the adaptive KL controller."})
+    init_kl_coef: float = field(default=0.2, metadata={"help": "Initial KL penalty coefficient."})
+    kl_penalty: Literal["kl", "abs", "mse", "full"] = field(
+        default="kl", metadata={"help": "KL estimator: kl (logp - ref), abs, mse, full (exact, whole vocabulary)."})
+    target: float = field(default=6.0, metadata={"help": "Target KL of the adaptive controller."})
+    horizon: float = field(default=10000.0, metadata={"help": "Horizon of the adaptive controller."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
+    batch_size: int = field(default=128, metadata={"help": "Samples per step() call and process."})
+    forward_batch_size: int | None = field(default=None, metadata={"help": "Deprecated: use mini_batch_size."})
+    mini_batch_size: int = field(default=128, metadata={"help": "Rows per forward/backward pass."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Mini batches per optimizer step."})
+    world_size: int | None = field(default=None, metadata={"help": "Derived: processes."})
+    ppo_epochs: int = field(default=4, metadata={"help": "Optimisation epochs per batch."})
+    max_grad_norm: float | None = field(default=None, metadata={"help": "Gradient clipping (None: none)."})
+    optimize_cuda_cache: bool | None = field(default=None, metadata={"help": "Deprecated (no effect)."})
+    optimize_device_cache: bool = field(default=False, metadata={"help": "No effect in fastppo."})
+    early_stopping: bool = field(default=False, metadata={"help": "Stop the epochs once the KL exceeds 1.5 target_kl."})
+    target_kl: float = field(default=1.0, metadata={"help": "early_stopping's KL threshold."})
+    compare_steps: int = field(default=1, metadata={"help": "push_to_hub_if_best's interval (not supported)."})
+    ratio_threshold: float = field(default=10.0, metadata={"help": "Skip mini batches whose mean ratio exceeds this."})
+    use_score_scaling: bool = field(default=False, metadata={"help": "Scale scores by their running std."})
+    use_score_norm: bool = field(default=False, metadata={"help": "Also subtract the running mean."})
+    score_clip: float | None = field(default=None, metadata={"help": "Clip scores to [-score_clip, score_clip]."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten the rewards before GAE."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Gradient checkpointing."})
+    is_encoder_decoder: bool | None = field(default=None, metadata={"help": "Derived from the model."})
+    is_peft_model: bool | None = field(default=None, metadata={"help": "Derived from the model."})
+    backward_batch_size: int | None = field(default=None, metadata={"help": "Derived: mini_batch_size × GA."})
+    global_backward_batch_size: int | None = field(default=None, metadata={"help": "Derived."})
+    global_batch_size: int | None = field(default=None, metadata={"help": "Derived."})
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preprocessing."})
+
+    def __post_init__(self):
+        for name in ("tracker_kwargs", "accelerator_kwargs", "project_kwargs", "push_to_hub_if_best_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # the command line gives JSON
+                try:
+                    setattr(self, name, json.loads(value))
+                except json.JSONDecodeError as e:
+                    raise SettingsError(f"{name} must be a JSON object, got {value!r} ({e})") from e
+        if self.forward_batch_size is not None:
+            warnings.warn("forward_batch_size is deprecated (as in TRL); it overwrites mini_batch_size", stacklevel=2)
+            self.mini_batch_size = self.forward_batch_size
+        for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        self.backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
+        if self.batch_size % self.backward_batch_size:
+            raise SettingsError(f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size × "
+                                f"gradient_accumulation_steps ({self.mini_batch_size} × "
+                                f"{self.gradient_accumulation_steps} = {self.backward_batch_size})")
+        if self.kl_penalty not in ("kl", "abs", "mse", "full"):
+            raise SettingsError(f"kl_penalty must be kl, abs, mse or full, got {self.kl_penalty!r}")
+        self.total_ppo_epochs = int(np.ceil(self.steps / self.batch_size))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_core(self, world_size: int = 1):
+        """fastppo's ``PPOConfig`` running the same update: legacy TRL splits ``batch_size`` rows into
+        optimizer steps of ``mini_batch_size × gradient_accumulation_steps`` rows, each a sum of
+        ``mini_batch_size``-row passes; in TRL 0.26's terms that is micro-batches of ``mini_batch_size``,
+        ``batch_size / mini_batch_size`` of them per rollout, ``batch_size / backward_batch_size`` minibatches.
+        Log-probs are those of the raw logits (temperature 1), as legacy TRL's ``step()`` computes them."""
+        from fastppo.config import PPOConfig as CorePPOConfig
+
+        self.world_size = world_size
+        self.global_backward_batch_size = self.backward_batch_size * world_size
+        self.global_batch_size = self.batch_size * world_size
+        return CorePPOConfig(
+            output_dir=os.path.join("output", self.exp_name or "legacy"), report_to=[self.log_with] if self.log_with
+            else "none", run_name=self.exp_name, seed=self.seed, learning_rate=self.learning_rate,
+            per_device_train_batch_size=self.mini_batch_size,
+            gradient_accumulation_steps=self.batch_size // self.mini_batch_size,
+            num_mini_batches=self.batch_size // self.backward_batch_size, num_ppo_epochs=self.ppo_epochs,
+            total_episodes=self.steps, kl_coef=self.init_kl_coef, adaptive_kl=self.adap_kl_ctrl,
+            kl_target=self.target, kl_horizon=self.horizon, kl_estimator={"kl": "k1"}.get(self.kl_penalty,
+                                                                                           self.kl_penalty),
+            gamma=self.gamma, lam=self.lam, cliprange=self.cliprange, cliprange_value=self.cliprange_value,
+            vf_coef=self.vf_coef, max_grad_norm=self.max_grad_norm or 0.0, early_stopping=self.early_stopping,
+            target_kl=self.target_kl, ratio_threshold=self.ratio_threshold, use_score_scaling=self.use_score_scaling,
+            use_score_norm=self.use_score_norm, score_clip=self.score_clip, whiten_rewards=self.whiten_rewards,
+            gradient_checkpointing=self.gradient_checkpointing, temperature=1.0, num_sample_generations=0,
+            group_by_length=False, bf16=False, disable_tqdm=True, optim="adamw_torch",
+        )
+
+
 _LEGACY_PARAMETERS = ("config", "model", "ref_model", "tokenizer", "dataset", "optimizer", "data_collator",
                       "num_shared_layers", "lr_scheduler", "training_data_collator")
-_LEGACY_ONLY = frozenset(_LEGACY_PARAMETERS) - frozenset(_TRL_PARAMETERS)
-_TRL_ONLY = frozenset(_TRL_PARAMETERS) - frozenset(_LEGACY_PARAMETERS)
+_LEGACY_ONLY = frozenset(("config", "tokenizer", "dataset", "optimizer", "num_shared_layers", "lr_scheduler",
+                          "training_data_collator"))
 
 
-def bind_arguments(args: tuple, kwargs: dict) -> tuple[str, dict]:
-    """Which of TRL's two PPOTrainer signatures a call uses, and its arguments by name.
+def is_legacy_call(args: tuple, kwargs: dict) -> bool:
+    """Whether ``fastppo.PPOTrainer(...)`` was called with legacy TRL's arguments: its config, a legacy-only
+    keyword, or a model (not a tokenizer) in second position."""
+    first = args[0] if args else kwargs.get("config", kwargs.get("args"))
+    return isinstance(first, PPOConfig) or bool(_LEGACY_ONLY & kwargs.keys()) or (
+        len(args) >= 2 and isinstance(args[1], nn.Module))
 
-    Legacy (TRL <= 0.11): ``PPOTrainer(config, model, ref_model, tokenizer, dataset=...)``; TRL 0.26:
-    ``PPOTrainer(args, processing_class, model, ref_model, reward_model, train_dataset, value_model, ...)``.
-    A legacy-only keyword, or a model (not a tokenizer) in second position, means legacy.
-    """
-    legacy = bool(_LEGACY_ONLY & kwargs.keys()) or (len(args) >= 2 and isinstance(args[1], nn.Module))
-    if legacy and _TRL_ONLY & kwargs.keys():
-        raise TypeError(f"PPOTrainer: {sorted(_TRL_ONLY & kwargs.keys())} (TRL 0.26's constructor) cannot be mixed "
-                        f"with {sorted(_LEGACY_ONLY & kwargs.keys()) or 'a model in second position'} (legacy TRL's)")
-    names = _LEGACY_PARAMETERS if legacy else _TRL_PARAMETERS
-    if len(args) > len(names):
-        raise TypeError(f"PPOTrainer takes at most {len(names)} positional arguments, got {len(args)}")
-    bound = dict(zip(names, args))
-    for name, value in kwargs.items():
-        if name not in names:
-            raise TypeError(f"PPOTrainer got an unexpected keyword argument {name!r} "
-                            f"({'legacy' if legacy else 'TRL 0.26'} signature: {', '.join(names)})")
-        if name in bound:
-            raise TypeError(f"PPOTrainer got multiple values for argument {name!r}")
-        bound[name] = value
-    return ("legacy" if legacy else "trl"), bound
+
+def set_seed(seed: int) -> None:
+    """Legacy TRL's ``set_seed``: Python, NumPy and torch (every device) seeded alike."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class LengthSampler:
+    """Legacy TRL's ``LengthSampler``: a length drawn uniformly from [min_value, max_value)."""
+
+    def __init__(self, min_value: int, max_value: int):
+        self.values = list(range(min_value, max_value))
+
+    def __call__(self) -> int:
+        return int(np.random.choice(self.values))
 
 
 class AcceleratorView:
@@ -213,8 +346,6 @@ def _generate_chunk(trainer, model, queries: list[torch.Tensor], kwargs: dict, r
         if trainer.ref_model is not None:
             model = trainer.ref_model
         else:
-            from fastppo.models import lm_of
-
             model = lm_of(trainer.policy)
             context = model.disable_adapter()
     max_new = kwargs.get("max_new_tokens", 20)
@@ -276,3 +407,141 @@ def _is_scalar(value) -> bool:
 
 def _text(value) -> str:
     return value if isinstance(value, str) else str(value.tolist() if isinstance(value, torch.Tensor) else value)
+
+
+class PPOTrainer:
+    """Legacy TRL's ``PPOTrainer`` (v0.11)::
+
+        trainer = PPOTrainer(config, model, ref_model, tokenizer, dataset=dataset, data_collator=collator)
+        for batch in trainer.dataloader:
+            responses = trainer.generate(batch["input_ids"], return_prompt=False, **generation_kwargs)
+            stats = trainer.step(batch["input_ids"], responses, rewards)
+            trainer.log_stats(stats, batch, rewards)
+
+    ``model`` is the user's ``AutoModelForCausalLMWithValueHead`` (a plain causal LM gets a value head on
+    its trunk); ``trainer.model`` is that object, trained in place. ``optimizer``/``lr_scheduler`` are used
+    as given (default: Adam at ``config.learning_rate``, as legacy TRL). ``num_shared_layers`` without a
+    ``ref_model`` builds the reference with ``create_reference_model`` (the first layers shared and frozen);
+    with a ``ref_model`` it is ignored with a warning, as in TRL.
+    """
+
+    def __init__(self, config: PPOConfig | None = None, model=None, ref_model=None, tokenizer=None, dataset=None,
+                 optimizer=None, data_collator=None, num_shared_layers: int | None = None, lr_scheduler=None,
+                 training_data_collator=None):
+        from fastppo.trainer import PPOTrainer as CoreTrainer
+
+        config = PPOConfig() if config is None else config
+        if not isinstance(config, PPOConfig):
+            raise TypeError(f"config must be a fastppo.legacy.PPOConfig, got {type(config).__name__}")
+        if model is None:
+            raise SettingsError("the legacy PPOTrainer(config, model, ref_model, tokenizer, ...) needs a model")
+        if tokenizer is None:
+            raise SettingsError("the legacy PPOTrainer needs a tokenizer")
+        if not isinstance(model, AutoModelForCausalLMWithValueHead):
+            model = AutoModelForCausalLMWithValueHead(model)
+        if ref_model is not None and num_shared_layers is not None:
+            warnings.warn("num_shared_layers is ignored when ref_model is given (as in TRL): the reference is the "
+                          "model you passed", UserWarning, stacklevel=2)
+        elif num_shared_layers is not None:
+            ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
+        if isinstance(ref_model, AutoModelForCausalLMWithValueHead):
+            ref_model = ref_model.pretrained_model  # the reference is only ever read for log-probs
+        self.config = config
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if optimizer is None:  # legacy TRL's default: Adam over the trainable parameters
+            optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
+        self._core = CoreTrainer(args=config.to_core(world), processing_class=tokenizer, model=model,
+                                 ref_model=ref_model, optimizers=(optimizer, lr_scheduler), loop=False)
+        self.model = model
+        self.ref_model = ref_model
+        self.tokenizer = tokenizer
+        self.optimizer = self._core.optimizer
+        self.lr_scheduler = lr_scheduler
+        self.data_collator = data_collator
+        self.dataset = dataset
+        self.current_step = 0
+        self.is_distributed = world > 1
+        self.dataloader = self.prepare_dataloader(dataset, data_collator) if dataset is not None else None
+
+    # the core's plumbing the loop helpers read (device, dist, policy, autocast, log, state, ...)
+    def __getattr__(self, name: str):
+        core = self.__dict__.get("_core")
+        if core is None:
+            raise AttributeError(name)
+        return getattr(core, name)
+
+    @property
+    def accelerator(self) -> AcceleratorView:
+        return AcceleratorView(self._core.dist)
+
+    @property
+    def current_device(self) -> torch.device:
+        return self._core.device
+
+    def prepare_dataloader(self, dataset, data_collator=None):
+        """Batches of ``batch_size`` rows per process, shuffled (reshuffled each pass), last one dropped."""
+        return legacy_dataloader(dataset, self.config, self._core.dist, data_collator)
+
+    def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
+                 return_prompt: bool = True, generate_ref_response: bool = False, remove_padding: bool = True,
+                 **generation_kwargs):
+        """Responses for one query (1-D tensor → [1, L] tensor) or a list of them (→ list of 1-D tensors, left
+        padding removed, cut after the first eos). Samples exactly from softmax(logits / temperature) unless
+        ``generation_kwargs`` ask for other processing (top_k, top_p, ...), which is then honoured; the
+        checkpoint's generation_config never leaks in. ``generate_ref_response``: also the reference's."""
+        return legacy_generate(self._core, query_tensor, length_sampler, batch_size, return_prompt,
+                               generate_ref_response, remove_padding, generation_kwargs)
+
+    def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores,
+             response_masks: list[torch.Tensor] | None = None) -> dict:
+        """One PPO iteration on the caller's samples and scores: ``queries``/``responses`` lists of 1-D
+        token tensors, ``scores`` one per sample (0-d tensors, floats or a 1-D tensor), ``response_masks``
+        optional 0/1 per response token (0: not trained on; GAE bootstraps across them). Returns legacy
+        TRL's stats keys (and TRL 0.26's names)."""
+        from fastppo.data import left_pad, right_pad
+        from fastppo.train import assemble
+
+        core = self._core
+        scores = check_step_inputs(queries, responses, scores, response_masks, self.config.batch_size, core.device)
+        pad = core.tokenizer.pad_token_id
+        q, q_mask = left_pad([x.tolist() for x in queries], pad)
+        r, real = right_pad([x.tolist() for x in responses], pad)
+        user_mask = None
+        if response_masks is not None:
+            user_mask, _ = right_pad([m.long().tolist() for m in response_masks], 0)
+        rollout = assemble(q.to(core.device), q_mask.to(core.device), r.to(core.device), real.to(core.device),
+                           torch.zeros(len(queries), dtype=torch.bool, device=core.device),
+                           None if user_mask is None else user_mask.to(core.device))
+        if not bool(rollout.response_mask.any(1).all()):
+            raise SettingsError("step: every response needs at least one token to train on (check response_masks)")
+        metrics, out = core.update(rollout, scores, skip_masked=response_masks is not None)
+        self.current_step += 1
+        return legacy_step_stats(metrics, out, rollout, self.config.vf_coef)
+
+    def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Sequence[str] = ("query", "response")):
+        """The step's scalar stats and env/reward_* to the loggers, samples to samples.jsonl. Every process
+        must call it (the rewards are gathered across processes)."""
+        legacy_log_stats(self._core, stats, batch, rewards, columns_to_log)
+
+    def gather_stats(self, stats: dict) -> dict:
+        """Stats averaged over the processes (tensors all-reduced; a no-op in one process)."""
+        from fastppo.dist import all_reduce
+
+        out = {}
+        for key, value in stats.items():
+            if isinstance(value, torch.Tensor):
+                value = all_reduce(value.detach().clone().to(self._core.device)) / self._core.dist.world_size
+            out[key] = value
+        return out
+
+    def save_pretrained(self, save_directory: str) -> None:
+        """The model with its value head, and the tokenizer."""
+        self._core.save_model(save_directory)
+
+    def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
+        """A README.md in ``path`` saying how the model was trained (legacy TRL writes one beside its weights)."""
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "README.md"), "w") as f:
+            f.write(f"# {model_name}\n\nTrained with PPO by [fastppo](https://pypi.org/project/fastppo/) "
+                    f"(legacy TRL API).\n\n```python\nfrom transformers import AutoModelForCausalLM\n\n"
+                    f"model = AutoModelForCausalLM.from_pretrained({path!r})\n```\n")

@@ -2,7 +2,6 @@
 metric names (and legacy TRL's ``step()`` stats); the loggers, the sample table and the curves."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -150,8 +149,8 @@ class MetricsLogger:
             try:
                 import wandb
 
-                self.wandb = wandb.init(name=config.run_name, project=config.tracker_project_name,
-                                        config=dataclasses.asdict(config))
+                self.wandb = wandb.init(name=config.run_name, project=getattr(config, "project", None) or "fastppo",
+                                        config=config.to_dict())
             except ImportError:
                 if not everything:
                     log("report_to wandb: wandb is not installed; skipping it")

@@ -11,16 +11,35 @@ import contextlib
 import copy
 import json
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers.utils import cached_file, is_peft_available
 
+from fastppo.errors import SettingsError
 from fastppo.kernels import fused_token_logprobs
 
 VALUE_HEAD_PREFIX = "v_head."
 VALUE_HEAD_FILE = "v_head.safetensors"  # where a PEFT policy's value head goes (the weights file holds the adapter)
+LM_PREFIX = "pretrained_model."  # the wrapper's LM as nn.Module names it; legacy TRL's state dicts leave it out
+
+# Where a saved head may be, searched in this order: fastppo's file beside a PEFT adapter, the LM's own
+# weights (legacy TRL and fastppo write v_head.* into them), then the shards an index maps v_head.* to.
+HEAD_FILES = (VALUE_HEAD_FILE, "model.safetensors", "pytorch_model.bin")
+HEAD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# from_pretrained's arguments that say where a checkpoint is: they also locate its head and adapter files
+HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+V_HEAD_INIT_STRATEGIES = (None, "normal")
+# legacy TRL's layer names for num_shared_layers, tried in this order (GPT-2/J, OPT, GPT-NeoX, Llama-likes)
+LAYER_PATTERNS = ("transformer.h.{layer}", "model.decoder.layers.{layer}", "gpt_neox.layers.{layer}",
+                  "model.layers.{layer}")
 
 
 # ============================================================================ the value head on the trunk (legacy TRL)
@@ -30,7 +49,7 @@ class ValueHead(nn.Module):
     """A scalar per position from the trunk's last hidden state (legacy TRL's ``v_head``: ``summary``
     is Linear(hidden, 1) in fp32; its dropout is zeroed like every dropout in PPO training)."""
 
-    def __init__(self, hidden_size: int, dropout: float = 0.1):
+    def __init__(self, hidden_size: int, dropout: float | None = 0.1):
         super().__init__()
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.summary = nn.Linear(hidden_size, 1, dtype=torch.float32)
@@ -40,27 +59,104 @@ class ValueHead(nn.Module):
 
 
 def _hidden_size(config) -> int:
+    # OPT-350m projects its hidden states down to word_embed_proj_dim before the LM head
     return getattr(config, "word_embed_proj_dim", None) or config.hidden_size
+
+
+def _summary_dropout(config, kwargs: dict) -> float | None:
+    """Legacy TRL's rule: the LM config's ``summary_dropout_prob`` wherever the config has one (even None),
+    else the keyword argument, else 0.1."""
+    if hasattr(config, "summary_dropout_prob"):
+        return config.summary_dropout_prob
+    return kwargs.get("summary_dropout_prob", 0.1)
+
+
+def has_lm_head(model: nn.Module) -> bool:
+    names = AutoModelForCausalLMWithValueHead.lm_head_namings
+    if any(hasattr(model, name) for name in names):
+        return True
+    get_head = getattr(model, "get_output_embeddings", None)  # an LM head under another name
+    return get_head is not None and get_head() is not None
+
+
+def _is_supported_model(obj) -> bool:
+    """A transformers model, or a PEFT model around one (legacy TRL takes exactly these)."""
+    base = obj.get_base_model() if isinstance(obj, nn.Module) and hasattr(obj, "get_base_model") else obj
+    return isinstance(base, PreTrainedModel)
+
+
+def _check_device_map(model: nn.Module) -> bool:
+    """True when the LM is spread by a ``device_map`` (legacy TRL's ``is_sequential_parallel``); offloading
+    to the CPU or disk is refused as legacy TRL refuses it (the head would run where no weights are)."""
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map is None:
+        return False
+    places = {str(d) for d in device_map.values()}
+    if "disk" in places or ("cpu" in places and len(places) > 1):
+        raise ValueError("the model is offloaded to the CPU or disk (hf_device_map: "
+                         f"{sorted(places)}): offloading is not supported for value-head models")
+    return True
+
+
+def _current_device() -> int | str:
+    # legacy TRL's: this process's local GPU index, or "cpu"
+    return int(os.environ.get("LOCAL_RANK", 0)) if torch.cuda.is_available() else "cpu"
+
+
+def _legacy_layout(state: dict) -> dict:
+    """A wrapper state dict in legacy TRL's layout (the LM's own keys, ``v_head.*``) whichever layout it
+    came in (nn.Module's ``pretrained_model.*`` is accepted too)."""
+    return {k[len(LM_PREFIX):] if k.startswith(LM_PREFIX) else k: v for k, v in state.items()}
 
 
 class AutoModelForCausalLMWithValueHead(nn.Module):
     """A causal LM with a value head on its own trunk: one network, one forward for log-probs and values.
 
-    The legacy TRL class of the same name, with its checkpoint format: ``save_pretrained`` writes the
-    LM's weights with the head's ``v_head.summary.weight``/``bias`` beside them (plain transformers
-    loads the directory as the LM and ignores the head); ``from_pretrained`` reads a head back from
-    ``model.safetensors``, ``pytorch_model.bin``, a sharded index or ``v_head.safetensors`` (PEFT).
+    Legacy TRL's (<= 0.11) class of the same name, with its checkpoint format: ``state_dict()`` is the
+    LM's state dict plus ``v_head.summary.weight``/``bias``, and ``save_pretrained`` writes exactly that
+    (plain transformers loads the directory as the LM and ignores the head); ``from_pretrained`` reads a
+    head back from ``model.safetensors``, ``pytorch_model.bin``, their sharded indexes or, beside a PEFT
+    adapter, ``v_head.safetensors``.
     """
 
-    def __init__(self, pretrained_model: nn.Module, summary_dropout_prob: float | None = None):
+    transformers_parent_class = AutoModelForCausalLM
+    lm_head_namings = ["lm_head", "embed_out", "output_layer"]
+    supported_args = ("summary_dropout_prob", "v_head_initializer_range", "v_head_init_strategy")
+
+    def __init__(self, pretrained_model: nn.Module, **kwargs):
+        """``kwargs``: the value head's (``supported_args``)."""
         super().__init__()
+        unknown = sorted(set(kwargs) - set(self.supported_args))
+        if unknown:
+            raise TypeError(f"AutoModelForCausalLMWithValueHead got unexpected keyword arguments {unknown}; the "
+                            f"value head takes {list(self.supported_args)}")
+        if not has_lm_head(pretrained_model):
+            raise ValueError(f"{type(pretrained_model).__name__} does not have a language model head (none of "
+                             f"{self.lm_head_namings}): wrap a causal LM (AutoModelForCausalLM), not a bare "
+                             "base model (AutoModel)")
         self.pretrained_model = pretrained_model
-        config = pretrained_model.config
-        dropout = getattr(config, "summary_dropout_prob", None)
-        dropout = summary_dropout_prob if dropout is None and summary_dropout_prob is not None else dropout
-        self.v_head = ValueHead(_hidden_size(config), 0.1 if dropout is None else dropout)
-        device = next(pretrained_model.parameters()).device
-        self.v_head.to(device)
+        self.v_head = ValueHead(_hidden_size(pretrained_model.config),
+                                _summary_dropout(pretrained_model.config, kwargs))
+        self._init_weights(**kwargs)
+        self.is_sequential_parallel = _check_device_map(pretrained_model)
+        self.v_head.to(next(pretrained_model.parameters()).device)
+        self.current_device = _current_device()
+        self.is_loaded_in_8bit = getattr(pretrained_model, "is_loaded_in_8bit", False)
+        self.is_loaded_in_4bit = getattr(pretrained_model, "is_loaded_in_4bit", False)
+        self.supports_rm_adapter = False  # legacy TRL's reward adapters are not supported (from_pretrained says so)
+        self.rm_adapter_name = None
+        self.policy_adapter_name = "default"
+
+    def _init_weights(self, **kwargs) -> None:
+        """``v_head_init_strategy``: None keeps nn.Linear's random init; "normal" draws the weight from
+        N(0, ``v_head_initializer_range`` (0.2)) and zeroes the bias."""
+        strategy = kwargs.get("v_head_init_strategy")
+        if strategy not in V_HEAD_INIT_STRATEGIES:
+            raise ValueError(f"v_head_init_strategy={strategy!r}: expected one of {list(V_HEAD_INIT_STRATEGIES)}")
+        if strategy == "normal":
+            with torch.no_grad():
+                self.v_head.summary.weight.normal_(mean=0.0, std=kwargs.get("v_head_initializer_range", 0.2))
+                self.v_head.summary.bias.zero_()
 
     @property
     def config(self):
@@ -71,29 +167,91 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         return hasattr(self.pretrained_model, "disable_adapter")
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, summary_dropout_prob: float | None = None,
-                        **kwargs) -> AutoModelForCausalLMWithValueHead:
-        """From a directory, a Hub id or a transformers model; a saved ``v_head`` is loaded back."""
-        from transformers import AutoModelForCausalLM
+    def _split_kwargs(cls, kwargs: dict) -> tuple[dict, dict]:
+        """(the value head's kwargs, the rest: transformers' from_pretrained's)."""
+        head = {k: v for k, v in kwargs.items() if k in cls.supported_args}
+        return head, {k: v for k, v in kwargs.items() if k not in cls.supported_args}
 
-        if isinstance(pretrained_model_name_or_path, nn.Module):
-            return cls(pretrained_model_name_or_path, summary_dropout_prob)
-        base = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        model = cls(base, summary_dropout_prob)
-        state = read_value_head(str(pretrained_model_name_or_path))
-        if state is not None:
-            model.v_head.load_state_dict(state)
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> AutoModelForCausalLMWithValueHead:
+        """From a directory or Hub id (a saved ``v_head`` is loaded back; a PEFT adapter directory loads its
+        base and the adapter, trainable only with ``is_trainable=True``) or from a transformers model.
+
+        ``kwargs``: the value head's (``supported_args``); ``peft_config`` (a new adapter on the LM);
+        ``is_trainable``; the rest go to transformers' ``from_pretrained`` (``torch_dtype`` is read as
+        ``dtype``)."""
+        peft_config = kwargs.pop("peft_config", None)
+        is_trainable = kwargs.pop("is_trainable", False)
+        if kwargs.pop("reward_adapter", None) is not None:
+            raise ValueError("reward_adapter: legacy TRL's reward-modeling adapters are not supported; pass a "
+                             "reward model or function to the trainer instead")
+        kwargs.pop("reward_adapter_name", None)
+        _check_peft_config(peft_config)
+        head_kwargs, lm_kwargs = cls._split_kwargs(kwargs)
+        if "torch_dtype" in lm_kwargs and "dtype" not in lm_kwargs:
+            lm_kwargs["dtype"] = lm_kwargs.pop("torch_dtype")  # transformers' new name for it
+        source = pretrained_model_name_or_path
+        if isinstance(source, os.PathLike):
+            source = os.fspath(source)
+        if isinstance(source, str):
+            lm, head_state = cls._load_lm(source, model_args, lm_kwargs, is_trainable, peft_config), None
+        elif _is_supported_model(source):
+            if lm_kwargs or model_args:
+                warnings.warn(f"from_pretrained: {sorted(lm_kwargs) or 'positional arguments'} ignored: they are "
+                              "for loading, and a model object is already loaded", stacklevel=2)
+            lm, head_state = source, source.state_dict()  # a head attached to it is read back, as legacy TRL
+        else:
+            raise ValueError("pretrained_model_name_or_path should be a path, a Hub id or a transformers "
+                             f"PreTrainedModel (or a PEFT model around one), but is {type(source).__name__}")
+        if peft_config is not None and not hasattr(lm, "disable_adapter"):
+            lm = _get_peft_model(lm, peft_config)
+        _check_not_prompt_learning(lm)
+        model = cls(lm, **head_kwargs)
+        if head_state is None:
+            head_state = read_value_head(source, prefixed=True, **_hub_kwargs(lm_kwargs))
+        if head_state:
+            model.post_init(head_state)
         return model
 
-    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, return_past_key_values=False,
+    @classmethod
+    def _load_lm(cls, path: str, model_args, lm_kwargs: dict, is_trainable: bool, peft_config) -> nn.Module:
+        """The LM at ``path``; a PEFT adapter directory: its base model with the adapter on it (legacy TRL's)."""
+        adapter_config = _resolve(path, "adapter_config.json", _hub_kwargs(lm_kwargs)) if is_peft_available() else None
+        if adapter_config is None:
+            return cls.transformers_parent_class.from_pretrained(path, *model_args, **lm_kwargs)
+        from peft import PeftConfig, PeftModel  # optional dependency: imported only where an adapter is
+
+        if peft_config is not None:
+            warnings.warn(f"peft_config ignored: {path!r} holds a trained adapter, which is loaded", stacklevel=3)
+        base_path = PeftConfig.from_pretrained(os.path.dirname(adapter_config)).base_model_name_or_path
+        base = cls.transformers_parent_class.from_pretrained(base_path, *model_args, **lm_kwargs)
+        return PeftModel.from_pretrained(base, path, is_trainable=is_trainable, token=lm_kwargs.get("token"))
+
+    def post_init(self, state_dict: dict) -> None:
+        """Loads the ``v_head.*`` entries of a whole-model state dict into the head (legacy TRL's; the
+        other entries are ignored, and so is a head missing from it)."""
+        head = {k[len(VALUE_HEAD_PREFIX):]: v for k, v in state_dict.items() if k.startswith(VALUE_HEAD_PREFIX)}
+        if head:
+            self.v_head.load_state_dict(head, strict=False)
+
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, return_past_key_values=False,
                 **kwargs):
-        """(lm_logits fp32, loss, value [B, L]) as legacy TRL's wrapper returns them."""
+        """(lm_logits fp32, loss, value [B, L] fp32), and the past key values with ``return_past_key_values``:
+        legacy TRL's outputs, in its argument order."""
         kwargs["output_hidden_states"] = True
-        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask,
-                                    past_key_values=past_key_values, **kwargs)
-        value = self.v_head(out.hidden_states[-1])
-        result = (out.logits.float(), getattr(out, "loss", None), value)
-        return (*result, out.past_key_values) if return_past_key_values else result
+        if not self._prefix_tuning():  # prefix tuning supplies its own past key values
+            kwargs["past_key_values"] = past_key_values
+        out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        device = self.v_head.summary.weight.device
+        value = self.v_head(out.hidden_states[-1].to(device))
+        logits, loss = out.logits.float(), out.loss
+        if self.is_sequential_parallel:  # legacy TRL returns everything on the head's device under a device_map
+            logits, loss = logits.to(device), None if loss is None else loss.to(device)
+        return (logits, loss, value, out.past_key_values) if return_past_key_values else (logits, loss, value)
+
+    def _prefix_tuning(self) -> bool:
+        config = getattr(self.pretrained_model, "active_peft_config", None) if self.is_peft_model else None
+        return getattr(config, "peft_type", None) == "PREFIX_TUNING"
 
     def generate(self, *args, **kwargs):
         return self.pretrained_model.generate(*args, **kwargs)
@@ -101,50 +259,171 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
         enable_checkpointing(causal_lm_of(self), gradient_checkpointing_kwargs)
 
+    def gradient_checkpointing_disable(self):
+        causal_lm_of(self).gradient_checkpointing_disable()
+
+    def enable_input_require_grads(self):
+        self.pretrained_model.enable_input_require_grads()
+
+    # --------------------------------------------------------------- state dicts: legacy TRL's layout
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The LM's state dict (its own key names) plus ``v_head.summary.weight``/``bias``: legacy TRL's layout,
+        also as a submodule (the wrapper's ``pretrained_model.`` is dropped under any prefix). Unlike legacy
+        TRL, a PEFT model's entries are kept: they are what load_state_dict and DeepSpeed restore."""
+        state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        inner = prefix + LM_PREFIX
+        for key in [k for k in state if k.startswith(prefix)]:  # this module's entries (the dict's tail): renamed
+            state[prefix + key[len(inner):] if key.startswith(inner) else key] = state.pop(key)
+        return state
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # legacy TRL's layout (and nn.Module's, ``pretrained_model.*``) loads: the LM's keys get their module name
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            if not key[len(prefix):].startswith((LM_PREFIX, VALUE_HEAD_PREFIX)):
+                state_dict[prefix + LM_PREFIX + key[len(prefix):]] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # --------------------------------------------------------------- saving
+
     def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
-        """The LM's files with ``v_head.*`` in its weights (legacy layout), or beside a PEFT adapter.
-        ``state_dict``: this wrapper's whole state (``pretrained_model.*``, ``v_head.*``) to write instead of
-        the modules' own tensors (DeepSpeed ZeRO-3 gathers it: the modules then hold partitions)."""
-        if state_dict is not None:
-            lm = {k[len("pretrained_model."):]: v for k, v in state_dict.items() if k.startswith("pretrained_model.")}
-            head = {k: v.detach().contiguous() for k, v in state_dict.items() if k.startswith(VALUE_HEAD_PREFIX)}
-            self.pretrained_model.save_pretrained(save_directory, state_dict={**lm, **head}, **kwargs)
+        """The LM's files with ``v_head.*`` in its weights (legacy TRL's layout), or a PEFT adapter with
+        ``v_head.safetensors`` beside it. ``kwargs`` go to the LM's ``save_pretrained`` (``max_shard_size``...).
+        ``state_dict``: this wrapper's whole state (either layout) to write instead of the modules' own
+        tensors (DeepSpeed ZeRO-3 gathers it: the modules then hold partitions)."""
+        state = _legacy_layout(self.state_dict() if state_dict is None else state_dict)
+        head = {k: v.detach().contiguous() for k, v in state.items() if k.startswith(VALUE_HEAD_PREFIX)}
+        if not self.is_peft_model:
+            self.pretrained_model.save_pretrained(save_directory, state_dict=state, **kwargs)
             return
-        head = {VALUE_HEAD_PREFIX + k: v.detach().contiguous() for k, v in self.v_head.state_dict().items()}
-        if self.is_peft_model:
-            from safetensors.torch import save_file
-
-            self.pretrained_model.save_pretrained(save_directory, **kwargs)
+        adapter = None if state_dict is None else {k: v for k, v in state.items() if k not in head}
+        self.pretrained_model.save_pretrained(save_directory, **({} if adapter is None else {"state_dict": adapter}),
+                                              **kwargs)
+        if kwargs.get("is_main_process", True):
             save_file(head, os.path.join(save_directory, VALUE_HEAD_FILE))
-            return
-        state = {k: v for k, v in self.pretrained_model.state_dict().items()}
-        state.update(head)
-        self.pretrained_model.save_pretrained(save_directory, state_dict=state, **kwargs)
+
+    def push_to_hub(self, *args, **kwargs):
+        raise NotImplementedError("AutoModelForCausalLMWithValueHead.push_to_hub is not supported: call "
+                                  "save_pretrained(directory) and upload that directory (huggingface_hub's "
+                                  "upload_folder, or `hf upload`); from_pretrained reads the head back from it")
 
 
-def read_value_head(path: str) -> dict[str, torch.Tensor] | None:
-    """The ``v_head.*`` tensors (prefix removed) of a local checkpoint, or None when it has none."""
-    from safetensors.torch import load_file
+def _check_peft_config(peft_config) -> None:
+    if peft_config is None:
+        return
+    if not is_peft_available():
+        raise ValueError("peft_config: the peft package is not installed (pip install peft)")
+    from peft import PeftConfig  # optional dependency: imported only when asked for
 
-    if not os.path.isdir(path):
+    if not isinstance(peft_config, PeftConfig):
+        raise ValueError(f"peft_config should be a peft.PeftConfig, but is {type(peft_config).__name__}")
+
+
+def _get_peft_model(model: nn.Module, peft_config) -> nn.Module:
+    from peft import get_peft_model  # optional dependency: _check_peft_config saw it installed
+
+    return get_peft_model(model, peft_config)
+
+
+def _check_not_prompt_learning(model: nn.Module) -> None:
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        raise ValueError(f"peft_config: {type(config).__name__} (prompt learning) is not supported for PPO training")
+
+
+def _hub_kwargs(lm_kwargs: dict) -> dict:
+    return {k: v for k, v in lm_kwargs.items() if k in HUB_KWARGS}
+
+
+def _resolve(path: str, filename: str, hub_kwargs: dict) -> str | None:
+    """The local file ``filename`` of a checkpoint directory or Hub repo (downloaded, or from the cache),
+    or None where it has none."""
+    try:
+        return cached_file(path, filename, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+    except (OSError, ValueError):  # no such repo or an id that is not one: no head there (legacy TRL's reading)
         return None
-    files = []
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if os.path.isfile(os.path.join(path, index)):
-            with open(os.path.join(path, index)) as f:
-                weight_map = json.load(f)["weight_map"]
-            files += sorted({file for key, file in weight_map.items() if key.startswith(VALUE_HEAD_PREFIX)})
-    files += [f for f in (VALUE_HEAD_FILE, "model.safetensors", "pytorch_model.bin") if f not in files]
-    for name in files:
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            continue
-        state = load_file(full) if name.endswith(".safetensors") else torch.load(full, map_location="cpu",
-                                                                                  weights_only=True)
-        head = {k[len(VALUE_HEAD_PREFIX):]: v for k, v in state.items() if k.startswith(VALUE_HEAD_PREFIX)}
+
+
+def _head_tensors(file: str) -> dict[str, torch.Tensor]:
+    """The ``v_head.*`` tensors of one weights file, reading no other tensor from it."""
+    if file.endswith(".safetensors"):
+        with safe_open(file, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if k.startswith(VALUE_HEAD_PREFIX)}
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a pre-zip-format pickle cannot be memory-mapped
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    return {k: v for k, v in state.items() if k.startswith(VALUE_HEAD_PREFIX)}
+
+
+def _sharded_head(path: str, index: str, hub_kwargs: dict) -> dict[str, torch.Tensor]:
+    with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    head = {}
+    for shard in sorted({file for key, file in weight_map.items() if key.startswith(VALUE_HEAD_PREFIX)}):
+        file = _resolve(path, shard, hub_kwargs)
+        head.update(_head_tensors(file) if file else {})
+    return head
+
+
+def read_value_head(path: str, prefixed: bool = False, **hub_kwargs) -> dict[str, torch.Tensor] | None:
+    """The ``v_head.*`` tensors of a saved checkpoint (a directory, or a Hub id as transformers resolves it;
+    ``hub_kwargs``: ``revision``, ``cache_dir``, ``local_files_only``...), with the prefix removed unless
+    ``prefixed``; None when it has none."""
+    head = {}
+    for name in HEAD_FILES:
+        file = _resolve(path, name, hub_kwargs)
+        head = _head_tensors(file) if file else {}
         if head:
-            return head
-    return None
+            break
+    for index in HEAD_INDEXES if not head else ():
+        file = _resolve(path, index, hub_kwargs)
+        head = _sharded_head(path, file, hub_kwargs) if file else {}
+        if head:
+            break
+    if not head:
+        return None
+    return head if prefixed else {k[len(VALUE_HEAD_PREFIX):]: v for k, v in head.items()}
+
+
+def create_reference_model(model: nn.Module, num_shared_layers: int | None = None,
+                           pattern: str | None = None) -> nn.Module:
+    """A frozen copy of ``model`` (legacy TRL's ``create_reference_model``): a deep copy in eval mode whose
+    every parameter has requires_grad=False.
+
+    ``num_shared_layers``: the parameters before that layer (the embeddings and layers 0..n-1) are "shared"
+    in legacy TRL's sense: frozen in ``model`` too, so they stay equal to the reference's copies. As in
+    legacy TRL the copy is whole (it holds its own tensors): tying them would let a dtype or device move of
+    either model (DeepSpeed's bf16 cast, say) silently change the other. ``pattern``: the layer's name
+    with a ``{layer}`` placeholder (e.g. "transformer.h.{layer}") where the built-in ones do not fit.
+    """
+    if is_deepspeed_zero3_enabled():
+        raise ValueError("DeepSpeed ZeRO-3 is enabled, and create_reference_model cannot copy partitioned "
+                         "parameters: load the reference model with from_pretrained instead")
+    shared = [] if num_shared_layers is None else _shared_parameter_names(model, num_shared_layers, pattern)
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    for name in shared:
+        model.get_parameter(name).requires_grad_(False)
+    return ref.eval()
+
+
+def _shared_parameter_names(model: nn.Module, num_shared_layers: int, pattern: str | None) -> list[str]:
+    """The names of ``model``'s parameters before layer ``num_shared_layers`` (legacy TRL's split: every
+    parameter registered before the first whose name contains the layer's pattern)."""
+    names = [n for n, _ in model.named_parameters()]
+    candidates = [pattern] if pattern is not None else LAYER_PATTERNS
+    markers = [c.format(layer=num_shared_layers) for c in candidates]
+    first = next((i for marker in markers for i, name in enumerate(names) if marker in name), None)
+    if first is not None:
+        return names[:first]
+    if pattern is not None:  # legacy TRL warns and freezes the whole model here, leaving nothing to train
+        raise ValueError(f"pattern={pattern!r}: no parameter name contains {markers[0]!r} "
+                         f"(num_shared_layers={num_shared_layers}); check it for a typo")
+    raise ValueError(f"num_shared_layers={num_shared_layers}: layer pattern could not be matched: no parameter "
+                     f"name contains any of {markers} (the model has fewer layers, or names them otherwise: "
+                     "pass pattern=, e.g. 'transformer.h.{layer}')")
 
 
 # ============================================================================ the pieces of a causal LM
@@ -414,12 +693,12 @@ def load_error(what: str, path: str, e: Exception) -> Exception:
     return OSError(f"could not load the {what} from {path!r}: {e}")
 
 
-def load_tokenizer(path: str, config, log: Callable[[str], None]):
+def load_tokenizer(path: str, model_args, log: Callable[[str], None]):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, revision=config.model_revision,
-                                                  trust_remote_code=config.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision,
+                                                  trust_remote_code=model_args.trust_remote_code)
     except (OSError, ValueError) as e:
         raise load_error("tokenizer", path, e) from e
     return tokenizer
@@ -442,31 +721,31 @@ def ensure_pad_token(tokenizer, log: Callable[[str], None]) -> None:
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": "auto"}
 
 
-def pretrained_kwargs(config, frozen: bool = False, bf16: bool = False) -> dict:
+def pretrained_kwargs(model_args, frozen: bool = False, bf16: bool = False) -> dict:
     """Keyword arguments of every from_pretrained call. Weights in ``--dtype`` when given; else fp32 for
     the trained models and, under bf16, bf16 for the frozen ones (they only run forwards in bf16)."""
     import importlib.util
 
-    dtype = DTYPES[config.dtype] if config.dtype else (torch.bfloat16 if frozen and bf16 else torch.float32)
-    kwargs = dict(attn_implementation=config.attn_implementation, dtype=dtype, revision=config.model_revision,
-                  trust_remote_code=config.trust_remote_code)
-    if config.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    dtype = DTYPES[model_args.dtype] if model_args.dtype else (torch.bfloat16 if frozen and bf16 else torch.float32)
+    kwargs = dict(attn_implementation=model_args.attn_implementation or "sdpa", dtype=dtype,
+                  revision=model_args.model_revision, trust_remote_code=model_args.trust_remote_code)
+    if model_args.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         kwargs["attn_implementation"] = "sdpa"
     return kwargs
 
 
-def load_causal_lm(path: str, config, what: str, value_head: bool = False, frozen: bool = False,
+def load_causal_lm(path: str, model_args, what: str, value_head: bool = False, frozen: bool = False,
                    bf16: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     loader = AutoModelForCausalLMWithValueHead if value_head else AutoModelForCausalLM
     try:
-        return loader.from_pretrained(path, **pretrained_kwargs(config, frozen, bf16))
+        return loader.from_pretrained(path, **pretrained_kwargs(model_args, frozen, bf16))
     except (OSError, ValueError) as e:
         raise load_error(what, path, e) from e
 
 
-def load_seq_cls(path: str, config, tokenizer, what: str, fresh_head_ok: bool, frozen: bool = False,
+def load_seq_cls(path: str, model_args, tokenizer, what: str, fresh_head_ok: bool, frozen: bool = False,
                  bf16: bool = False) -> nn.Module:
     """An AutoModelForSequenceClassification with one label. A checkpoint without a trained scalar head
     (a causal LM, say) gets a random one from transformers: refused unless ``fresh_head_ok``."""
@@ -474,7 +753,7 @@ def load_seq_cls(path: str, config, tokenizer, what: str, fresh_head_ok: bool, f
 
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, output_loading_info=True, **pretrained_kwargs(config, frozen, bf16))
+            path, num_labels=1, output_loading_info=True, **pretrained_kwargs(model_args, frozen, bf16))
     except (OSError, ValueError) as e:
         raise load_error(what, path, e) from e
     _, head = backbone_and_head(model)
@@ -512,14 +791,15 @@ def apply_liger(models, log) -> None:
             log(f"use_liger_kernel: could not patch {type(model).__name__}: {e}")
 
 
-def apply_peft(policy: nn.Module, peft_config, config) -> nn.Module:
+def apply_peft(policy: nn.Module, peft_config, model_args) -> nn.Module:
     """LoRA on the policy's language model (inside a value-head wrapper, the head stays fully trainable)."""
     from peft import LoraConfig, get_peft_model
 
     if peft_config is None:  # the flags (validate_config has refused an lm_head target among them)
         peft_config = LoraConfig(
-            r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-            target_modules=config.lora_target_modules, task_type="CAUSAL_LM",
+            r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
+            target_modules=model_args.lora_target_modules, task_type="CAUSAL_LM",
+            use_rslora=getattr(model_args, "use_rslora", False),
         )
     elif "lm_head" in (getattr(peft_config, "target_modules", None) or ()):
         raise ValueError("peft_config: target_modules may not include lm_head: log-probs are computed from the LM "
@@ -534,11 +814,28 @@ def is_peft(model: nn.Module) -> bool:
     return hasattr(lm_of(model), "disable_adapter")
 
 
-def prepare_models(policy, ref_model, value_model, reward_model, tokenizer, config, device, log):
-    """Resize embeddings to the tokenizer, patch (Liger), zero dropout, place, freeze the frozen ones."""
-    for model in (policy, ref_model, value_model, reward_model):
-        if model is not None and causal_lm_of(model).get_input_embeddings().weight.shape[0] < len(tokenizer):
+def check_vocabulary(models: dict[str, nn.Module | None], tokenizer, loaded: set[str], log) -> None:
+    """Every token id the tokenizer can produce must have an embedding row. A model fastppo loaded itself is
+    resized (and it says so); a model the user passed is never changed behind their back: refused, with the
+    fix."""
+    for what, model in models.items():
+        if model is None:
+            continue
+        rows = causal_lm_of(model).get_input_embeddings().weight.shape[0]
+        if rows >= len(tokenizer):
+            continue
+        if what in loaded:
             causal_lm_of(model).resize_token_embeddings(len(tokenizer))
+            log(f"{what}: embeddings resized from {rows} to the tokenizer's {len(tokenizer)} tokens")
+        else:
+            raise SettingsError(
+                f"the {what} has {rows} embedding rows but the tokenizer has {len(tokenizer)} tokens (ids up to "
+                f"{len(tokenizer) - 1} would index past them); fastppo does not resize a model you pass: call "
+                f"model.resize_token_embeddings(len(tokenizer)) on it first (or drop the added tokens)")
+
+
+def prepare_models(policy, ref_model, value_model, reward_model, tokenizer, config, device, log):
+    """Patch (Liger), zero dropout, place, freeze the frozen ones."""
     if config.use_liger_kernel:
         if device.type == "cuda":
             apply_liger([m for m in (policy, value_model) if m is not None], log)
@@ -579,48 +876,61 @@ def freeze_shared_layers(policy: nn.Module, num_shared_layers: int) -> None:
         p.requires_grad_(False)
 
 
-def build_models(bound: dict, config, policy_path: str | None, tokenizer, reward_path: str | None, legacy: bool,
+def build_models(bound: dict, config, model_args, policy_path: str | None, tokenizer, reward_path: str | None,
                  bf16: bool, device, log) -> tuple[nn.Module, nn.Module | None, nn.Module | None, nn.Module | None]:
     """(policy, reference, value model, reward model) from the trainer's arguments (objects or paths),
     falling back to the config's paths; prepared and placed on ``device``.
 
     The reference is None where the PEFT policy with its adapter disabled plays it; the value model
-    is None where the value head sits on the policy's trunk (legacy API, ``shared_value_head``, or a
-    policy passed as an ``AutoModelForCausalLMWithValueHead``)."""
+    is None where the value head sits on the policy's trunk (``shared_value_head``, or a policy passed as
+    an ``AutoModelForCausalLMWithValueHead``)."""
     model = bound.get("model")
-    shared = legacy or config.shared_value_head or isinstance(model, AutoModelForCausalLMWithValueHead)
+    loaded = set()  # the models fastppo loaded itself (it may resize those; a user's own, never)
+    shared = config.shared_value_head or isinstance(model, AutoModelForCausalLMWithValueHead)
+    value_model = bound.get("value_model")
+    if isinstance(model, AutoModelForCausalLMWithValueHead) and isinstance(value_model, nn.Module):
+        raise SettingsError("model is an AutoModelForCausalLMWithValueHead (its value head is on its trunk) and "
+                            "value_model is given too: pass one of them (a plain causal LM with value_model, or "
+                            "the value-head model alone)")
     if isinstance(model, nn.Module):
         policy = model
         if shared and not isinstance(policy, AutoModelForCausalLMWithValueHead):
             policy = AutoModelForCausalLMWithValueHead(policy)
     else:
-        policy = load_causal_lm(policy_path, config, "policy", value_head=shared)
+        policy = load_causal_lm(policy_path, model_args, "policy", value_head=shared)
+        loaded.add("policy")
     ref_model = bound.get("ref_model")
     if ref_model is not None and ref_model is model:
         raise ValueError("model and ref_model are the same object: pass a copy, or None for a frozen copy")
     if isinstance(ref_model, str):
-        ref_model = load_causal_lm(ref_model, config, "reference model", frozen=True, bf16=bf16)
-    peft_config = None if legacy else bound.get("peft_config")
-    want_peft = peft_config is not None or config.use_peft
+        ref_model = load_causal_lm(ref_model, model_args, "reference model", frozen=True, bf16=bf16)
+        loaded.add("reference model")
+    peft_config = bound.get("peft_config")
+    want_peft = peft_config is not None or model_args.use_peft
     if ref_model is None and not (is_peft(policy) or want_peft):
-        ref_model = frozen_copy(policy, torch.bfloat16 if bf16 and not config.dtype else None)
+        ref_model = frozen_copy(policy, torch.bfloat16 if bf16 and not model_args.dtype else None)
+        if "policy" in loaded:
+            loaded.add("reference model")
     # under PEFT no ref_model means the policy with its adapter disabled; a given one is used, as TRL does
-    value_model = None if shared else bound.get("value_model")
+    value_model = None if shared else value_model
     if not shared and not isinstance(value_model, nn.Module):
         explicit = value_model or config.value_model_path
         value_path = explicit or policy_path or getattr(causal_lm_of(policy).config, "_name_or_path", None)
         # the policy's weights with a fresh head is the default value model (TRL's); a path given for it
         # must hold a trained head (a reward model, TRL's example) unless the user says otherwise
-        value_model = load_seq_cls(value_path, config, tokenizer, "value model",
+        value_model = load_seq_cls(value_path, model_args, tokenizer, "value model",
                                    fresh_head_ok=not explicit or config.allow_untrained_heads)
+        loaded.add("value model")
     reward = bound.get("reward_model")
-    reward_model = reward if isinstance(reward, nn.Module) else (
-        load_seq_cls(reward_path, config, tokenizer, "reward model", fresh_head_ok=config.allow_untrained_heads,
-                     frozen=True, bf16=bf16) if reward_path else None)
+    reward_model = reward if isinstance(reward, nn.Module) else None
+    if reward_model is None and reward_path:
+        reward_model = load_seq_cls(reward_path, model_args, tokenizer, "reward model",
+                                    fresh_head_ok=config.allow_untrained_heads, frozen=True, bf16=bf16)
+        loaded.add("reward model")
+    check_vocabulary({"policy": policy, "reference model": ref_model, "value model": value_model,
+                      "reward model": reward_model}, tokenizer, loaded, log)
     if want_peft and not is_peft(policy):
-        policy = apply_peft(policy, peft_config, config)
-    if legacy and bound.get("num_shared_layers") is not None:
-        freeze_shared_layers(policy, bound["num_shared_layers"])
+        policy = apply_peft(policy, peft_config, model_args)
     prepare_models(policy, ref_model, value_model, reward_model, tokenizer, config, device, log)
     return policy, ref_model, value_model, reward_model
 
@@ -628,7 +938,7 @@ def build_models(bound: dict, config, policy_path: str | None, tokenizer, reward
 POSITION_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def check_positions(model_or_path, config, longest_prompt: int) -> None:
+def check_positions(model_or_path, config, model_args, longest_prompt: int) -> None:
     """Prompt + response must fit the model's positions, checked from its config before any weight loads:
     a learned-position model (GPT-2) would crash inside generation, a RoPE one silently run past its limit."""
     from transformers import AutoConfig
@@ -637,8 +947,8 @@ def check_positions(model_or_path, config, longest_prompt: int) -> None:
         model_config = causal_lm_of(model_or_path).config
     else:
         try:
-            model_config = AutoConfig.from_pretrained(model_or_path, revision=config.model_revision,
-                                                      trust_remote_code=config.trust_remote_code)
+            model_config = AutoConfig.from_pretrained(model_or_path, revision=model_args.model_revision,
+                                                      trust_remote_code=model_args.trust_remote_code)
         except (OSError, ValueError) as e:
             raise load_error("policy's config", model_or_path, e) from e
     limit = next((getattr(model_config, f) for f in POSITION_LIMIT_FIELDS

@@ -28,17 +28,147 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
+import json
 import logging
 import math
 import os
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from fastppo import dist as fdist
-from fastppo.config import DEEPSPEED_INSTALL, PPOConfig, Sizes
+from fastppo.config import PPOConfig, Sizes
+from fastppo.errors import SettingsError, require
+
+# ============================================================================ what the run asks for
+
+DEEPSPEED_INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
+ZERO_STAGES = (2, 3)
+
+
+def _read_deepspeed_json(path: str, what: str) -> dict:
+    if not os.path.isfile(path):
+        raise SettingsError(f"{what} {path!r}: no such file (expected a DeepSpeed JSON config)")
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SettingsError(f"{what} {path!r} is not a valid JSON DeepSpeed config: {e}") from e
+    if not isinstance(value, dict):
+        raise SettingsError(f"{what} {path!r} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _accelerate_deepspeed_request() -> tuple[dict, str, list[str]] | None:
+    """What ``accelerate launch --config_file <DeepSpeed yaml>`` asked for, read from the environment it sets:
+    a JSON file (``deepspeed_config_file:``) or the yaml's fields one by one. None: not a DeepSpeed launch."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    notes = []
+    if env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false").lower() == "true":
+        notes.append("accelerate's zero3_init_flag is not used: each process loads the models whole, then DeepSpeed "
+                     "partitions them")
+    mixed = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if mixed not in ("no", ""):
+        notes.append(f"accelerate's mixed_precision {mixed!r} is not applied: DeepSpeed keeps fp32 weights and "
+                     "--bf16 decides fastppo's autocast")
+    path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path and path != "none":
+        return _read_deepspeed_json(path, "accelerate's deepspeed_config_file"), \
+            f"accelerate's deepspeed_config_file {path}", notes
+    zero: dict[str, Any] = {"stage": int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))}
+    for what in ("optimizer", "param"):
+        device = env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{what.upper()}_DEVICE", "none").lower()
+        if device != "none":
+            zero[f"offload_{what}"] = {"device": device}
+    cfg: dict[str, Any] = {"zero_optimization": zero}
+    for name, var, kind in (("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", int),
+                            ("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING", float)):
+        value = env.get(var)
+        if value is not None and value.lower() not in ("auto", "none"):
+            try:
+                cfg[name] = kind(value)
+            except ValueError as e:
+                raise SettingsError(f"accelerate's {name} {value!r} ({var}) is not a number") from e
+    return cfg, "accelerate's DeepSpeed config (ACCELERATE_DEEPSPEED_* settings)", notes
+
+
+def deepspeed_request(config: PPOConfig) -> tuple[dict, str, list[str]] | None:
+    """The DeepSpeed config this run asks for, as given (``"auto"`` values unfilled), where it came from, and
+    notes to log; None for no DeepSpeed. ``--deepspeed`` (a path, a dict or inline JSON) wins over
+    ``--zero_stage`` (which, alone, builds a config) and over ``accelerate launch``'s DeepSpeed settings."""
+    launched = _accelerate_deepspeed_request()
+    notes = []
+    if config.deepspeed is not None or config.zero_stage is not None:
+        if launched is not None:
+            notes.append("accelerate launch's DeepSpeed settings are ignored: --deepspeed/--zero_stage given")
+        value = config.deepspeed
+        if value is None:
+            return {"zero_optimization": {"stage": config.zero_stage}}, f"--zero_stage {config.zero_stage}", notes
+        if isinstance(value, dict):
+            cfg, source = copy.deepcopy(value), "--deepspeed (dict)"
+        elif isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                cfg = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise SettingsError(f"--deepspeed: inline JSON is not valid ({e})") from e
+            source = "--deepspeed (inline JSON)"
+        elif isinstance(value, str):
+            cfg, source = _read_deepspeed_json(value, "--deepspeed"), f"--deepspeed {value}"
+        else:
+            raise SettingsError(f"deepspeed must be a path to a DeepSpeed JSON config or a dict, got {type(value).__name__}")
+        if config.zero_stage is not None:
+            zero = cfg.setdefault("zero_optimization", {})
+            if isinstance(zero, dict) and zero.setdefault("stage", config.zero_stage) != config.zero_stage:
+                raise SettingsError(f"--zero_stage {config.zero_stage} and {source}'s zero_optimization.stage "
+                                 f"{zero['stage']} disagree; set one")
+        return cfg, source, notes
+    return launched
+
+
+def check_deepspeed(c: PPOConfig, use_peft: bool) -> list[str]:
+    """The DeepSpeed settings fastppo can run, checked before anything loads."""
+    require(c.zero_stage in (None, *ZERO_STAGES), f"zero_stage must be 2 or 3, got {c.zero_stage!r}")
+    require(isinstance(c.ds3_gather_for_generation, bool),
+            f"ds3_gather_for_generation must be a bool, got {c.ds3_gather_for_generation!r}")
+    request = deepspeed_request(c)
+    if request is None:
+        return []
+    cfg, source, notes = request
+    zero = cfg.get("zero_optimization", {})
+    require(isinstance(zero, dict), f"{source}: zero_optimization must be an object, got {zero!r}")
+    stage = zero.get("stage", 0)
+    require(stage in ZERO_STAGES, f"{source}: ZeRO stage {stage!r} is not supported; fastppo runs ZeRO-2 or ZeRO-3 "
+            "(zero_optimization.stage 2 or 3; plain data parallelism is torchrun without --deepspeed)")
+    for what in ("offload_optimizer", "offload_param"):
+        section = zero.get(what)
+        device = section.get("device", "none") if isinstance(section, dict) else section
+        require(device in (None, "none"), f"{source}: zero_optimization.{what} (device {device!r}) is not supported by "
+                "fastppo's DeepSpeed integration (it trains with its own torch AdamW); remove it")
+    require(zero.get("compute_grad_norm", True) is not False,
+            f"{source}: zero_optimization.compute_grad_norm false is not supported: fastppo skips a step whose gradient "
+            "norm is not finite, and clips with it")
+    for precision in ("bf16", "fp16"):
+        section = cfg.get(precision, {})
+        enabled = section.get("enabled", False) if isinstance(section, dict) else section
+        require(enabled in (False, "auto", None),
+                f"{source}: {precision}.enabled is not supported: DeepSpeed's {precision} keeps {precision} weights; "
+                "fastppo trains fp32 weights and --bf16 turns on bf16 autocast for the forward passes; set "
+                f"{precision}.enabled to false or \"auto\"")
+    require(not use_peft, f"--use_peft with DeepSpeed ({source}) is not supported yet (LoRA under ZeRO is not "
+            "implemented and tested in fastppo); train LoRA with torchrun (DDP), or drop --use_peft")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise SettingsError(f"{source} asks for DeepSpeed, which is not installed; install it with "
+                         f"`{DEEPSPEED_INSTALL}` (on a CPU machine run with DS_ACCELERATOR=cpu)")
+    return notes
+
+
+# ============================================================================ the engines
 
 ENGINE_DIR = "deepspeed"  # the engine's checkpoint inside checkpoint-N
 # zero_optimization sizes that HF-style configs leave "auto": filled from the policy's hidden size as

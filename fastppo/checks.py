@@ -1,0 +1,220 @@
+"""Every check of the settings made before anything loads: each raises ``SettingsError`` naming the setting and
+what to do, or returns a note to log. Nothing here changes a setting."""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import torch
+from transformers import TrainingArguments, get_scheduler
+
+from fastppo.config import KL_ESTIMATOR_CHOICES, PPOConfig
+from fastppo.data import looks_local
+from fastppo.errors import SettingsError, require
+from fastppo.kernels._common import check_temperature
+from fastppo.zero import check_deepspeed
+
+def check_path(path: str | None, flag: str) -> None:
+    """Fail now, with the flag's name, on a local model path that does not exist."""
+    if path is None or not isinstance(path, str) or os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise SettingsError(f"--{flag} {path!r} is a file; expected a model directory or a Hub id")
+    if looks_local(path):
+        raise FileNotFoundError(f"--{flag} {path!r}: no such directory")
+
+
+def _is_finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _json_dict(config: PPOConfig, name: str) -> None:
+    """TrainingArguments reads a JSON object given as a string; anything else left is an error."""
+    value = getattr(config, name)
+    require(value is None or isinstance(value, dict), f"{name} must be a dict (a JSON object on the command line), "
+            f"got {value!r}")
+
+
+SCHEDULERS_NEEDING_METRICS = ("reduce_lr_on_plateau",)
+
+
+def _check_scheduler(config: PPOConfig) -> None:
+    """Build the scheduler once on a throw-away optimizer: a bad name or missing kwargs fail now, not after loading."""
+    require(config.lr_scheduler_type not in SCHEDULERS_NEEDING_METRICS,
+           f"lr_scheduler_type {config.lr_scheduler_type!r} steps on an evaluation metric; PPO has none: use linear, "
+           "cosine, constant, constant_with_warmup, cosine_with_min_lr (with --lr_scheduler_kwargs), ...")
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=10,
+                      scheduler_specific_kwargs=config.lr_scheduler_kwargs or {})
+    except (ValueError, TypeError, KeyError) as e:
+        raise SettingsError(f"lr_scheduler_type {config.lr_scheduler_type!r} with lr_scheduler_kwargs "
+                         f"{config.lr_scheduler_kwargs or {}}: {e}") from e
+
+
+def _check_output_dir(path: str) -> None:
+    """The directory exists or can be made, and files can be written there: tried with a temporary file in
+    its nearest existing ancestor (permission bits alone say nothing to root or on read-only mounts)."""
+    require(not os.path.isfile(path), f"--output_dir {path!r} is a file; expected a directory")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    require(os.path.isdir(parent), f"--output_dir {path!r}: {parent!r} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fastppo-write-test-", dir=parent)
+    except OSError as e:
+        raise SettingsError(f"--output_dir {path!r} is not writable ({parent!r}: {e.strerror})") from e
+    os.close(fd)
+    os.unlink(probe)
+
+
+
+# TrainingArguments fields fastppo cannot honour: set to anything but their default, an error.
+UNSUPPORTED: dict[str, str] = {
+    "fp16": "fp16 mixed precision is not supported: use --bf16 (or --dtype float16 to load weights in fp16)",
+    "fsdp": "FSDP is not supported: use --deepspeed (ZeRO-2/3) to shard models",
+    "fsdp_config": "FSDP is not supported: use --deepspeed (ZeRO-2/3) to shard models",
+    "push_to_hub": "pushing to the Hub is not supported; upload output_dir yourself",
+    "model_adapter_name": "multi-adapter PEFT is not supported (the reference is the policy with its adapter off)",
+    "ref_adapter_name": "multi-adapter PEFT is not supported (the reference is the policy with its adapter off)",
+    "optim_target_modules": "only AdamW (--optim adamw_torch or adamw_torch_fused)",
+    "torch_compile": "torch.compile of the training step is not supported",
+    "auto_find_batch_size": "set the batch sizes explicitly",
+    "neftune_noise_alpha": "NEFTune is an SFT technique; PPO has no use for it",
+}
+# TrainingArguments fields PPO gives a meaning to (the rest: logged once when set, as having no effect).
+USED = frozenset({
+    "output_dir", "per_device_train_batch_size", "num_train_epochs", "max_steps", "learning_rate",
+    "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "optim", "weight_decay",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "gradient_accumulation_steps", "max_grad_norm", "bf16",
+    "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_checkpointing",
+    "activation_checkpointing_kwargs", "use_liger_kernel", "logging_steps", "logging_first_step", "disable_tqdm",
+    "report_to", "run_name", "per_device_eval_batch_size", "save_strategy", "save_steps", "save_total_limit",
+    "seed", "use_cpu", "ddp_timeout", "deepspeed", "resume_from_checkpoint", "local_rank", "logging_strategy",
+    "logging_dir", "overwrite_output_dir", "eval_strategy", "eval_steps",
+})
+REPORTERS = ("tensorboard", "wandb")
+
+
+def ignored_fields(config: PPOConfig) -> list[str]:
+    """The TrainingArguments fields set to a non-default value that PPO has no use for."""
+    defaults = TrainingArguments(output_dir=config.output_dir)
+    out = []
+    for name in TrainingArguments.__dataclass_fields__:
+        if name in USED or name in UNSUPPORTED or not hasattr(defaults, name):
+            continue
+        if getattr(config, name) != getattr(defaults, name):
+            out.append(name)
+    return out
+
+
+def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bool = False) -> list[str]:
+    """Checks of the settings alone, before any model or dataset is loaded: a SettingsError naming the
+    setting for anything that would crash later or silently train wrong. Returns notes to log."""
+    defaults = TrainingArguments(output_dir=c.output_dir)
+    for name, why in UNSUPPORTED.items():
+        if hasattr(c, name) and getattr(c, name) != getattr(defaults, name, None) and getattr(c, name):
+            raise SettingsError(f"{name}: {why}")
+    for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
+        _json_dict(c, name)
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
+                 "response_length", "local_rollout_forward_batch_size", "ddp_timeout", "per_device_eval_batch_size"):
+        value = getattr(c, name)
+        require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+    for name in ("logging_steps", "save_steps"):
+        value = getattr(c, name)
+        require(_is_finite(value) and value > 0 and (value < 1 or float(value).is_integer()),
+                f"{name} must be an integer >= 1 or a fraction in (0, 1), got {value!r}")
+    for name in ("save_total_limit", "max_prompt_length", "pad_to_multiple_of", "num_threads", "total_episodes"):
+        value = getattr(c, name)
+        require(value is None or (isinstance(value, int) and value >= 1), f"{name} must be >= 1 (or unset), got "
+                f"{value!r}")
+    require(c.max_steps == -1 or c.max_steps >= 1, f"max_steps must be >= 1, or -1 for none, got {c.max_steps}")
+    require(c.num_sample_generations >= 0, f"num_sample_generations must be >= 0, got {c.num_sample_generations}")
+    require(_is_finite(c.num_train_epochs) and c.num_train_epochs > 0,
+            f"num_train_epochs must be > 0, got {c.num_train_epochs}")
+    require(str(c.save_strategy.value if hasattr(c.save_strategy, "value") else c.save_strategy) in ("steps", "no"),
+            f"save_strategy {c.save_strategy!r}: PPO saves every save_steps iterations ('steps') or never ('no')")
+    # the optimisation
+    require(_is_finite(c.learning_rate) and c.learning_rate > 0, f"learning_rate must be > 0, got {c.learning_rate}")
+    require(c.max_grad_norm is None or (_is_finite(c.max_grad_norm) and c.max_grad_norm >= 0),
+            f"max_grad_norm must be >= 0 (0: no clipping), got {c.max_grad_norm}; a negative limit would flip the "
+            "gradient's sign")
+    for name in ("adam_beta1", "adam_beta2"):
+        require(_is_finite(getattr(c, name)) and 0 <= getattr(c, name) < 1, f"{name} must be in [0, 1), got "
+                f"{getattr(c, name)}")
+    require(_is_finite(c.adam_epsilon) and c.adam_epsilon > 0, f"adam_epsilon must be > 0, got {c.adam_epsilon}")
+    require(_is_finite(c.weight_decay) and c.weight_decay >= 0, f"weight_decay must be >= 0, got {c.weight_decay}")
+    require(_is_finite(c.warmup_steps) and c.warmup_steps >= 0, f"warmup_steps must be >= 0, got {c.warmup_steps}")
+    warmup_ratio = getattr(c, "warmup_ratio", 0.0) or 0.0  # transformers 4 only
+    require(_is_finite(warmup_ratio) and 0 <= warmup_ratio <= 1, f"warmup_ratio must be in [0, 1], got {warmup_ratio}")
+    require(not (c.warmup_steps and warmup_ratio), "set warmup_steps or warmup_ratio, not both")
+    optim = getattr(c.optim, "value", c.optim)
+    require(optim in ("adamw_torch", "adamw_torch_fused"),
+            f"optim {optim!r} is not supported; use adamw_torch or adamw_torch_fused")
+    _check_scheduler(c)
+    # sampling
+    try:  # the kernels' own check, once: the sampler and the log-probs divide by it
+        check_temperature(c.temperature)
+    except (TypeError, ValueError) as e:
+        raise SettingsError(f"temperature: {e}") from None
+    require(c.stop_token in (None, "eos"), f"stop_token must be 'eos' or unset, got {c.stop_token!r}")
+    require(not (c.stop_token is not None and c.stop_token_id), "stop_token and stop_token_id are mutually "
+            "exclusive; set one")
+    for token in c.stop_token_id or []:
+        require(isinstance(token, int) and 0 <= token < 2**63, f"stop_token_id {token!r} is not a token id (>= 0)")
+    # rewards, KL, advantages
+    require(c.kl_estimator in KL_ESTIMATOR_CHOICES,
+            f"unknown kl_estimator {c.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATOR_CHOICES)}")
+    require(_is_finite(c.kl_coef) and c.kl_coef >= 0, f"kl_coef must be >= 0 (β multiplies a penalty), got "
+            f"{c.kl_coef}")
+    if c.adaptive_kl:
+        require(_is_finite(c.kl_target) and c.kl_target > 0, f"kl_target must be > 0 with adaptive_kl, got "
+                f"{c.kl_target}")
+        require(_is_finite(c.kl_horizon) and c.kl_horizon > 0, f"kl_horizon must be > 0, got {c.kl_horizon}")
+    require(_is_finite(c.target_kl) and c.target_kl > 0, f"target_kl must be > 0, got {c.target_kl}")
+    for name in ("gamma", "lam"):
+        require(_is_finite(getattr(c, name)) and 0 <= getattr(c, name) <= 1,
+                f"{name} must be in [0, 1], got {getattr(c, name)}")
+    require(c.missing_eos_penalty is None or (_is_finite(c.missing_eos_penalty) and c.missing_eos_penalty >= 0),
+            f"missing_eos_penalty must be >= 0 (it is subtracted), got {c.missing_eos_penalty}")
+    require(not (c.non_eos_penalty and c.missing_eos_penalty is not None),
+            "non_eos_penalty (PPOv2: replace the score) and missing_eos_penalty (TRL 0.26: subtract from it) are "
+            "two versions of one idea; set one")
+    require(_is_finite(c.penalty_reward_value), f"penalty_reward_value must be finite, got {c.penalty_reward_value}")
+    require(c.score_clip is None or (_is_finite(c.score_clip) and c.score_clip > 0),
+            f"score_clip must be > 0, got {c.score_clip}")
+    require(c.reward_model_path is None or c.reward_fn is None,
+            "reward_model_path and reward_fn are mutually exclusive; set one")
+    require(c.reward_fn is None or ":" in c.reward_fn, f"reward_fn must look like 'module:function', got "
+            f"{c.reward_fn!r}")
+    # the loss
+    for name in ("cliprange", "cliprange_value", "vf_coef"):
+        require(_is_finite(getattr(c, name)) and getattr(c, name) >= 0, f"{name} must be >= 0, got "
+                f"{getattr(c, name)}")
+    require(_is_finite(c.entropy_coef), f"entropy_coef must be finite, got {c.entropy_coef}")
+    require(isinstance(c.ratio_threshold, (int, float)) and c.ratio_threshold > 0,
+            f"ratio_threshold must be > 0 (the mean ratio is about 1; {c.ratio_threshold} would zero every "
+            "minibatch); use inf to never skip")
+    # models and output
+    require(model_args.dtype in (None, "auto", "bfloat16", "float16", "float32"),
+            f"dtype must be auto, bfloat16, float16 or float32, got {model_args.dtype!r}")
+    require(not (model_args.use_peft and model_args.lora_target_modules and "lm_head" in model_args.lora_target_modules),
+            "lora_target_modules may not include lm_head: log-probs are computed from the LM head weight")
+    notes = []
+    reporters = [r for r in c.report_to if r not in REPORTERS]
+    if reporters:
+        notes.append(f"report_to {reporters}: fastppo reports to {', '.join(REPORTERS)} and metrics.jsonl; the "
+                     "others are not used")
+    if check_output:
+        _check_output_dir(c.output_dir)
+    for flag, path in (("model_name_or_path", model_args.model_name_or_path), ("sft_model_path", c.sft_model_path),
+                       ("reward_model_path", c.reward_model_path), ("value_model_path", c.value_model_path)):
+        check_path(path, flag)
+    notes += [f"--{name} is a TrainingArguments field with no meaning in PPO: ignored" for name in ignored_fields(c)]
+    notes += check_deepspeed(c, peft)
+    if c.target_kl != PPOConfig.__dataclass_fields__["target_kl"].default and not c.early_stopping:
+        notes.append("target_kl is the early-stopping threshold (legacy TRL); without --early_stopping it has no "
+                     "effect (the adaptive controller's target is --kl_target)")
+    return notes

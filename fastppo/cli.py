@@ -1,0 +1,275 @@
+"""The command line, ``python -m fastppo.train`` / ``torchrun -m fastppo.train``: TRL's ``ppo.py``, parsed as
+it parses it.
+
+TRL's example script parses ``HfArgumentParser((ScriptArguments, PPOConfig, ModelConfig))`` and loads the
+models and the dataset itself; so does this one, with fastppo's own ``ScriptArguments`` and ``ModelConfig``
+(TRL's field names and meanings, so that TRL need not be installed; TRL's classes work with fastppo's
+``PPOConfig`` too). Beside what TRL's script does, fastppo's CLI
+
+* runs an embedded default when no model is named (a tiny model built locally, built-in prompts, a rule
+  reward, and ``EMBEDDED_PRESET`` for every flag the user left unset), so a fresh machine trains offline;
+* takes ``--reward_fn module:function`` instead of a reward model;
+* refuses an unknown flag with the closest known ones (TRL's parser does too) and never abbreviates one.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import HfArgumentParser
+
+from fastppo.config import PPOConfig
+from fastppo.errors import SettingsError
+
+
+@dataclass
+class ScriptArguments:
+    """The dataset flags of TRL's scripts (``trl.ScriptArguments``: same names, defaults and meanings)."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Prompt dataset: a Hub name or a local file/directory (jsonl, json, parquet, arrow, csv, or "
+                  "a save_to_disk directory). Unset: fastppo's built-in prompt set."},
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Dataset configuration name (load_dataset's name=)."}
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
+    dataset_test_split: str = field(
+        default="test",
+        metadata={"help": "Split the sample tables are drawn from (eval_dataset), when the dataset has it."},
+    )
+    dataset_streaming: bool = field(
+        default=False, metadata={"help": "Stream the dataset (not supported by PPO's prompt sampler: refused)."}
+    )
+    gradient_checkpointing_use_reentrant: bool = field(
+        default=False, metadata={"help": "use_reentrant of gradient checkpointing (TRL 0.26)."}
+    )
+    ignore_bias_buffers: bool = field(
+        default=False, metadata={"help": "TRL's DDP workaround for bool buffers (no effect in fastppo)."}
+    )
+
+
+@dataclass
+class ModelConfig:
+    """How the models load (``trl.ModelConfig``: same names, defaults and meanings)."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "The tokenizer, and the policy unless --sft_model_path names another: a local directory or "
+                  "a Hub id. Unset (and no --sft_model_path): fastppo's embedded tiny model."},
+    )
+    model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": "Load every model's weights in this dtype. Unset: fp32 for the trained models and, under "
+                  "bf16, bf16 for the frozen reference and reward models.",
+                  "choices": ["auto", "bfloat16", "float16", "float32"]},
+    )
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with their own modeling code."})
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "Attention implementation: sdpa (unset), eager or flash_attention_2."}
+    )
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters on the policy."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Modules to adapt (default: peft's choice for the architecture)."}
+    )
+    lora_target_parameters: list[str] | None = field(
+        default=None, metadata={"help": "LoRA on parameters (not supported: refused)."}
+    )
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Modules to train fully beside the adapters (not supported: refused)."}
+    )
+    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type (PPO's policy: CAUSAL_LM)."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA."})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA (not supported: refused)."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "8-bit weights (not supported: refused)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "4-bit weights (not supported: refused)."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit quantisation type.",
+                                                              "choices": ["fp4", "nf4"]})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Nested 4-bit quantisation."})
+    bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "4-bit storage dtype."})
+    torch_dtype: str | None = field(default=None, metadata={"help": "Older name of --dtype."})
+
+    def __post_init__(self):
+        if self.torch_dtype and not self.dtype:
+            self.dtype = self.torch_dtype
+        if self.load_in_8bit and self.load_in_4bit:
+            raise SettingsError("load_in_8bit and load_in_4bit are exclusive; set one")
+
+
+def get_peft_config(model_args) -> Any:
+    """A ``peft.LoraConfig`` from the model flags, or None without ``--use_peft`` (TRL's function)."""
+    if not model_args.use_peft:
+        return None
+    try:
+        from peft import LoraConfig
+    except ImportError as e:
+        raise SettingsError("--use_peft needs peft: pip install peft") from e
+    return LoraConfig(task_type=model_args.lora_task_type, r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
+                      lora_dropout=model_args.lora_dropout, target_modules=model_args.lora_target_modules,
+                      use_rslora=model_args.use_rslora, bias="none")
+
+
+def get_quantization_config(model_args) -> None:
+    """TRL's function: fastppo trains full-precision (or LoRA) policies only, so a quantised load is refused."""
+    if getattr(model_args, "load_in_4bit", False) or getattr(model_args, "load_in_8bit", False):
+        raise SettingsError("load_in_4bit/load_in_8bit: quantised policies are not supported by fastppo; train in "
+                            "bf16 (--bf16) with LoRA (--use_peft) to save memory")
+    return None
+
+
+def get_kbit_device_map() -> dict[str, int] | None:
+    """TRL's function: this process's device for a k-bit load (None on a CPU)."""
+    return {"": int(os.environ.get("LOCAL_RANK", "0"))} if torch.cuda.is_available() else None
+
+
+# The embedded default (no model named on the command line): a randomly initialised tiny model that must
+# visibly learn in a CPU minute. main() applies this to the flags the user left unset.
+EMBEDDED_PRESET: dict[str, Any] = dict(
+    learning_rate=3e-3, per_device_train_batch_size=16, gradient_accumulation_steps=4, num_train_epochs=12.0,
+    response_length=12, temperature=1.0, logging_steps=1, num_threads=1, gradient_checkpointing=False,
+    output_dir="output/fastppo-default",
+)
+MODEL_FLAGS = ("model_name_or_path", "sft_model_path")
+
+
+def build_parser() -> HfArgumentParser:
+    parser = HfArgumentParser(
+        (ScriptArguments, PPOConfig, ModelConfig),
+        prog="python -m fastppo.train",
+        description="PPO (RLHF) for causal language models: TRL's ppo.py flags (ScriptArguments, PPOConfig, "
+                    "ModelConfig) plus fastppo's own.",
+        allow_abbrev=False,  # a typo must not silently set a longer flag (--learning_rat 3 was lr 3)
+    )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOConfig, ModelConfig, frozenset[str]]:
+    """(script args, training args, model args, the fields named on the command line), as TRL's
+    ``ppo.py`` parses them. An unknown flag is argparse's usage error (exit 2) naming the closest ones."""
+    parser = build_parser()
+    argv = join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")) and os.path.isfile(argv[0]):
+        files = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
+        script_args, training_args, model_args = files(os.path.abspath(argv[0]))
+        import json
+
+        import yaml
+
+        with open(argv[0]) as f:
+            named = (json.load if argv[0].endswith(".json") else yaml.safe_load)(f) or {}
+        return script_args, training_args, model_args, frozenset(named)
+    *dataclasses_, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        flags = sorted(a.lstrip("-").replace("-", "_") for a in parser._option_string_actions)
+        problems = []
+        for token in unknown:
+            name = token.split("=", 1)[0]
+            close = difflib.get_close_matches(name.lstrip("-"), flags, n=3, cutoff=0.6) if name.startswith("--") else []
+            problems.append(f"{token} (did you mean {', '.join('--' + c for c in close)}?)" if close else token)
+        parser.error(f"unrecognized arguments: {'; '.join(problems)}")
+    given = set()
+    for token in argv:
+        if token.startswith("--"):
+            action = parser._option_string_actions.get(token.split("=", 1)[0])
+            if action is not None:
+                given.add(action.dest)
+    return (*dataclasses_, frozenset(given))
+
+
+def join_negative_numbers(argv: list[str]) -> list[str]:
+    """``--flag -1e-5`` as ``--flag=-1e-5``: argparse reads a negative number in exponent notation as a flag."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and token.startswith("-"):
+            try:
+                float(token)
+            except ValueError:
+                pass
+            else:
+                out[-1] = f"{out[-1]}={token}"
+                continue
+        out.append(token)
+    return out
+
+
+def cli_settings(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOConfig, ModelConfig, bool]:
+    """What ``python -m fastppo.train`` runs: the parsed flags and, with no model named, the embedded preset
+    for every flag left unset. The last item says whether the embedded default runs."""
+    script_args, training_args, model_args, given = parse_args(argv)
+    embedded = not ({"model_name_or_path", "sft_model_path"} & given)
+    if embedded:
+        preset = {k: v for k, v in EMBEDDED_PRESET.items() if k not in given}
+        training_args = PPOConfig(**{**training_args_kwargs(training_args, given), **preset})
+    return script_args, training_args, model_args, embedded
+
+
+def training_args_kwargs(training_args: PPOConfig, given: frozenset[str]) -> dict:
+    """The constructor keywords that rebuild ``training_args`` from the fields named on the command line."""
+    return {name: getattr(training_args, name) for name in given if name in PPOConfig.__dataclass_fields__}
+
+
+def build_trainer(script_args, training_args: PPOConfig, model_args, embedded: bool = False):
+    """The ``PPOTrainer`` TRL's ``ppo.py`` builds, from paths: the tokenizer from ``model_name_or_path``, the
+    policy from ``sft_model_path`` (or ``model_name_or_path``), the reward and value models from
+    ``reward_model_path`` (or ``reward_fn``; ``value_model_path`` for another value model), the dataset's train
+    split and, when it has one, its test split as the eval set."""
+    from fastppo.data import load_prompt_dataset, split_names
+    from fastppo.embedded import PROMPTS_PATH
+    from fastppo.trainer import PPOTrainer
+
+    get_quantization_config(model_args)
+    require_supported_model_args(model_args, script_args)
+    if embedded:
+        model = tokenizer = None
+    else:
+        model = training_args.sft_model_path or model_args.model_name_or_path
+        tokenizer = model_args.model_name_or_path or model
+    name = script_args.dataset_name or PROMPTS_PATH
+    train = load_prompt_dataset(name, script_args.dataset_train_split, script_args.dataset_config)
+    evals = None
+    if script_args.dataset_name and script_args.dataset_test_split in split_names(name, script_args.dataset_config):
+        evals = load_prompt_dataset(name, script_args.dataset_test_split, script_args.dataset_config)
+    value = training_args.value_model_path or training_args.reward_model_path
+    return PPOTrainer(args=training_args, processing_class=tokenizer, model=model, ref_model=None,
+                      reward_model=training_args.reward_model_path or training_args.reward_fn, train_dataset=train,
+                      value_model=value, eval_dataset=evals, peft_config=get_peft_config(model_args),
+                      model_args=model_args)
+
+
+def require_supported_model_args(model_args, script_args=None) -> None:
+    """Model and script flags whose meaning fastppo does not implement: an error, never a silent change."""
+    unsupported = {
+        "lora_target_parameters": "LoRA on parameters is not supported; use --lora_target_modules",
+        "lora_modules_to_save": "modules_to_save is not supported",
+        "use_dora": "DoRA is not supported",
+    }
+    for name, why in unsupported.items():
+        if getattr(model_args, name, None):
+            raise SettingsError(f"--{name}: {why}")
+    if getattr(model_args, "lora_task_type", "CAUSAL_LM") != "CAUSAL_LM":
+        raise SettingsError(f"--lora_task_type {model_args.lora_task_type!r}: PPO's policy is a CAUSAL_LM")
+    if script_args is not None and script_args.dataset_streaming:
+        raise SettingsError("--dataset_streaming: PPO draws prompts at random from the whole prompt set; load it "
+                            "without streaming")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m fastppo.train``: flags to a PPOTrainer, train, save. Bad input: one line, exit 2."""
+    from fastppo.trainer import main_guard
+
+    def run():
+        script_args, training_args, model_args, embedded = cli_settings(argv)
+        trainer = build_trainer(script_args, training_args, model_args, embedded)
+        trainer.train()
+
+    main_guard(run)

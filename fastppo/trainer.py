@@ -1,0 +1,740 @@
+"""``PPOTrainer``: TRL 0.26's trainer object (``trl.experimental.ppo.PPOTrainer``'s constructor, ``train()``,
+``save_model()``, ``generate_completions()``, callbacks) around the algorithm in ``fastppo.train``.
+
+Its life: build (settings checked, then tokenizer, prompts, models, optimizer, schedule), ``train()`` (the
+iteration loop of ``fastppo.train``'s steps, with metrics, sample tables, callbacks, checkpoints and stop
+signals), save. The legacy API (TRL <= 0.11's ``generate``/``step`` loop) is ``fastppo.legacy``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fastppo import dist as fdist
+from fastppo.config import PPOConfig, Sizes, derive_sizes, every
+from fastppo.data import load_prompts
+from fastppo.errors import SettingsError
+from fastppo.generation import stop_ids_of
+from fastppo.rewards import call_reward_fn, resolve_reward, reward_fn_columns, reward_model_scores
+from fastppo.train import (AdaptiveKLController, FixedKLController, Rollout, Targets, apply_eos_penalties,
+                           compute_advantages, contains_stop, eos_count, make_rollout, per_token_rewards,
+                           ppo_update, score_rollout)
+
+
+@dataclass
+class RolloutBatch:
+    """What ``PPOTrainer.rollout()`` returns: the samples, their scores r(x, y), texts and timing."""
+
+    rollout: Rollout
+    scores: torch.Tensor  # [B] after the missing-eos penalty (TRL's objective/scores)
+    eos_count: torch.Tensor
+    prompts: list[str] | None
+    completions: list[str] | None
+    seconds: dict[str, float]
+
+
+class PPOTrainer:
+    """PPO on a causal LM, TRL 0.26's ``PPOTrainer`` (``trl.experimental.ppo``)::
+
+        PPOTrainer(args=PPOConfig(...), processing_class=tokenizer, model=policy, ref_model=None,
+                   reward_model=rm_or_fn, train_dataset=dataset, value_model=None, peft_config=None,
+                   callbacks=None).train()
+
+    Every model argument takes an object or a path (paths load as ``model_args``, a ``ModelConfig``, says);
+    ``reward_model`` also takes a function ``fn(prompts, completions, **kwargs)`` or a ``"module:function"``
+    string. ``None`` falls back to ``args``' paths, and with no model anywhere to the embedded tiny model;
+    ``train_dataset=None`` to the built-in prompts. The user's objects are used as given: never resized or
+    re-typed (a mismatch is refused with what to do).
+
+    ``loop=False`` builds the trainer without a prompt set or an output directory, for a caller that
+    drives ``update()`` with its own samples (the legacy API, ``fastppo.legacy``).
+
+    Given a legacy TRL (<= 0.11) config or legacy arguments, ``PPOTrainer(...)`` returns the legacy
+    API's trainer (``fastppo.legacy.PPOTrainer``).
+    """
+
+    def __new__(cls, *args, **kwargs):
+        from fastppo import legacy
+
+        if cls is PPOTrainer and legacy.is_legacy_call(args, kwargs):
+            return legacy.PPOTrainer(*args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
+                 reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
+                 optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None, loop: bool = True):
+        from fastppo import models as M
+        from fastppo.checks import check_settings
+        from fastppo.cli import ModelConfig
+
+        config = PPOConfig(output_dir=None) if args is None else args
+        if not isinstance(config, PPOConfig):
+            raise TypeError(f"args must be a fastppo.PPOConfig (TRL 0.26's fields; for legacy TRL's config use "
+                            f"fastppo.legacy.PPOConfig), got {type(config).__name__}")
+        self.args = self.config = config
+        self.model_args = model_args = ModelConfig() if model_args is None else model_args
+        self.loop = loop
+        notes = check_settings(config, model_args, check_output=loop,
+                               peft=peft_config is not None or model_args.use_peft or (
+                                   isinstance(model, nn.Module) and M.is_peft(model)))
+        # the embedded model is built before the process group exists (transformers saves on rank 0 only after)
+        policy_path = model if isinstance(model, str) else (
+            None if model is not None else config.sft_model_path or model_args.model_name_or_path)
+        self.embedded = model is None and policy_path is None
+        if self.embedded:
+            from fastppo.embedded import embedded_model_path
+
+            policy_path = embedded_model_path()
+        from fastppo.zero import deepspeed_request
+
+        ds_request = deepspeed_request(config)  # DeepSpeed asked for (--deepspeed, --zero_stage, accelerate launch)
+        self.dist = fdist.setup_distributed(config.ddp_timeout, config.use_cpu, need_group=ds_request is not None)
+        self.device = self.dist.device
+        self._setup_console()
+        for note in notes:
+            self.log(note)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.bf16 = config.bf16 if config.bf16 is not None else (
+            self.device.type == "cuda" and torch.cuda.is_bf16_supported())
+        self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        if self.bf16 and self.device.type == "cpu":
+            self.log("bf16 on a CPU: runs, but usually slower than fp32")
+
+        # --- reward, tokenizer and data first: bad input fails here, before any model is loaded
+        reward = reward_model
+        if reward is not None and not isinstance(reward, (nn.Module, str)) and not callable(reward):
+            raise TypeError(f"reward_model must be a model, a function or a path, got {type(reward).__name__}")
+        self.reward_fn, self.reward_fn_name, reward_path = resolve_reward(reward, config) if loop else (None,) * 3
+        tokenizer = processing_class
+        if isinstance(tokenizer, str):
+            tokenizer = M.load_tokenizer(tokenizer, model_args, self.log)
+        if tokenizer is None:
+            tokenizer_path = model_args.model_name_or_path or policy_path or getattr(
+                getattr(model, "config", None), "_name_or_path", None)
+            if not tokenizer_path:
+                raise ValueError("processing_class (the tokenizer) is required when model is an object")
+            tokenizer = M.load_tokenizer(tokenizer_path, model_args, self.log)
+        M.ensure_pad_token(tokenizer, self.log)
+        self.processing_class = self.tokenizer = tokenizer
+        self.stop_ids = stop_ids_of(config, tokenizer)
+        vocab = len(tokenizer)
+        for token in self.stop_ids:
+            if not 0 <= token < vocab:
+                raise ValueError(f"stop_token_id {token} is outside the tokenizer's vocabulary (0..{vocab - 1}): "
+                                 "responses would never stop")
+        self.prompts = self.prompt_rows = self.eval_prompts = self._resume_path = self.ds_config = None
+        if loop:
+            self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log)
+            self.eval_prompts = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log)[0]
+                                 if eval_dataset is not None else None)
+            self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
+            if ds_request is not None:
+                from fastppo.zero import resolve_deepspeed_config
+
+                self.ds_config, ds_notes = resolve_deepspeed_config(ds_request, config, self.sizes)
+                for note in ds_notes:
+                    self.log(note)
+            self._resume_path = self._decide_resume()
+            M.check_positions(model if isinstance(model, nn.Module) else policy_path, config, model_args,
+                              max(len(p) for p in self.prompts + (self.eval_prompts or [])))
+        else:
+            self.sizes = derive_sizes(config, self.dist.world_size, 1)
+        fill_derived_sizes(config, self.sizes)
+        if self.embedded:
+            self.log(f"no model given: the embedded default (tiny Llama at {policy_path}, "
+                     f"reward {self.reward_fn_name})")
+
+        # --- models
+        torch.manual_seed(config.seed)  # the same fresh value head on every process
+        built = M.build_models(dict(model=model, ref_model=ref_model, value_model=value_model,
+                                    reward_model=reward_model, peft_config=peft_config),
+                               config, model_args, policy_path, tokenizer, reward_path, self.bf16, self.device,
+                               self.log)
+        self.policy, self.ref_model, self.value_model, self.reward_model = built
+        self.actor_critic = M.PolicyAndValue(self.policy, self.value_model)
+        self.model = self.actor_critic
+        self.zero = None
+        if self.dist.world_size > 1 and self.ds_config is None:
+            self.model = nn.parallel.DistributedDataParallel(
+                self.actor_critic, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+        self.reference = M.Reference(self.ref_model, self.policy)
+
+        # --- optimizer, schedule, controllers, randomness
+        optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)
+        self.optimizer = optimizer or self._adamw()
+        if self.ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
+            from fastppo.zero import ZeRO
+
+            self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, self.reward_model],
+                             self.device, self.log, ds_request[1])
+            self.model = self.zero.engine
+        # TRL 0.26 builds the schedule when none is given (Trainer.create_scheduler); a loop=False caller steps its own
+        self.lr_scheduler = lr_scheduler if lr_scheduler is not None or not loop else self._scheduler()
+        self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
+                       else FixedKLController(config.kl_coef))
+        from fastppo.rewards import RunningMoments
+
+        self.moments = RunningMoments() if config.use_score_scaling else None
+        torch.manual_seed(config.seed + self.dist.rank * 100003)  # each process samples different responses
+        self.shuffle = torch.Generator().manual_seed(config.seed + self.dist.rank)
+        if loop:
+            from fastppo.data import prompt_batches
+
+            self._batches = prompt_batches(len(self.prompts), self.sizes.local_batch_size, self.dist.rank,
+                                           self.dist.world_size, config.seed)
+        from transformers import TrainerControl
+        from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+
+        # transformers' handler, as TRL's trainer uses it: callback classes are instantiated, the default flow
+        # callback decides should_save/should_training_stop from save_steps and max_steps
+        self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.actor_critic,
+                                                tokenizer, self.optimizer, self.lr_scheduler)
+        self.state = _new_state(self.sizes, len(self.prompts) if self.prompts else None, self.dist.is_main, config)
+        self.control = TrainerControl()
+        self._logger = None
+
+    def _adamw(self) -> torch.optim.Optimizer:
+        """AdamW over every trainable parameter; ``adamw_torch_fused``: one fused kernel for all of them
+        where the device has one (5x faster than the foreach one on the embedded model)."""
+        config = self.config
+        fused = config.optim == "adamw_torch_fused" and self.device.type in ("cuda", "cpu")
+        return torch.optim.AdamW(
+            [p for p in self.actor_critic.parameters() if p.requires_grad], lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
+            fused=fused, foreach=None if fused else True,
+        )
+
+    def _scheduler(self):
+        """transformers' scheduler over the PPO iterations (stepped once each), with the linear warmup asked for."""
+        from transformers import get_scheduler
+
+        config, total = self.config, self.sizes.num_total_batches
+        warmup = config.warmup_steps if config.warmup_steps >= 1 else (config.warmup_steps or getattr(config, "warmup_ratio", 0.0)) * total
+        return get_scheduler(config.lr_scheduler_type, self.optimizer, num_warmup_steps=math.ceil(warmup),
+                             num_training_steps=total, scheduler_specific_kwargs=config.lr_scheduler_kwargs or {})
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _setup_console(self) -> None:
+        from rich.console import Console
+        from transformers.utils import logging as hf_logging
+
+        self.console = Console(stderr=False)
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        try:  # transformers 5 writes checkpoints with huggingface_hub's progress bars
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        except ImportError:  # pragma: no cover
+            pass
+
+    def log(self, msg: str) -> None:
+        if self.dist.is_main:
+            self.console.print(f"[fastppo] {msg}", highlight=False, markup=False, soft_wrap=True)
+
+    # ------------------------------------------------------------------ 1. rollout
+
+    @torch.no_grad()
+    def rollout(self, prompt_ids: Sequence[Sequence[int]] | None = None, temperature: float | None = None
+                ) -> RolloutBatch:
+        """Step 1: the next prompts (or ``prompt_ids``), responses y ~ π_θ_old, cut at the stop token, scored.
+
+        ``temperature``: sample at this one instead of the config's (the near-greedy sample table)."""
+        from fastppo.data import left_pad
+        from fastppo.generation import sample_responses
+
+        config, tok = self.config, self.tokenizer
+        t0 = time.perf_counter()
+        rows = None
+        if prompt_ids is None:
+            rows = next(self._batches)
+            prompt_ids = [self.prompts[i] for i in rows]
+        queries, query_mask = left_pad(prompt_ids, tok.pad_token_id, config.pad_to_multiple_of)
+        queries, query_mask = queries.to(self.device), query_mask.to(self.device)
+        self.actor_critic.eval()
+        context, synced = (contextlib.nullcontext(), False) if self.zero is None else \
+            self.zero.generation(self._lm(), config.ds3_gather_for_generation)
+        with self.autocast(), context:
+            responses = sample_responses(
+                self._lm(), queries, query_mask, config.response_length,
+                config.temperature if temperature is None else temperature, self.stop_ids,
+                tok.pad_token_id, config.local_rollout_forward_batch_size, **({"synced": True} if synced else {}),
+            )
+        rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
+        t1 = time.perf_counter()
+        prompts = completions = None
+        with self.autocast():
+            if self.reward_model is not None:
+                scores = reward_model_scores(self.reward_model, rollout, config.local_rollout_forward_batch_size,
+                                             config.padding_free)
+            else:
+                prompt_ids, completion_ids = rollout.token_ids()
+                prompts, completions = self.decode(prompt_ids, completion_ids)
+                columns = reward_fn_columns(prompt_ids, completion_ids,
+                                            None if rows is None else self.prompt_rows.select(rows))
+                scores = call_reward_fn(self.reward_fn, self.reward_fn_name, prompts, completions, self.device,
+                                        **columns)
+        has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
+        scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,
+                                     config.penalty_reward_value)
+        seconds = {"generation": t1 - t0, "reward": time.perf_counter() - t1}
+        return RolloutBatch(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds)
+
+    # TRL's sample table decodes near-greedily (its generate_completions' temperature)
+    SAMPLE_TABLE_TEMPERATURE = 0.01 + 1e-7
+
+    def generate_completions(self, sampling: bool = False) -> tuple[list[str], list[str], list[float]]:
+        """TRL's sample table: completions of the eval_dataset's prompts, near-greedy, scored; printed
+        on the main process (and appended to samples.jsonl). ``sampling``: the first
+        ``per_device_eval_batch_size`` prompts only (what ``train()`` shows), else every eval prompt.
+
+        Generated under a forked random state, so showing samples never changes what training draws.
+        Every process runs it (generation and frozen models are collectives under ZeRO-3)."""
+        from fastppo.metrics import print_samples
+
+        if self.eval_prompts is None:
+            raise ValueError("generate_completions needs an eval_dataset (PPOTrainer(eval_dataset=...))")
+        chunk = self.config.per_device_eval_batch_size
+        starts = range(0, chunk if sampling else len(self.eval_prompts), chunk)
+        prompts, completions, scores = [], [], []
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for start in starts:
+                batch = self.rollout(self.eval_prompts[start:start + chunk], self.SAMPLE_TABLE_TEMPERATURE)
+                texts = (batch.prompts, batch.completions) if batch.prompts is not None else self.decode(*batch.rollout.token_ids())
+                prompts += texts[0]
+                completions += texts[1]
+                scores += batch.scores.tolist()
+        if self.dist.is_main:
+            print_samples(self.console, prompts, completions, scores, self.state.global_step,
+                          os.path.join(self.config.output_dir, "samples.jsonl"), n=len(prompts))
+        return prompts, completions, scores
+
+    def _lm(self):
+        from fastppo.models import lm_of
+
+        return lm_of(self.policy)
+
+    def decode(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[list[str], list[str]]:
+        """Prompts and completions as text (``Rollout.token_ids``), special tokens skipped."""
+        return (self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True),
+                self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
+
+    # ------------------------------------------------------------------ 2-5. scoring, rewards, GAE, update
+
+    def _optimize(self, rollout: Rollout, scores: torch.Tensor, skip_masked: bool = False) -> dict:
+        """Steps 2-5 on one rollout batch; returns what the iteration's metrics are made of."""
+        config = self.config
+        t0 = time.perf_counter()
+        # 2. scoring: log π_θ_old and V (one forward of the trained module), log π_ref, per-token KL
+        self.actor_critic.eval()
+        with self.autocast():
+            seconds = {}
+            experience = score_rollout(self.actor_critic, self.reference, rollout, config.temperature,
+                                       config.kl_estimator, config.local_rollout_forward_batch_size,
+                                       config.padding_free, seconds)
+        from fastppo.rewards import transform_scores
+
+        final_scores = transform_scores(scores, config.use_score_scaling, config.use_score_norm, config.score_clip,
+                                        self.moments)
+        # 3. rewards: R_t = −β·KL_t, + score on the last trained token
+        kl_coef = self.kl_ctl.value
+        rewards, non_score_reward = per_token_rewards(experience.kl, final_scores, rollout.response_mask,
+                                                      rollout.score_index, kl_coef)
+        # 4. advantages and returns (GAE)
+        advantages, returns = compute_advantages(rewards, experience.values, rollout.response_mask, config.gamma,
+                                                 config.lam, config.whiten_rewards, skip_masked)
+        targets = Targets(rewards, non_score_reward, advantages, returns)
+        t1 = time.perf_counter()
+        # 5. PPO update, at the learning rate of this iteration
+        lr = self.optimizer.param_groups[0]["lr"]
+        result = ppo_update(self.model, self.optimizer, rollout, experience, targets, config, self.sizes,
+                            self.shuffle, self.autocast, self.log, zero=self.zero)
+        t2 = time.perf_counter()
+        return dict(experience=experience, targets=targets, result=result, kl_coef=kl_coef, lr=lr,
+                    final_scores=final_scores, seconds={"scoring": t1 - t0, "update": t2 - t1,
+                                                        **{f"scoring/{k}": v for k, v in seconds.items()}})
+
+    def _end_iteration(self, rollout: Rollout, out: dict, logged_scores, eos) -> dict:
+        """6. the iteration's metrics (one all-reduce), the β update, the schedule, the counters."""
+        from fastppo.metrics import gather_metrics, objective_sums
+
+        objective = objective_sums(out["experience"].kl, out["experience"].logprobs, out["targets"].non_score_reward,
+                                   rollout.response_mask, logged_scores, eos)
+        metrics = gather_metrics(objective, out["result"], self.sizes.world_size)
+        if metrics["train/skipped_steps"]:
+            self.log(f"{metrics['train/skipped_steps']:g} optimizer step(s) skipped for a non-finite loss or gradient "
+                     "(weights and optimizer state unchanged by them)")
+        self.kl_ctl.update(metrics["objective/kl"], self.sizes.batch_size)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.state.global_step += 1
+        self.state.episode += self.sizes.batch_size
+        return metrics
+
+    def update(self, rollout: Rollout, scores: torch.Tensor, logged_scores: torch.Tensor | None = None,
+               eos: torch.Tensor | None = None, skip_masked: bool = False) -> tuple[dict, dict]:
+        """Steps 2-6 on one rollout (the train() loop's samples, or a caller's own: the legacy ``step()``):
+        (the iteration's metrics, what they were made of)."""
+        out = self._optimize(rollout, scores, skip_masked)
+        logged = out["final_scores"] if logged_scores is None else logged_scores
+        eos = eos_count(rollout, self.tokenizer.eos_token_id) if eos is None else eos
+        return self._end_iteration(rollout, out, logged, eos), out
+
+    # ------------------------------------------------------------------ the TRL 0.26 loop
+
+    def train(self):
+        """``num_total_batches`` iterations of rollout → update; metrics, samples, callbacks, checkpoints.
+
+        Resumes from ``resume_from_checkpoint`` (or, after a torchrun elastic restart, from ``latest``);
+        SIGTERM or Ctrl-C makes every process finish its iteration, save a checkpoint and return. Callbacks see
+        TRL's events: on_train_begin, on_step_begin, on_log every iteration, on_step_end, on_save after each
+        checkpoint (``control.should_save``: save_steps through transformers' DefaultFlowCallback, or a
+        callback's own request), on_train_end."""
+        from fastppo.metrics import MetricsLogger, plot_curves, print_samples
+
+        config, sizes, state = self.config, self.sizes, self.state
+        if not self.loop:
+            raise RuntimeError("this trainer was built with loop=False (a caller drives update()); it has no "
+                               "prompts to train() on")
+        first = self._start_output()
+        self.log(f"{sizes.num_total_batches} iterations × {sizes.batch_size} episodes on {sizes.world_size} "
+                 f"process(es), {sizes.local_batch_size} per process; output in {config.output_dir}"
+                 + (f"; resuming after iteration {first - 1}" if first > 1 else ""))
+        logger = self._logger = MetricsLogger(config, self.dist.is_main, self.log)
+        progress = None
+        stack = contextlib.ExitStack()
+        stack.callback(logger.close)
+        stop = stack.enter_context(_StopSignals(self.log))
+        if self.dist.is_main and not config.disable_tqdm:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            progress = Progress(TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                console=self.console, transient=False)
+            task = progress.add_task("train", total=sizes.num_total_batches * sizes.batch_size,
+                                     completed=state.episode)
+            progress.start()
+            stack.callback(progress.stop)
+        self.control = self.callback_handler.on_train_begin(config, state, self.control)
+        start, start_episode = time.perf_counter(), state.episode
+        preempted = False
+        with stack:
+            for update in range(first, sizes.num_total_batches + 1):
+                self.control = self.callback_handler.on_step_begin(config, state, self.control)
+                # 1. rollout, then 2-5. scoring, rewards, GAE, update
+                batch = self.rollout()
+                metrics, out = self.update(batch.rollout, batch.scores, batch.scores, batch.eos_count)
+                # 6. metrics, samples, callbacks, checkpoints
+                state.epoch = state.episode / max(len(self.prompts), 1)
+                metrics.update({
+                    "eps": (state.episode - start_episode) / (time.perf_counter() - start),
+                    "lr": out["lr"],
+                    "episode": state.episode,
+                    **{f"time/{k}": v for k, v in {**batch.seconds, **out["seconds"]}.items()},
+                })
+                if config.adaptive_kl:
+                    metrics["kl_coef"] = out["kl_coef"]
+                if progress is not None:
+                    progress.update(task, completed=state.episode)
+                self._log_state(metrics)  # every iteration, as TRL's loop calls self.log
+                if (update % state.logging_steps == 0 or update == sizes.num_total_batches
+                        or (update == 1 and config.logging_first_step)):
+                    logger.log(metrics, update)
+                    self.log(f"iter {update}/{sizes.num_total_batches} episode {state.episode}: scores "
+                             f"{metrics['objective/scores']:.3f} kl {metrics['objective/kl']:.2f} entropy "
+                             f"{metrics['objective/entropy']:.1f} vf_loss {metrics['loss/value_avg']:.3f}")
+                if sizes.sample_generations_freq and (update - 1) % sizes.sample_generations_freq == 0:
+                    if self.eval_prompts is not None:  # TRL's table: the eval prompts, near-greedy
+                        self.generate_completions(sampling=True)
+                    elif self.dist.is_main:  # no eval_dataset: this iteration's own samples
+                        prompts, completions = (batch.prompts, batch.completions) if batch.prompts is not None \
+                            else self.decode(*batch.rollout.token_ids())
+                        print_samples(self.console, prompts, completions, batch.scores.tolist(), update,
+                                      os.path.join(config.output_dir, "samples.jsonl"))
+                self.control = self.callback_handler.on_step_end(config, state, self.control)
+                preempted = stop.requested_anywhere()
+                # the last iteration's state is the final model, saved below (TRL saves it with save_model too)
+                wants_save = self.control.should_save and config.save_strategy != "no"
+                if preempted or (wants_save and update != sizes.num_total_batches):
+                    self.save_checkpoint()
+                    self.control = self.callback_handler.on_save(config, state, self.control)
+                self.control.should_save = False
+                if preempted:
+                    self.log(f"stopped by a signal after iteration {update}: checkpoint saved; continue with "
+                             "--resume_from_checkpoint latest")
+                    break
+                if self.control.should_training_stop and update != sizes.num_total_batches:
+                    self.log(f"a callback stopped training after iteration {update}")
+                    break
+        if not preempted:
+            self.save_model(config.output_dir)  # every rank: a collective under ZeRO-3; rank 0 writes
+        if self.dist.is_main and not preempted:
+            plot_curves(state.log_history, os.path.join(config.output_dir, "curves.png"), self.log)
+            self.log(f"done: {state.episode} episodes in {time.perf_counter() - start:.1f}s; model saved to "
+                     f"{config.output_dir}")
+        self.control = self.callback_handler.on_train_end(config, state, self.control)
+        # DDP's reducer holds the process group: release it here, while every rank is alive, rather than
+        # when the trainer is collected after destroy_process_group (a rank once hung in that late teardown).
+        self.model = self.actor_critic
+        fdist.barrier()
+        if self.dist.initialized_here:
+            import torch.distributed as dist
+
+            if self.zero is not None:  # DeepSpeed's hooks and buffers, while every rank is alive
+                self.zero.destroy()
+            dist.destroy_process_group()
+        return state
+
+    # ------------------------------------------------------------------ checkpoints and resuming
+
+    def _start_output(self) -> int:
+        """The output_dir for this run (resumed, overwritten or fresh); returns the first iteration to run."""
+        from fastppo import checkpoint as C
+
+        config = self.config
+        path = self._resume_path
+        if path is None:
+            if config.overwrite_output_dir and self.dist.is_main:
+                C.remove_run_files(config.output_dir)
+            fdist.barrier()
+            return 1
+        self._load_checkpoint(path)
+        if self.dist.is_main:
+            for name, key in (("metrics.jsonl", "step"), ("samples.jsonl", "iteration")):
+                C.truncate_jsonl(os.path.join(config.output_dir, name), key, self.state.global_step)
+        fdist.barrier()
+        return self.state.global_step + 1
+
+    def _decide_resume(self) -> str | None:
+        """Before any model loads: which checkpoint this run continues (None: a fresh run), and whether the
+        output_dir may be written. A previous run there is never silently mixed with or overwritten."""
+        from fastppo import checkpoint as C
+
+        config = self.config
+        spec = config.resume_from_checkpoint
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if spec is None and restarted:  # torchrun --max-restarts: carry on from the last checkpoint, if any
+            spec = "latest" if C.checkpoints(config.output_dir) else None
+            if spec:
+                self.log("elastic restart: resuming from the latest checkpoint")
+        if spec is not None:
+            path = C.resolve_checkpoint(spec, config.output_dir)
+            from fastppo.zero import zero_stage_of
+
+            for note in C.check_compatible(path, config, self.dist.world_size, zero_stage_of(self.ds_config),
+                                           self.model_args):
+                self.log(note)
+            return path
+        existing = C.run_files(config.output_dir)
+        if existing and not config.overwrite_output_dir and not restarted:
+            raise ValueError(
+                f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}"
+                f"{', ...' if len(existing) > 6 else ''}); pass --resume_from_checkpoint latest to continue it, "
+                "--overwrite_output_dir to replace it, or another --output_dir"
+            )
+        return None
+
+    def save_checkpoint(self) -> str:
+        """``checkpoint-<iteration>`` with everything needed to continue exactly (see ``fastppo.checkpoint``)."""
+        from fastppo import checkpoint as C
+
+        config, state = self.config, self.state
+        tag = f"global_step{state.global_step}"
+        trainer_state = {
+            # under DeepSpeed its engine checkpoint (deepspeed/<tag>) holds each rank's optimizer partition
+            "optimizer": self.optimizer.state_dict() if self.zero is None else None,
+            "deepspeed": None if self.zero is None else {"zero_stage": self.zero.stage, "tag": tag},
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "kl_coef": self.kl_ctl.value,
+            "moments": self.moments.state_dict() if self.moments is not None else None,
+            "global_step": state.global_step, "episode": state.episode, "log_history": state.log_history,
+            "prompt_batches_drawn": state.global_step,
+        }
+        states = [None, None]  # whole weights gathered under ZeRO-3 (rank 0)
+
+        def every_rank(tmp):
+            self.zero.save(tmp, tag)
+            states[:] = self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)
+
+        start = time.perf_counter()
+        path = C.save_checkpoint(
+            config.output_dir, state.global_step, self.dist.rank, self.dist.world_size,
+            lambda tmp: C.save_model_files(tmp, self.policy, self.value_model, self.tokenizer, config, self.model_args,
+                                           *states),
+            trainer_state, C.rng_state(self.shuffle), config.save_total_limit, fdist.barrier,
+            every_rank if self.zero is not None else None)
+        if self.dist.is_main:
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+            self.log(f"checkpoint saved: {path} ({size / 1e6:.1f} MB in {time.perf_counter() - start:.2f} s)")
+        return path
+
+    def _load_checkpoint(self, path: str) -> None:
+        from fastppo import checkpoint as C
+        from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
+
+        state = torch.load(os.path.join(path, C.STATE_FILE), map_location="cpu", weights_only=False)
+        policy = self.policy
+        lm = lm_of(policy)
+        if self.zero is not None:  # the engine's checkpoint: weights (fp32 partitions) and optimizer state, exactly
+            self.zero.load(path, state["deepspeed"]["tag"])
+        else:
+            if is_peft(policy):
+                from peft import set_peft_model_state_dict
+                from safetensors.torch import load_file
+
+                set_peft_model_state_dict(lm, load_file(os.path.join(path, "adapter_model.safetensors")))
+            else:
+                C.load_weights(lm, path)
+            if isinstance(policy, AutoModelForCausalLMWithValueHead):
+                policy.v_head.load_state_dict(read_value_head(path))
+            if self.value_model is not None:
+                C.load_weights(self.value_model, os.path.join(path, "value_model"))
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.kl_ctl.value = state["kl_coef"]
+        if self.moments is not None and state["moments"] is not None:
+            self.moments.load_state_dict(state["moments"])
+        self.state.global_step, self.state.episode = state["global_step"], state["episode"]
+        self.state.log_history = list(state["log_history"])
+        for _ in range(state["prompt_batches_drawn"]):  # the prompt order is a function of the seed: replay it
+            next(self._batches)
+        rng = torch.load(os.path.join(path, f"rng_state_{self.dist.rank}.pt"), map_location="cpu", weights_only=False)
+        C.set_rng_state(rng, self.shuffle)
+        self.log(f"resumed from {path} (iteration {state['global_step']}, episode {state['episode']})")
+
+    def _log_state(self, metrics: dict) -> None:
+        """transformers' ``Trainer.log``: the entry joins ``log_history`` and callbacks get a copy (one that
+        edits ``logs`` changes nothing of the run's own record)."""
+        entry = {**metrics, "step": self.state.global_step}
+        self.state.log_history.append(entry)
+        self.control = self.callback_handler.on_log(self.config, self.state, self.control, logs=dict(metrics))
+
+    # ------------------------------------------------------------------ saving
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Policy (+ value head on its trunk), tokenizer and a separate value model (``value_model/``)."""
+        from fastppo.checkpoint import save_model_files
+
+        states = (None, None) if self.zero is None else \
+            self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)  # ZeRO-3: every rank calls
+        if self.dist.is_main:
+            save_model_files(output_dir or self.config.output_dir, self.policy, self.value_model, self.tokenizer,
+                             self.config, self.model_args, *states)
+
+
+class _StopSignals:
+    """While training, SIGTERM (preemption, scancel, Kubernetes) and Ctrl-C ask every process to finish its
+    iteration, save a checkpoint and return; a second Ctrl-C interrupts at once."""
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self, log):
+        self.log = log
+        self.flag = False
+        self.previous = {}
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                number = getattr(signal, name)
+                self.previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number, frame):
+        import signal
+
+        if self.flag and number == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.flag = True
+        self.log(f"{signal.Signals(number).name} received: finishing this iteration, then saving a checkpoint")
+
+    def requested_anywhere(self) -> bool:
+        """Whether any process got a signal (one small all-reduce per iteration, so all stop together)."""
+        flag = torch.tensor([float(self.flag)])
+        if fdist.is_distributed():
+            import torch.distributed as dist
+
+            backend = dist.get_backend()
+            flag = flag.to("cuda") if backend == "nccl" else flag
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def __exit__(self, *exc):
+        import signal
+
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        return False
+
+
+def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool, config: PPOConfig):
+    """transformers' TrainerState with TRL's ``episode`` counter (TRL's OnlineTrainerState); logging and save
+    intervals as TRL sets them (a value in (0, 1) is a fraction of all iterations)."""
+    from transformers import TrainerState
+
+    state = TrainerState(is_local_process_zero=is_main, is_world_process_zero=is_main)
+    state.episode = 0
+    state.max_steps = sizes.num_total_batches
+    state.num_train_epochs = sizes.num_total_batches * sizes.batch_size / num_prompts if num_prompts else 0
+    state.logging_steps = every(config.logging_steps, sizes.num_total_batches)
+    state.save_steps = every(config.save_steps, sizes.num_total_batches)
+    state.eval_steps = every(config.eval_steps or config.logging_steps, sizes.num_total_batches)
+    return state
+
+
+def fill_derived_sizes(config: PPOConfig, sizes: Sizes) -> None:
+    """TRL's trainer writes the derived sizes into its config; so does fastppo. A value the user set that
+    disagrees is refused: TRL would overwrite it silently (legacy TRL's batch_size meant something else)."""
+    derived = dict(world_size=sizes.world_size, local_batch_size=sizes.local_batch_size, batch_size=sizes.batch_size,
+                   micro_batch_size=sizes.micro_batch_size * sizes.world_size,
+                   local_mini_batch_size=sizes.local_mini_batch_size, mini_batch_size=sizes.mini_batch_size,
+                   num_total_batches=sizes.num_total_batches)
+    for name, value in derived.items():
+        given = getattr(config, name)
+        if given is not None and given != value:
+            raise SettingsError(
+                f"{name}={given} disagrees with the value derived from the batch flags ({value}); TRL 0.26 derives "
+                f"{name} from per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches and the "
+                "number of processes: leave it unset (legacy TRL's batch_size/mini_batch_size are "
+                "fastppo.legacy.PPOConfig's)")
+        setattr(config, name, value)
+    if config.total_episodes is None:
+        config.total_episodes = sizes.num_total_batches * sizes.batch_size
+
+
+
+def main_guard(run: Callable, config: PPOConfig | None = None):
+    """Run ``run``; bad input becomes a one-line error and exit 2, a collective that timed out (a frozen
+    or dead process) a line naming this rank and --ddp_timeout, and exit 1."""
+    from fastppo.rewards import RewardFunctionError
+
+    try:
+        return run()
+    except (ValueError, TypeError, OSError, RewardFunctionError) as e:  # bad input: the message says it all
+        print(f"fastppo.train: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        rank = os.environ.get("RANK", "0")
+        timeout = config.ddp_timeout if config is not None else "?"
+        print(f"fastppo.train: error: rank {rank}: a collective did not complete within --ddp_timeout {timeout} s; "
+              f"another process is frozen or dead ({str(e).splitlines()[0]})", file=sys.stderr)
+        raise SystemExit(1) from e
+
+
