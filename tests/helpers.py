@@ -106,3 +106,40 @@ def metrics_without_clock(path) -> list[dict]:
     with open(path) as f:
         rows = [json.loads(line) for line in f]
     return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "eps"} for m in rows]
+
+
+def cli_trainer(argv):
+    """The PPOTrainer ``python -m fastppo.train ARGV`` builds, in this process."""
+    from fastppo.cli import build_trainer, cli_settings
+
+    return build_trainer(*cli_settings(argv))
+
+
+def cli_config(argv):
+    """The PPOConfig ``python -m fastppo.train ARGV`` trains with (the embedded preset applied)."""
+    from fastppo.cli import cli_settings
+
+    return cli_settings(argv)[1]
+
+
+def settings(**kwargs):
+    """A PPOConfig from ``kwargs``, or, when they name model or dataset flags (``ModelConfig``'s fields,
+    ``dataset_name``), the PPOTrainer keywords that carry them: ``args``, ``model_args``, ``train_dataset``."""
+    from fastppo.cli import ModelConfig
+    from fastppo.config import PPOConfig
+
+    model = {k: kwargs.pop(k) for k in list(kwargs) if k in ModelConfig.__dataclass_fields__}
+    dataset = kwargs.pop("dataset_name", None)
+    config = PPOConfig(**kwargs)
+    if not model and dataset is None:
+        return config
+    return dict(args=config, model_args=ModelConfig(**model), train_dataset=dataset)
+
+
+def make_trainer(config_or_kwargs, **kwargs):
+    """PPOTrainer(args=config) or PPOTrainer(**settings(...)'s keywords), with ``kwargs`` added."""
+    from fastppo.trainer import PPOTrainer
+
+    if isinstance(config_or_kwargs, dict):
+        return PPOTrainer(**config_or_kwargs, **kwargs)
+    return PPOTrainer(args=config_or_kwargs, **kwargs)

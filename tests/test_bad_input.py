@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fastppo import PPOConfig, PPOTrainer
-from fastppo.config import EMBEDDED_PRESET
+from fastppo.cli import EMBEDDED_PRESET
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
@@ -63,7 +63,7 @@ SETTING_CASES = [  # flags, fragments the error must contain
     (["--lam", "-0.1"], ["lam must be in [0, 1]"]),
     (["--temperature", "inf"], ["temperature must be a finite number > 0"]),
     (["--temperature", "1e-9"], ["temperature must be in"]),
-    (["--lr_scheduler_type", "reduce_lr_on_plateau"], ["lr_scheduler_type 'reduce_lr_on_plateau'"]),
+    (["--lr_scheduler_type", "reduce_lr_on_plateau"], ["reduce_lr_on_plateau"]),
     (["--lr_scheduler_type", "cosine_with_min_lr"], ["cosine_with_min_lr", "min_lr"]),
     (["--response_length", "0"], ["response_length must be an integer >= 1"]),
     (["--non_eos_penalty", "--missing_eos_penalty", "1"], ["non_eos_penalty", "missing_eos_penalty"]),
@@ -72,7 +72,7 @@ SETTING_CASES = [  # flags, fragments the error must contain
 
 def run_main(args, tmp_path, capsys):
     """The entry point in this process (what ``python -m fastppo.train`` calls): (exit code, stderr)."""
-    from fastppo.train import main
+    from fastppo.cli import main
 
     args = [*args, "--output_dir", str(tmp_path / "out")] if "--output_dir" not in args else list(args)
     with pytest.raises(SystemExit) as e:
@@ -143,10 +143,10 @@ def test_bad_dataset_file(tmp_path, unloadable, contents, fragments):
 @pytest.mark.slow
 def test_trl_fields_without_a_meaning_are_accepted_and_logged(tmp_path, model_dir):
     proc = cli(["--eval_strategy", "steps", "--dataset_test_split", "test", "--do_eval", "--total_episodes", "64",
-                "--response_length", "4", "--num_sample_generations", "0", "--disable_tqdm"], tmp_path, timeout=300)
+                "--response_length", "4", "--num_sample_generations", "0", "--disable_tqdm", "true"], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--eval_strategy is a TRL flag with no meaning in fastppo" in proc.stdout
-    assert "--dataset_test_split is a TRL flag with no meaning in fastppo" in proc.stdout
+    assert "--eval_strategy is a TrainingArguments field with no meaning in PPO: ignored" in proc.stdout
+    assert "--do_eval is a TrainingArguments field with no meaning in PPO: ignored" in proc.stdout
     fp16 = cli(["--fp16"], tmp_path)
     assert fp16.returncode == 2 and "fp16 mixed precision is not supported" in fp16.stderr
 
@@ -200,8 +200,8 @@ def test_learned_position_model_refused_instead_of_crashing(tmp_path, model_dir)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     with pytest.raises(ValueError, match=r"exceeds the model's 16 positions: set --max_prompt_length"):
-        PPOTrainer(args=tiny(tmp_path, model_name_or_path=str(path), response_length=12))
-    trainer = PPOTrainer(args=tiny(tmp_path, model_name_or_path=str(path), response_length=12, max_prompt_length=4))
+        PPOTrainer(args=tiny(tmp_path, sft_model_path=str(path), response_length=12))
+    trainer = PPOTrainer(args=tiny(tmp_path, sft_model_path=str(path), response_length=12, max_prompt_length=4))
     assert max(len(p) for p in trainer.prompts) == 4
     trainer.train()  # runs within its 16 positions
 
@@ -232,7 +232,7 @@ def test_scheduler_kwargs_make_cosine_with_min_lr_work(tmp_path, model_dir):
 FROZEN_WORKER = """
 import os, sys, time
 from fastppo import PPOConfig, PPOTrainer
-from fastppo.config import EMBEDDED_PRESET
+from fastppo.cli import EMBEDDED_PRESET
 config = PPOConfig(**{**EMBEDDED_PRESET, "output_dir": sys.argv[1], "per_device_train_batch_size": 4,
                       "gradient_accumulation_steps": 1, "num_ppo_epochs": 1, "response_length": 4,
                       "total_episodes": 800, "num_sample_generations": 0, "disable_tqdm": True, "ddp_timeout": 8,
@@ -240,7 +240,7 @@ config = PPOConfig(**{**EMBEDDED_PRESET, "output_dir": sys.argv[1], "per_device_
 trainer = PPOTrainer(args=config)
 if int(os.environ["RANK"]) == 1:
     time.sleep(3600)  # a frozen rank: alive, silent (SIGSTOP behaves the same for rank 0, but torchrun then waits 30 s to kill it)
-from fastppo.train import main_guard
+from fastppo.trainer import main_guard
 main_guard(trainer.train, config)
 """
 

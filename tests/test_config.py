@@ -1,140 +1,92 @@
-"""fastppo.config: the flags, the presets, TRL 0.26's and legacy TRL's names and sizes."""
+"""PPOConfig is TRL 0.26's: a transformers.TrainingArguments parsed by HfArgumentParser((ScriptArguments, PPOConfig,
+ModelConfig)) as TRL's ppo.py parses it; the CLI's embedded preset; the batch sizes; legacy TRL's config."""
 from __future__ import annotations
 
 import dataclasses
 import math
 
 import pytest
+from transformers import HfArgumentParser, TrainingArguments
 
-from fastppo.config import (
-    EMBEDDED_PRESET,
-    LEGACY_ALIASES,
-    LEGACY_DEFAULTS,
-    PPOConfig,
-    cli_config,
-    derive_legacy_sizes,
-    derive_sizes,
-    parse_args,
-    resolve_config,
-)
+from fastppo import legacy
+from fastppo.cli import EMBEDDED_PRESET, ModelConfig, ScriptArguments, cli_settings, parse_args
+from fastppo.config import PPOConfig, derive_sizes
+from fastppo.errors import SettingsError
+from fastppo.trainer import fill_derived_sizes
 
-# ---------------------------------------------------------------------------- defaults and presets
+TRL_LINE = ("--dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style --dataset_train_split "
+            "descriptiveness --learning_rate 3e-6 --output_dir out --per_device_train_batch_size 64 "
+            "--gradient_accumulation_steps 1 --total_episodes 10000 --model_name_or_path EleutherAI/pythia-1b-deduped "
+            "--missing_eos_penalty 1.0 --report_to none --eval_strategy steps --eval_steps 100").split()
 
 
-def test_python_config_has_trl_defaults_never_the_embedded_preset():
-    config = PPOConfig()
-    assert config.learning_rate == 5e-5 and config.per_device_train_batch_size == 8
-    assert config.response_length == 53 and config.temperature == 0.7 and config.num_train_epochs == 3.0
-    assert config.given == frozenset()
+def names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def test_ppo_config_is_training_arguments_with_trl_026_defaults():
+    config = PPOConfig(output_dir="x", report_to="none")
+    assert isinstance(config, TrainingArguments)
+    assert config.report_to == []  # transformers' meaning, not a list of characters
+    assert (config.logging_steps, config.gradient_checkpointing, config.num_ppo_epochs, config.kl_coef,
+            config.response_length, config.temperature, config.learning_rate, config.num_mini_batches,
+            config.local_rollout_forward_batch_size, config.kl_estimator) == (
+        10, True, 4, 0.05, 53, 0.7, 5e-5, 1, 64, "k1")
+    assert PPOConfig(output_dir="x", report_to="tensorboard").report_to == ["tensorboard"]
+    assert PPOConfig(output_dir="x", stop_token_id=7).stop_token_id == [7]  # TRL's one int
+
+
+@pytest.mark.parametrize("source", ["fastppo", "trl"])
+def test_hf_argument_parser_takes_the_three_dataclasses(source):
+    if source == "trl":
+        trl = pytest.importorskip("trl")
+        script_cls, model_cls = trl.ScriptArguments, trl.ModelConfig
+    else:
+        script_cls, model_cls = ScriptArguments, ModelConfig
+    assert not names(PPOConfig) & (names(script_cls) | names(model_cls))  # argparse would refuse a clash
+    script_args, training_args, model_args = HfArgumentParser(
+        (script_cls, PPOConfig, model_cls)).parse_args_into_dataclasses(args=TRL_LINE)
+    assert script_args.dataset_train_split == "descriptiveness"
+    assert model_args.model_name_or_path == "EleutherAI/pythia-1b-deduped"
+    assert training_args.learning_rate == 3e-6 and training_args.missing_eos_penalty == 1.0
+    assert training_args.report_to == [] and training_args.per_device_train_batch_size == 64
+
+
+def test_fastppo_script_and_model_classes_have_trls_fields():
+    trl = pytest.importorskip("trl")
+    assert names(trl.ScriptArguments) <= names(ScriptArguments)
+    assert names(trl.ModelConfig) <= names(ModelConfig)
+    for field in dataclasses.fields(trl.ModelConfig):
+        ours = ModelConfig.__dataclass_fields__[field.name]
+        if field.default is not dataclasses.MISSING:
+            assert ours.default == field.default, field.name
 
 
 def test_cli_applies_the_embedded_preset_only_without_a_model_and_only_to_unset_flags():
-    embedded = cli_config(["--gradient_accumulation_steps", "1"])
-    assert embedded.gradient_accumulation_steps == 1  # set explicitly: kept, even though TRL's default is 1 too
-    assert embedded.learning_rate == EMBEDDED_PRESET["learning_rate"]
-    with_model = cli_config(["--model_name_or_path", "some/model"])
-    assert with_model.learning_rate == 5e-5 and with_model.response_length == 53
+    _, embedded, _, is_embedded = cli_settings(["--learning_rate", "0.01"])
+    assert is_embedded and embedded.learning_rate == 0.01
+    assert embedded.per_device_train_batch_size == EMBEDDED_PRESET["per_device_train_batch_size"]
+    _, with_model, model_args, is_embedded = cli_settings(["--model_name_or_path", "some/model"])
+    assert not is_embedded and with_model.per_device_train_batch_size == 8 and with_model.learning_rate == 5e-5
+    assert model_args.model_name_or_path == "some/model"
 
 
-def test_given_records_keywords_flags_and_assignments():
-    config = PPOConfig(learning_rate=1e-5)
-    assert config.given == {"learning_rate"}
-    config.seed = 42  # equal to the default, still an explicit choice
-    assert config.given == {"learning_rate", "seed"}
-    config.apply_preset({"seed": 7, "temperature": 1.0})
-    assert config.seed == 42 and config.temperature == 1.0 and "temperature" not in config.given
-    assert parse_args(["--seed", "3", "--bf16"]).given == {"seed", "bf16"}
-
-
-# ---------------------------------------------------------------------------- the command line
-
-
-def test_help_lists_every_flag_with_help(capsys):
-    with pytest.raises(SystemExit):
-        parse_args(["--help"])
-    out = capsys.readouterr().out
-    for f in dataclasses.fields(PPOConfig):
-        assert f"--{f.name}" in out, f.name
-        assert f.metadata.get("help"), f"{f.name} has no help text"
-    assert "{k1,k2,k3,abs,mse,full}" in out  # the estimator choices are in --help
-
-
-@pytest.mark.parametrize("argv, expected", [([], None), (["--bf16"], True), (["--bf16", "false"], False),
-                                            (["--bf16", "--seed", "3"], True), (["--bf16", "true"], True)])
-def test_bf16_flag_bare_or_with_value(argv, expected):
-    assert parse_args(argv).bf16 is expected
-
-
-def test_unknown_flag_is_a_usage_error_with_close_matches(capsys):
+def test_cli_parsing_errors(capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(["--learning_rat", "3"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "--learning_rat" in err and "--learning_rate" in err  # named, and the close match offered
+        parse_args(["--learning_rat", "3"])  # no abbreviation, a close match named
+    assert e.value.code == 2 and "--learning_rate" in capsys.readouterr().err
+    assert parse_args(["--max_grad_norm", "-1e-5"])[1].max_grad_norm == -1e-5  # exponent notation is a value
+    assert parse_args(["--torch_dtype", "float16"])[2].dtype == "float16"  # TRL's older name
 
 
-def test_trl_command_line_parses():
-    config = resolve_config(parse_args([
-        "--sft_model_path", "x", "--reward_model_path", "y", "--stop_token", "eos", "--missing_eos_penalty", "1.0",
-        "--kl_coef", "0.1", "--num_mini_batches", "2", "--stop_token_id", "5", "7", "--adap_kl_ctrl",
-        "--target", "3", "--horizon", "500", "--report_to", "tensorboard",
-    ]), "trl")
-    assert config.stop_token == "eos" and config.stop_token_id == [5, 7]
-    assert config.adaptive_kl and config.kl_target == 3.0 and config.kl_horizon == 500.0
-    assert config.report_to == ["tensorboard"]
-
-
-# ---------------------------------------------------------------------------- legacy names
-
-
-LEGACY_CASES = [  # legacy name, value given, the 0.26 field, the value it takes
-    ("ppo_epochs", 7, "num_ppo_epochs", 7),
-    ("init_kl_coef", 0.3, "kl_coef", 0.3),
-    ("adap_kl_ctrl", False, "adaptive_kl", False),
-    ("target", 2.5, "kl_target", 2.5),
-    ("horizon", 123.0, "kl_horizon", 123.0),
-    ("kl_penalty", "kl", "kl_estimator", "k1"),
-    ("kl_penalty", "full", "kl_estimator", "full"),
-    ("kl_penalty", "abs", "kl_estimator", "abs"),
-    ("log_with", "wandb", "report_to", ["wandb"]),
-    ("model_name", "gpt2", "model_name_or_path", "gpt2"),
-    ("query_dataset", "imdb", "dataset_name", "imdb"),
-    ("steps", 512, "total_episodes", 512),
-]
-
-
-def test_legacy_case_table_covers_every_alias():
-    assert {case[0] for case in LEGACY_CASES} == set(LEGACY_ALIASES)
-
-
-@pytest.mark.parametrize("api", ["trl", "legacy"])
-@pytest.mark.parametrize("legacy, value, name, expected", LEGACY_CASES)
-def test_each_legacy_name_maps_to_its_meaning(api, legacy, value, name, expected):
-    assert getattr(resolve_config(PPOConfig(**{legacy: value}), api), name) == expected
-
-
-def test_legacy_api_takes_legacy_defaults_unless_the_026_name_is_set():
-    legacy = resolve_config(PPOConfig(), "legacy")
-    assert legacy.kl_coef == 0.2 and legacy.adaptive_kl and legacy.kl_estimator == "k1"
-    for name, value in LEGACY_DEFAULTS.items():
-        assert getattr(legacy, name) == value
-    explicit = resolve_config(PPOConfig(kl_coef=0.05, learning_rate=1e-3), "legacy")
-    assert explicit.kl_coef == 0.05 and explicit.learning_rate == 1e-3
-    assert resolve_config(PPOConfig(), "trl").kl_coef == 0.05  # the 0.26 API ignores unset legacy names
-
-
-def test_two_names_for_one_setting_must_agree():
-    with pytest.raises(ValueError, match="init_kl_coef=0.3 .* kl_coef=0.1 name the same setting"):
-        resolve_config(PPOConfig(init_kl_coef=0.3, kl_coef=0.1), "trl")
-    assert resolve_config(PPOConfig(ppo_epochs=3, num_ppo_epochs=3), "legacy").num_ppo_epochs == 3
-
-
-def test_legacy_batch_sizes_are_an_error_in_the_026_api():
-    with pytest.raises(ValueError, match="mini_batch_size is a legacy TRL"):
-        resolve_config(PPOConfig(mini_batch_size=4), "trl")
-
-
-# ---------------------------------------------------------------------------- sizes
+def test_derived_sizes_are_filled_and_a_disagreeing_one_refused():
+    config = PPOConfig(output_dir="x", per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                       num_mini_batches=2, total_episodes=64)
+    fill_derived_sizes(config, derive_sizes(config, 2, 100))
+    assert (config.local_batch_size, config.batch_size, config.mini_batch_size, config.world_size) == (8, 16, 8, 2)
+    legacy_style = PPOConfig(output_dir="x", batch_size=128, per_device_train_batch_size=4)
+    with pytest.raises(SettingsError, match="batch_size=128 disagrees .*fastppo.legacy.PPOConfig"):
+        fill_derived_sizes(legacy_style, derive_sizes(legacy_style, 1, 100))
 
 
 def trl_026_sizes(per_device, ga, num_mini, world, total_episodes):
@@ -173,12 +125,16 @@ def test_sizes_from_num_train_epochs_and_inexact_micro_batches():
         derive_sizes(PPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2), 1, 9)
 
 
-def test_legacy_sizes():
-    s = derive_legacy_sizes(resolve_config(PPOConfig(batch_size=16, mini_batch_size=4,
-                                                     gradient_accumulation_steps=2), "legacy"), world_size=2)
-    assert (s.local_batch_size, s.micro_batch_size, s.micro_steps, s.num_mini_batches) == (16, 4, 2, 2)
-    assert s.batch_size == 32
-    with pytest.raises(ValueError, match="batch_size must be a multiple of mini_batch_size"):
-        derive_legacy_sizes(resolve_config(PPOConfig(batch_size=10, mini_batch_size=4), "legacy"), 1)
-    forward = derive_legacy_sizes(resolve_config(PPOConfig(batch_size=8, forward_batch_size=2), "legacy"), 1)
-    assert forward.micro_batch_size == 2  # the deprecated name overrides mini_batch_size, as in legacy TRL
+def test_legacy_config_checks_at_construction_and_maps_to_the_same_split():
+    with pytest.raises(ValueError, match="batch_size .* must be a multiple of mini_batch_size"):
+        legacy.PPOConfig(batch_size=10, mini_batch_size=4)
+    assert legacy.PPOConfig(batch_size=8, forward_batch_size=2).mini_batch_size == 2  # the deprecated name wins
+    config = legacy.PPOConfig(batch_size=16, mini_batch_size=4, gradient_accumulation_steps=2, init_kl_coef=0.3,
+                              adap_kl_ctrl=False, kl_penalty="kl", ppo_epochs=3)
+    assert (config.learning_rate, config.seed, config.max_grad_norm) == (1.41e-5, 0, None)  # legacy defaults
+    core = config.to_core(world_size=2)
+    s = derive_sizes(core, 2, 1)
+    # legacy: 16 rows per step, optimizer steps of 4 × 2 rows, each two 4-row passes
+    assert (s.local_batch_size, s.micro_batch_size, s.micro_steps, s.num_mini_batches, s.batch_size) == (16, 4, 2, 2, 32)
+    assert (core.kl_coef, core.adaptive_kl, core.kl_estimator, core.num_ppo_epochs, core.max_grad_norm) == (
+        0.3, False, "k1", 3, 0.0)

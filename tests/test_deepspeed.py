@@ -17,13 +17,11 @@ import pytest
 import torch
 
 from fastppo import PPOConfig
-from fastppo.config import (
-    DEEPSPEED_INSTALL,
-    EMBEDDED_PRESET,
-    cli_config,
-    derive_sizes,
-    validate_config,
-)
+from fastppo.checks import check_settings
+from fastppo.cli import EMBEDDED_PRESET, ModelConfig
+from fastppo.config import derive_sizes
+from fastppo.zero import DEEPSPEED_INSTALL, deepspeed_request
+from helpers import cli_config
 from helpers import metrics_without_clock
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -217,7 +215,7 @@ def test_accelerate_launch_with_a_deepspeed_yaml(workdir):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(workdir / "zero3.yaml"), "-m",
            "fastppo.train", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
            "--num_ppo_epochs", "1", "--response_length", "4", "--total_episodes", "16", "--num_sample_generations",
-           "0", "--disable_tqdm", "--output_dir", str(out)]
+           "0", "--disable_tqdm", "true", "--output_dir", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300, cwd=workdir)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
@@ -235,7 +233,7 @@ def test_zero_stage_flag_in_one_process_without_a_launcher(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fastppo.train", "--zero_stage", "2", "--per_device_train_batch_size", "2",
            "--gradient_accumulation_steps", "2", "--num_ppo_epochs", "1", "--response_length", "4",
-           "--total_episodes", "8", "--num_sample_generations", "0", "--disable_tqdm", "--output_dir", str(out)]
+           "--total_episodes", "8", "--num_sample_generations", "0", "--disable_tqdm", "true", "--output_dir", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "ZeRO-2 (--zero_stage 2)" in proc.stdout and "on 1 process(es)" in proc.stdout
@@ -245,8 +243,8 @@ def test_zero_stage_flag_in_one_process_without_a_launcher(tmp_path):
 # ---------------------------------------------------------------------------- settings, checked before loading
 
 
-def check(**kwargs):
-    return validate_config(PPOConfig(**kwargs))
+def check(use_peft: bool = False, **kwargs):
+    return check_settings_of(PPOConfig(**kwargs), use_peft)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -287,13 +285,12 @@ def test_cli_flags_and_a_deepspeed_json(tmp_path):
     config = cli_config(["--deepspeed", str(tmp_path / "ds.json"), "--ds3_gather_for_generation", "false"])
     assert config.deepspeed == str(tmp_path / "ds.json") and config.ds3_gather_for_generation is False
     assert cli_config(["--zero_stage", "3"]).zero_stage == 3
-    from fastppo.config import IGNORED_TRL_FIELDS, UNSUPPORTED_TRL_FIELDS
+    from fastppo.checks import UNSUPPORTED, USED
 
-    assert not {"deepspeed", "zero_stage", "ds3_gather_for_generation"} & {*IGNORED_TRL_FIELDS, *UNSUPPORTED_TRL_FIELDS}
+    assert {"deepspeed"} <= USED and not {"deepspeed", "zero_stage", "ds3_gather_for_generation"} & {*UNSUPPORTED}
 
 
 def resolve(config: PPOConfig, world: int = 2):
-    from fastppo.config import deepspeed_request
     from fastppo.zero import resolve_deepspeed_config
 
     return resolve_deepspeed_config(deepspeed_request(config), config, derive_sizes(config, world, 100))
@@ -324,7 +321,6 @@ def test_accelerate_launch_environment_is_honoured(monkeypatch, tmp_path):
     for name in [k for k in os.environ if k.startswith("ACCELERATE_")]:
         monkeypatch.delenv(name)
     sizes = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)
-    from fastppo.config import deepspeed_request
 
     assert deepspeed_request(PPOConfig(**sizes)) is None  # not a DeepSpeed launch
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
@@ -333,7 +329,7 @@ def test_accelerate_launch_environment_is_honoured(monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
     cfg, _ = resolve(PPOConfig(**sizes))
     assert cfg["zero_optimization"] == {"stage": 3} and cfg["gradient_accumulation_steps"] == 2
-    assert any("zero3_init_flag is not used" in n for n in validate_config(PPOConfig(**sizes)))
+    assert any("zero3_init_flag is not used" in n for n in check_settings_of(PPOConfig(**sizes)))
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")  # the yaml's, against fastppo's 2
     with pytest.raises(ValueError, match=r"accelerate's DeepSpeed config .* sets gradient_accumulation_steps=1"):
         resolve(PPOConfig(**sizes))
@@ -355,3 +351,7 @@ def test_legacy_api_and_peft_objects_are_refused_with_deepspeed(tmp_path):
         PPOTrainer(PPOConfig(zero_stage=2, output_dir=str(tmp_path)), torch.nn.Linear(2, 2), None, object())
     with pytest.raises(ValueError, match=r"a PEFT \(LoRA\) policy with DeepSpeed \(--zero_stage 3\) is not supported"):
         PPOTrainer(args=PPOConfig(zero_stage=3, output_dir=str(tmp_path)), peft_config=object())
+
+
+def check_settings_of(config: PPOConfig, use_peft: bool = False) -> list[str]:
+    return check_settings(config, ModelConfig(use_peft=use_peft))

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastppo.config import EMBEDDED_PRESET, PPOConfig, derive_sizes
+from fastppo.cli import EMBEDDED_PRESET
+from fastppo.config import PPOConfig, derive_sizes
 from fastppo.data import left_pad
 from fastppo.generation import sample_responses
-from fastppo.train import PPOTrainer, Targets, compute_advantages, micro_batches, per_token_rewards, ppo_update, \
+from fastppo.trainer import PPOTrainer
+from fastppo.train import Targets, compute_advantages, micro_batches, per_token_rewards, ppo_update, \
     score_rollout
 
 pytestmark = pytest.mark.usefixtures("reference_path")

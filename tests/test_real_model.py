@@ -49,7 +49,7 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 
 def config(tmp_path, model_dir, **overrides) -> PPOConfig:
     base = dict(
-        model_name_or_path=model_dir, output_dir=str(tmp_path / "out"), per_device_train_batch_size=8,
+        sft_model_path=model_dir, output_dir=str(tmp_path / "out"), per_device_train_batch_size=8,
         gradient_accumulation_steps=1, num_mini_batches=1, num_ppo_epochs=1, response_length=12, temperature=0.7,
         stop_token="eos", total_episodes=8, learning_rate=1e-5, num_sample_generations=0, disable_tqdm=True,
         logging_steps=1, save_steps=10**6, local_rollout_forward_batch_size=64, seed=0,

@@ -13,8 +13,8 @@ import torch
 
 from fastppo import PPOConfig, PPOTrainer
 from fastppo.checkpoint import checkpoints, resolve_checkpoint
-from fastppo.config import EMBEDDED_PRESET
-from helpers import digest, metrics_without_clock
+from fastppo.cli import EMBEDDED_PRESET
+from helpers import digest, metrics_without_clock, make_trainer, settings
 
 pytestmark = pytest.mark.usefixtures("reference_path", "model_dir")
 
@@ -40,14 +40,13 @@ def stop_after(step: int):
 @pytest.mark.parametrize("extra", [{}, {"use_peft": True, "lora_target_modules": ["q_proj", "v_proj"], "lora_r": 4},
                                    {"shared_value_head": True}], ids=["full", "peft", "shared_value_head"])
 def test_resume_equals_an_uninterrupted_run_bitwise(tmp_path, extra):
-    whole = PPOTrainer(args=PPOConfig(**SETTINGS, **extra, output_dir=str(tmp_path / "whole")))
+    whole = make_trainer(settings(**SETTINGS, **extra, output_dir=str(tmp_path / "whole")))
     whole.train()
-    first = PPOTrainer(args=PPOConfig(**SETTINGS, **extra, output_dir=str(tmp_path / "cut")),
-                       callbacks=[stop_after(2)])
+    first = make_trainer(settings(**SETTINGS, **extra, output_dir=str(tmp_path / "cut")), callbacks=[stop_after(2)])
     first.train()
     assert [s for s, _ in checkpoints(str(tmp_path / "cut"))] == [2]
-    resumed = PPOTrainer(args=PPOConfig(**SETTINGS, **extra, output_dir=str(tmp_path / "cut"),
-                                        resume_from_checkpoint="latest"))
+    resumed = make_trainer(settings(**SETTINGS, **extra, output_dir=str(tmp_path / "cut"),
+                                    resume_from_checkpoint="latest"))
     resumed.train()
     assert digest(resumed.actor_critic.state_dict()) == digest(whole.actor_critic.state_dict())
     assert (metrics_without_clock(tmp_path / "cut" / "metrics.jsonl")
@@ -106,7 +105,7 @@ KILL_WORKER = """
 import os, sys, time
 os.environ["TRITON_INTERPRET"] = "0"
 from fastppo import checkpoint as C, PPOConfig, PPOTrainer
-from fastppo.config import EMBEDDED_PRESET
+from fastppo.cli import EMBEDDED_PRESET
 
 phase = sys.argv[2]
 seen = {}
@@ -176,7 +175,7 @@ def test_sigkill_inside_a_save_leaves_latest_loadable(tmp_path, phase):
 def test_sigterm_saves_a_checkpoint_exits_0_and_resumes(tmp_path):
     out = tmp_path / "run"
     flags = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_ppo_epochs", "1",
-             "--response_length", "4", "--total_episodes", "400", "--num_sample_generations", "0", "--disable_tqdm",
+             "--response_length", "4", "--total_episodes", "400", "--num_sample_generations", "0", "--disable_tqdm", "true",
              "--logging_steps", "1", "--output_dir", str(out)]
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "fastppo.train", *flags], env=env, stdout=subprocess.PIPE,
@@ -206,7 +205,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import torch
 from transformers import TrainerCallback
 from fastppo import PPOConfig, PPOTrainer
-from fastppo.config import EMBEDDED_PRESET
+from fastppo.cli import EMBEDDED_PRESET
 
 class Crash(TrainerCallback):  # one rank dies at iteration 3 of the first attempt
     def on_step_end(self, args, state, control, **kwargs):
@@ -242,11 +241,15 @@ def test_a_config_written_with_tuples_resumes(tmp_path):
     """JSON turns tuples into lists: a config that set a tuple (LoRA targets) still matches its checkpoint."""
     from fastppo.checkpoint import CONFIG_FILE, STATE_FILE, check_compatible
 
-    config = PPOConfig(output_dir=str(tmp_path), lora_target_modules=("q_proj", "v_proj"), stop_token_id=(2, 3))
+    from fastppo.checkpoint import config_as_json
+    from fastppo.cli import ModelConfig
+
+    config = PPOConfig(output_dir=str(tmp_path), stop_token_id=(2, 3))
+    model_args = ModelConfig(lora_target_modules=("q_proj", "v_proj"))
     with open(tmp_path / CONFIG_FILE, "w") as f:
-        json.dump(config.to_dict(), f)
+        json.dump(config_as_json(config, model_args), f)
     torch.save({"world_size": 1}, tmp_path / STATE_FILE)
-    assert check_compatible(str(tmp_path), config, world_size=1) == []
+    assert check_compatible(str(tmp_path), config, world_size=1, model_args=model_args) == []
 
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):

@@ -15,14 +15,17 @@ import pytest
 import torch
 
 from fastppo import embedded
-from fastppo.config import EMBEDDED_PRESET, PPOConfig, derive_sizes
+from fastppo.cli import EMBEDDED_PRESET
+from helpers import make_trainer, settings
+from fastppo.cli import ModelConfig
+from fastppo.config import PPOConfig, derive_sizes
 from fastppo.data import left_pad, prompt_batches
 from fastppo.models import load_tokenizer
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import call_reward_fn, reward_model_scores
+from fastppo.trainer import PPOTrainer
 from fastppo.train import (
     AdaptiveKLController,
-    PPOTrainer,
     Targets,
     compute_advantages,
     make_rollout,
@@ -66,11 +69,11 @@ def tiny(tmp_path, **overrides) -> PPOConfig:
         local_rollout_forward_batch_size=8, save_steps=10**6, logging_steps=1,
     )
     base.update(overrides)
-    return PPOConfig(**base)
+    return settings(**base)
 
 
-def train(config: PPOConfig) -> PPOTrainer:
-    trainer = PPOTrainer(args=config)
+def train(config) -> PPOTrainer:
+    trainer = make_trainer(config)
     trainer.train()
     return trainer
 
@@ -332,11 +335,11 @@ def test_peft_with_an_explicit_ref_model_uses_it(tmp_path, embedded_cache):
 
     pytest.importorskip("peft")
     ref = AutoModelForCausalLM.from_pretrained(embedded_cache)
-    trainer = PPOTrainer(args=tiny(tmp_path, use_peft=True, lora_r=4, lora_alpha=8,
-                                   lora_target_modules=["q_proj", "v_proj"]), ref_model=ref)
+    trainer = make_trainer(tiny(tmp_path, use_peft=True, lora_r=4, lora_alpha=8,
+                                lora_target_modules=["q_proj", "v_proj"]), ref_model=ref)
     assert trainer.ref_model is ref and not any(p.requires_grad for p in ref.parameters())
-    assert PPOTrainer(args=tiny(tmp_path, output_dir=str(tmp_path / "none"), use_peft=True, lora_r=4,
-                                lora_target_modules=["q_proj"])).ref_model is None
+    assert make_trainer(tiny(tmp_path, output_dir=str(tmp_path / "none"), use_peft=True, lora_r=4,
+                             lora_target_modules=["q_proj"])).ref_model is None
 
 
 def test_a_peft_config_with_an_lm_head_adapter_is_refused(tmp_path, embedded_cache):
@@ -376,7 +379,7 @@ def test_reward_model_path_run(tmp_path, embedded_cache):
 
 def test_missing_model_path_fails_fast(tmp_path):
     with pytest.raises(FileNotFoundError, match="model_name_or_path"):
-        train(tiny(tmp_path, model_name_or_path=str(tmp_path / "no-such-model")))
+        train(tiny(tmp_path, sft_model_path=str(tmp_path / "no-such-model")))
 
 
 def test_dataset_without_text_column_lists_its_columns(tmp_path):
@@ -433,7 +436,7 @@ def test_other_architectures_and_a_tokenizer_without_pad_token(tmp_path, embedde
     no pad token: the run adds one (eos), says so, and keeps the first ratio at 1."""
     from transformers import GPT2Config, GPT2LMHeadModel, PhiConfig, PhiForCausalLM, PreTrainedTokenizerFast
 
-    src = load_tokenizer(embedded_cache, PPOConfig(), print)
+    src = load_tokenizer(embedded_cache, ModelConfig(), print)
     no_pad = PreTrainedTokenizerFast(tokenizer_object=src.backend_tokenizer, eos_token="<eos>", unk_token="<unk>")
     assert no_pad.pad_token is None
     v, eos = len(no_pad), no_pad.eos_token_id
@@ -447,7 +450,7 @@ def test_other_architectures_and_a_tokenizer_without_pad_token(tmp_path, embedde
     model_dir = tmp_path / arch
     no_pad.save_pretrained(model_dir)
     model.save_pretrained(model_dir)
-    runs = history(train(tiny(tmp_path, model_name_or_path=str(model_dir), stop_token="eos", num_ppo_epochs=1,
+    runs = history(train(tiny(tmp_path, sft_model_path=str(model_dir), stop_token="eos", num_ppo_epochs=1,
                               gradient_accumulation_steps=1, per_device_train_batch_size=8)))
     assert len(runs) == 2
     assert runs[0]["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # one epoch, one step: ρ is 1 throughout

@@ -55,7 +55,7 @@ def _cache(tmp_path_factory, monkeypatch):
 
 @pytest.mark.slow
 def test_two_rank_resume_equals_an_uninterrupted_run(tmp_path):
-    from fastppo.config import EMBEDDED_PRESET
+    from fastppo.cli import EMBEDDED_PRESET
 
     settings = {**EMBEDDED_PRESET, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
                 "num_ppo_epochs": 2, "response_length": 5, "total_episodes": 32, "num_sample_generations": 0,

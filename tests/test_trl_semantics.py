@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from fastppo import PPOConfig, PPOTrainer
-from fastppo.config import EMBEDDED_PRESET, derive_sizes, parse_args, resolve_config
+from fastppo.cli import EMBEDDED_PRESET, parse_args
+from fastppo.config import derive_sizes
+from helpers import make_trainer, settings
 from fastppo.train import apply_eos_penalties, compute_advantages, per_token_rewards, score_rollout
 
 pytestmark = pytest.mark.usefixtures("reference_path")
@@ -23,11 +25,11 @@ def tiny(tmp_path, **overrides) -> PPOConfig:
         num_ppo_epochs=1, response_length=6, total_episodes=24, num_sample_generations=0, disable_tqdm=True,
         save_steps=10**6, logging_steps=1)}
     base.update(overrides)
-    return PPOConfig(**base)
+    return settings(**base)
 
 
 def run(config, **kwargs) -> PPOTrainer:
-    trainer = PPOTrainer(args=config, **kwargs)
+    trainer = make_trainer(config, **kwargs)
     trainer.train()
     return trainer
 
@@ -60,7 +62,7 @@ PPOV2_TLDR = """--output_dir models/minimal/ppo_tldr_6.9b --learning_rate 3e-6 -
     (PPOV2_TLDR, 8, 512, math.ceil(100000 / 512)),
 ])
 def test_trl_docs_command_lines_mean_the_same_here(line, world, batch, iterations):
-    config = resolve_config(parse_args(shlex.split(line)), "trl")
+    config = parse_args(shlex.split(line))[1]
     sizes = derive_sizes(config, world, num_prompts=1000)
     assert sizes.batch_size == batch and sizes.num_total_batches == iterations
     assert sizes.micro_batch_size == config.per_device_train_batch_size and sizes.num_mini_batches == 1
@@ -82,9 +84,9 @@ def test_a_docs_command_line_runs_here_with_local_stand_ins(tmp_path, model_dir)
             .replace("EleutherAI/pythia-1b-deduped", model_dir).replace("--total_episodes 10000", "--total_episodes 64")
             .replace("--reward_model_path " + model_dir, "--reward_fn fastppo.rewards:positive_words")
             .replace("models/minimal/ppo", str(tmp_path / "out")))
-    from fastppo.train import main
+    from fastppo.cli import main
 
-    main([*shlex.split(line), "--disable_tqdm", "--num_sample_generations", "0"])
+    main([*shlex.split(line), "--disable_tqdm", "true", "--num_sample_generations", "0"])
     metrics = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [m["episode"] for m in metrics] == [64]  # one iteration of 64 × 1 rows
 
@@ -137,10 +139,10 @@ def test_optim_and_adam_betas(tmp_path, model_dir):
 
 
 def test_dtype_loads_weights_in_that_dtype(tmp_path, model_dir):
-    trainer = PPOTrainer(args=tiny(tmp_path, dtype="bfloat16"))
+    trainer = make_trainer(tiny(tmp_path, dtype="bfloat16"))
     for model in (trainer.policy, trainer.ref_model, trainer.value_model):
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert parse_args(["--torch_dtype", "float16"]).dtype == "float16"  # TRL's older name
+    assert parse_args(["--torch_dtype", "float16"])[2].dtype == "float16"  # TRL's older name
 
 
 def test_frozen_models_in_bf16_under_bf16(tmp_path, model_dir):
@@ -173,8 +175,8 @@ def test_revision_trust_remote_code_and_checkpointing_kwargs_reach_transformers(
         return original_gc(self, *args, **kwargs)
 
     monkeypatch.setattr(PreTrainedModel, name, spy_gc)
-    PPOTrainer(args=tiny(tmp_path, model_name_or_path=model_dir, model_revision="v1", trust_remote_code=True,
-                         gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}))
+    make_trainer(tiny(tmp_path, sft_model_path=model_dir, model_revision="v1", trust_remote_code=True,
+                      gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}))
     assert calls and all(c.get("revision") == "v1" and c.get("trust_remote_code") is True for c in calls)
     assert enabled and all(k == {"use_reentrant": True} for k in enabled)
 
@@ -238,7 +240,7 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, model
         seen["ids"] = completion_ids
         return [float(len(c)) for c in completion_ids]
 
-    cfg = tiny(tmp_path, model_name_or_path=path, stop_token="eos", response_length=24, total_episodes=8,
+    cfg = tiny(tmp_path, sft_model_path=path, stop_token="eos", response_length=24, total_episodes=8,
                temperature=2.0)
     trainer = PPOTrainer(args=cfg, reward_model=reward)
     torch.manual_seed(3)
@@ -306,7 +308,7 @@ def test_full_kl_includes_the_lm_head_bias(tmp_path, model_dir):
     path = tmp_path / "phi"
     phi.save_pretrained(path)
     tok.save_pretrained(path)
-    cfg = tiny(tmp_path, model_name_or_path=str(path), kl_estimator="full", total_episodes=8)
+    cfg = tiny(tmp_path, sft_model_path=str(path), kl_estimator="full", total_episodes=8)
     trainer = PPOTrainer(args=cfg)
     with torch.no_grad():  # move the policy's bias only: the KL to the reference is then all in the bias
         trainer.policy.lm_head.bias.add_(torch.randn_like(trainer.policy.lm_head.bias))
