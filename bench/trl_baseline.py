@@ -476,7 +476,7 @@ def run_fastppo(cfg: E2EConfig, output_dir: str, variant: str = "fastppo") -> di
     real_ids = [[t for t, keep in zip(p, _real_mask(p, pad, width)) if keep] for p in prompts]
     extra = dict(FASTPPO_VARIANTS[variant])
     if cfg.model == "smollm2":
-        extra.update(model_name_or_path=path, reward_model_path=reward_path, allow_untrained_heads=True)
+        extra.update(sft_model_path=path, reward_model_path=reward_path, allow_untrained_heads=True)
     config = PPOConfig(
         **shared_settings(cfg, output_dir),
         max_grad_norm=None,  # TRL's PPO loop does not clip gradients
@@ -484,6 +484,7 @@ def run_fastppo(cfg: E2EConfig, output_dir: str, variant: str = "fastppo") -> di
         save_steps=10**9,
         stop_token="eos" if cfg.stop_on_eos else None,
         missing_eos_penalty=cfg.missing_eos_penalty,
+        gradient_checkpointing=False,  # as TRL's run below: same compute on both sides
         **extra,
     )
     clock = _IterationClock()
