@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.utils import cached_file, is_peft_available
@@ -100,13 +100,13 @@ def _check_device_map(model: nn.Module) -> bool:
 
 def _current_device() -> int | str:
     # legacy TRL's: this process's local GPU index, or "cpu"
-    return int(os.environ.get("LOCAL_RANK", 0)) if torch.cuda.is_available() else "cpu"
+    return int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.is_available() else "cpu"
 
 
 def _legacy_layout(state: dict) -> dict:
     """A wrapper state dict in legacy TRL's layout (the LM's own keys, ``v_head.*``) whichever layout it
     came in (nn.Module's ``pretrained_model.*`` is accepted too)."""
-    return {k[len(LM_PREFIX):] if k.startswith(LM_PREFIX) else k: v for k, v in state.items()}
+    return {k.removeprefix(LM_PREFIX): v for k, v in state.items()}
 
 
 class AutoModelForCausalLMWithValueHead(nn.Module):
@@ -120,7 +120,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
     """
 
     transformers_parent_class = AutoModelForCausalLM
-    lm_head_namings = ["lm_head", "embed_out", "output_layer"]
+    lm_head_namings = ["lm_head", "embed_out", "output_layer"]  # a list, as legacy TRL's: code extends it
     supported_args = ("summary_dropout_prob", "v_head_initializer_range", "v_head_init_strategy")
 
     def __init__(self, pretrained_model: nn.Module, **kwargs):
@@ -143,7 +143,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         self.current_device = _current_device()
         self.is_loaded_in_8bit = getattr(pretrained_model, "is_loaded_in_8bit", False)
         self.is_loaded_in_4bit = getattr(pretrained_model, "is_loaded_in_4bit", False)
-        self.supports_rm_adapter = False  # legacy TRL's reward adapters are not supported (from_pretrained says so)
+        self.supports_rm_adapter = False  # from_pretrained(reward_adapter=...) sets these and ``score``
         self.rm_adapter_name = None
         self.policy_adapter_name = "default"
 
@@ -178,14 +178,16 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         base and the adapter, trainable only with ``is_trainable=True``) or from a transformers model.
 
         ``kwargs``: the value head's (``supported_args``); ``peft_config`` (a new adapter on the LM);
-        ``is_trainable``; the rest go to transformers' ``from_pretrained`` (``torch_dtype`` is read as
-        ``dtype``)."""
+        ``is_trainable``; ``reward_adapter`` (a PEFT reward model's adapter, loaded frozen beside the policy's
+        on a PEFT model, for ``compute_reward_score``) and ``reward_adapter_name``; the rest go to
+        transformers' ``from_pretrained`` (``torch_dtype`` is read as ``dtype``)."""
         peft_config = kwargs.pop("peft_config", None)
         is_trainable = kwargs.pop("is_trainable", False)
-        if kwargs.pop("reward_adapter", None) is not None:
-            raise ValueError("reward_adapter: legacy TRL's reward-modeling adapters are not supported; pass a "
-                             "reward model or function to the trainer instead")
-        kwargs.pop("reward_adapter_name", None)
+        reward_adapter = kwargs.pop("reward_adapter", None)
+        reward_adapter_name = kwargs.pop("reward_adapter_name", "reward_adapter")
+        if reward_adapter is not None and not isinstance(reward_adapter, str):
+            raise ValueError("reward_adapter should be a local path or Hub id of a reward-modeling adapter, but is "
+                             f"{type(reward_adapter).__name__}")
         _check_peft_config(peft_config)
         head_kwargs, lm_kwargs = cls._split_kwargs(kwargs)
         if "torch_dtype" in lm_kwargs and "dtype" not in lm_kwargs:
@@ -207,11 +209,46 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
             lm = _get_peft_model(lm, peft_config)
         _check_not_prompt_learning(lm)
         model = cls(lm, **head_kwargs)
+        if reward_adapter is not None:
+            model._add_reward_adapter(reward_adapter, reward_adapter_name, lm_kwargs.get("token"))
         if head_state is None:
             head_state = read_value_head(source, prefixed=True, **_hub_kwargs(lm_kwargs))
         if head_state:
             model.post_init(head_state)
         return model
+
+    def _add_reward_adapter(self, adapter: str, name: str, token) -> None:
+        """Legacy TRL's reward adapter: a PEFT sequence-classification adapter loaded frozen beside the policy's
+        on the same base, with its score head as ``self.score`` (frozen, in the LM's dtype)."""
+        if not self.is_peft_model:
+            raise ValueError("reward_adapter can only be used with a PEFT model: pass peft_config, or a PeftModel")
+        self.pretrained_model.load_adapter(adapter, name, is_trainable=False)
+        self.pretrained_model.train()
+        weight, bias = _score_head(adapter, token)
+        lm_param = next(self.pretrained_model.parameters())
+        self.score = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        self.score.to(device=lm_param.device, dtype=getattr(self.pretrained_model, "dtype", lm_param.dtype))
+        self.score.load_state_dict({"weight": weight} if bias is None else {"weight": weight, "bias": bias})
+        self.score.requires_grad_(False)
+        self.supports_rm_adapter, self.rm_adapter_name = True, name
+
+    def compute_reward_score(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
+        """[B, L, num_labels] scores of the reward adapter (legacy TRL's): the reward adapter on, the
+        ``score`` head on the last hidden states, then the policy's adapter back on (the LM is left in eval
+        mode, as legacy TRL leaves it)."""
+        if not self.supports_rm_adapter:
+            raise ValueError("this model has no reward adapter: load it with from_pretrained(..., reward_adapter=)")
+        self.pretrained_model.set_adapter(self.rm_adapter_name)
+        self.pretrained_model.eval()
+        try:
+            with torch.no_grad():
+                out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask,
+                                            output_hidden_states=True, return_dict=True, **kwargs)
+                scores = self.score(out.hidden_states[-1].to(self.score.weight.dtype))
+        finally:
+            self.pretrained_model.set_adapter(self.policy_adapter_name)
+            self.pretrained_model.eval()
+        return scores
 
     @classmethod
     def _load_lm(cls, path: str, model_args, lm_kwargs: dict, is_trainable: bool, peft_config) -> nn.Module:
@@ -278,9 +315,10 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         return state
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # legacy TRL's layout (and nn.Module's, ``pretrained_model.*``) loads: the LM's keys get their module name
+        # legacy TRL's layout (and nn.Module's, ``pretrained_model.*``) loads: a key that names none of this
+        # wrapper's own modules (v_head, score) is the LM's, and gets its module name back
         for key in [k for k in state_dict if k.startswith(prefix)]:
-            if not key[len(prefix):].startswith((LM_PREFIX, VALUE_HEAD_PREFIX)):
+            if key[len(prefix):].split(".", 1)[0] not in self._modules:
                 state_dict[prefix + LM_PREFIX + key[len(prefix):]] = state_dict.pop(key)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -308,6 +346,23 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
                                   "upload_folder, or `hf upload`); from_pretrained reads the head back from it")
 
 
+def _score_head(adapter: str, token) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias or None) of the ``score`` head saved with a reward-modeling adapter."""
+    for name in ("adapter_model.bin", "adapter_model.safetensors"):
+        file = _resolve(adapter, name, {"token": token})
+        if file is not None:
+            break
+    else:
+        raise ValueError(f"reward_adapter: no adapter_model.bin or adapter_model.safetensors in {adapter!r}")
+    state = load_file(file) if file.endswith(".safetensors") else torch.load(file, map_location="cpu",
+                                                                              weights_only=True)
+    score = {k.rsplit(".", 1)[-1]: v for k, v in state.items() if "score" in k}
+    if "weight" not in score:
+        raise ValueError(f"reward_adapter: the adapter in {adapter!r} holds no score head (a SEQ_CLS adapter saves "
+                         "one)")
+    return score["weight"], score.get("bias")
+
+
 def _check_peft_config(peft_config) -> None:
     if peft_config is None:
         return
@@ -315,7 +370,7 @@ def _check_peft_config(peft_config) -> None:
         raise ValueError("peft_config: the peft package is not installed (pip install peft)")
     from peft import PeftConfig  # optional dependency: imported only when asked for
 
-    if not isinstance(peft_config, PeftConfig):
+    if not isinstance(peft_config, PeftConfig):  # ValueError, as legacy TRL raises (callers catch it)
         raise ValueError(f"peft_config should be a peft.PeftConfig, but is {type(peft_config).__name__}")
 
 

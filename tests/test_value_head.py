@@ -22,7 +22,7 @@ from transformers import (
 from fastppo.models import VALUE_HEAD_FILE, AutoModelForCausalLMWithValueHead, create_reference_model
 
 VOCAB = 64
-IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, vocab_size=VOCAB)
+IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "vocab_size": VOCAB}
 CONFIGS = {
     "gpt2": lambda: GPT2Config(n_layer=3, n_embd=16, n_head=2, n_positions=64, **IDS),
     "llama": lambda: LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
@@ -64,14 +64,14 @@ def head_of(model) -> dict[str, torch.Tensor]:
 
 def assert_same_head(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() == {"summary.weight", "summary.bias"}
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], atol=0, rtol=0)
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0, msg=k)
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], atol=0, rtol=0, msg=k)
 
 
 def randomize_head(model) -> None:
@@ -176,8 +176,6 @@ def test_bad_value_head_arguments_are_named(checkpoints):
     lm = AutoModelForCausalLM.from_pretrained(checkpoints["gpt2"])
     with pytest.raises(TypeError, match="summary_dropout"):
         AutoModelForCausalLMWithValueHead(lm, summary_dropout=0.5)
-    with pytest.raises(ValueError, match="reward_adapter"):
-        AutoModelForCausalLMWithValueHead.from_pretrained(lm, reward_adapter="some/adapter")
 
 
 @pytest.mark.parametrize(("arch", "key"), [("gpt2", "torch_dtype"), ("gpt_neox", "dtype")])
@@ -393,6 +391,39 @@ def test_peft_adapter_and_head_save_and_reload(lora, checkpoints, tmp_path):
 def test_peft_config_must_be_a_peft_config(lora, checkpoints):
     with pytest.raises(ValueError, match="peft_config should be a peft.PeftConfig, but is dict"):
         AutoModelForCausalLMWithValueHead.from_pretrained(checkpoints["llama"], peft_config={"r": 2})
+
+
+def test_a_reward_adapter_scores_as_its_reward_model(lora, checkpoints, tmp_path):
+    """Legacy TRL's reward_adapter: a PEFT reward model's adapter on the policy's base, for compute_reward_score."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    reward = AutoModelForSequenceClassification.from_pretrained(checkpoints["llama"], num_labels=1)
+    reward = get_peft_model(reward, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                               task_type="SEQ_CLS"))
+    with torch.no_grad():
+        for name, p in reward.named_parameters():
+            if "lora_B" in name or "score" in name:
+                p.normal_()
+    reward.eval().save_pretrained(str(tmp_path / "rm"))
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(checkpoints["llama"], peft_config=lora,
+                                                              reward_adapter=str(tmp_path / "rm"))
+    assert model.supports_rm_adapter and model.rm_adapter_name == "reward_adapter"
+    ids = random_ids()
+    scores = model.compute_reward_score(ids)
+    assert scores.shape == (2, 7, 1)
+    torch.testing.assert_close(scores[:, -1, :], reward(ids).logits, atol=1e-5, rtol=1e-5)
+    assert not model.score.weight.requires_grad
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_" in n and "reward_adapter" not in n for n in trainable)  # the policy's adapter is back on
+    assert not any("reward_adapter" in n for n in trainable) and "v_head.summary.weight" in trainable
+    assert model.pretrained_model.active_adapter == "default"
+    with pytest.raises(ValueError, match="reward_adapter can only be used with a PEFT model"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(checkpoints["llama"], reward_adapter=str(tmp_path / "rm"))
+    with pytest.raises(ValueError, match="reward_adapter should be a local path or Hub id"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(checkpoints["llama"], reward_adapter=reward)
+    with pytest.raises(ValueError, match="no reward adapter"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(checkpoints["llama"]).compute_reward_score(ids)
 
 
 # ---------------------------------------------------------------------------- create_reference_model
