@@ -7,7 +7,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoModelForCausalLMWithValueHead", "PPOConfig", "PPOTrainer"]
+__all__ = ["AutoModelForCausalLMWithValueHead", "PPOConfig", "PPOTrainer", "create_reference_model"]
 
 
 def __getattr__(name: str):
@@ -20,8 +20,8 @@ def __getattr__(name: str):
         from fastppo.trainer import PPOTrainer
 
         return PPOTrainer
-    if name == "AutoModelForCausalLMWithValueHead":
-        from fastppo.models import AutoModelForCausalLMWithValueHead
+    if name in ("AutoModelForCausalLMWithValueHead", "create_reference_model"):
+        from fastppo import models
 
-        return AutoModelForCausalLMWithValueHead
+        return getattr(models, name)
     raise AttributeError(f"module 'fastppo' has no attribute {name!r}")

@@ -92,7 +92,7 @@ USED = frozenset({
     "activation_checkpointing_kwargs", "use_liger_kernel", "logging_steps", "logging_first_step", "disable_tqdm",
     "report_to", "run_name", "per_device_eval_batch_size", "save_strategy", "save_steps", "save_total_limit",
     "seed", "use_cpu", "ddp_timeout", "deepspeed", "resume_from_checkpoint", "local_rank", "logging_strategy",
-    "logging_dir", "overwrite_output_dir", "eval_strategy", "eval_steps",
+    "logging_dir", "overwrite_output_dir",
 })
 REPORTERS = ("tensorboard", "wandb")
 

@@ -146,6 +146,7 @@ def build_parser() -> HfArgumentParser:
     parser = HfArgumentParser(
         (ScriptArguments, PPOConfig, ModelConfig),
         prog="python -m fastppo.train",
+        usage="%(prog)s [flags]  (python -m fastppo.train --help lists every flag)",
         description="PPO (RLHF) for causal language models: TRL's ppo.py flags (ScriptArguments, PPOConfig, "
                     "ModelConfig) plus fastppo's own.",
         allow_abbrev=False,  # a typo must not silently set a longer flag (--learning_rat 3 was lr 3)

@@ -244,6 +244,12 @@ class PPOConfig(TrainingArguments):
         # fastppo reads the DeepSpeed request itself (fastppo.zero) and fills its "auto" values from PPO's sizes,
         # which differ from the Trainer's; TrainingArguments' own processing would also register a global
         # ZeRO-3 config that changes how every later from_pretrained loads. Hide the field from it.
+        # transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns on every config
+        # that sets the old name; TRL's default sets it, so carry it over under the new name first
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            if new in self.__dataclass_fields__ and getattr(self, new) is None:
+                setattr(self, new, getattr(self, old))
         deepspeed, self.deepspeed = self.deepspeed, None
         try:
             super().__post_init__()

@@ -182,21 +182,21 @@ def right_pad(sequences: Sequence[torch.Tensor | Sequence[int]], pad_id: int):
 
 
 def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=print):
-    """(token ids of every prompt, the dataset): ``dataset`` is a Dataset, a list of dicts, a path, or
-    None for ``config.dataset_name`` (default: the built-in prompts). Its other columns go to reward
+    """(token ids of every prompt, the dataset): ``dataset`` is a Dataset, a list of dicts, a path (its train
+    split), or None for the built-in prompts. Its other columns go to reward
     functions. Empty prompts are dropped and prompts longer than ``max_prompt_length`` keep their last
     tokens; both counts are logged."""
     from fastppo.embedded import PROMPTS_PATH
 
-    if dataset is None or isinstance(dataset, str):
-        name = dataset or config.dataset_name or PROMPTS_PATH
-        dataset = load_prompt_dataset(name, config.dataset_train_split, config.dataset_config)
+    if dataset is None or isinstance(dataset, str):  # a path, or None: the built-in prompts
+        name = dataset or PROMPTS_PATH
+        dataset = load_prompt_dataset(name, "train")
     else:
         name = what
         dataset = as_dataset(dataset, what)
     column = prompt_column(dataset, config.dataset_text_field, name)
     if len(dataset) == 0:
-        raise ValueError(f"no prompts in dataset {name!r} (split {config.dataset_train_split!r} is empty)")
+        raise ValueError(f"no prompts in dataset {name!r} (it is empty)")
     ids = tokenize_prompts(dataset, column, tokenizer)
     keep = [i for i, t in enumerate(ids) if t]
     if not keep:

@@ -64,7 +64,7 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
     cache = DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
     mask = query_mask
     positions = (query_mask.cumsum(1) - 1).clamp(min=0)  # a left-padded prompt starts at position 0
-    inputs = queries
+    inputs = queries * query_mask  # padding is never attended: fed as id 0 (TRL's), whatever the pad id
     tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     for t in range(response_length):
@@ -78,7 +78,7 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
             done = done | torch.isin(token, stops)
             if _all_stopped(done, synced):  # one host sync per token: the loop ends once every row stopped
                 break
-        inputs = token[:, None]
+        inputs = torch.where(done, 0, token)[:, None]  # a stopped row's input is never read again
         mask = torch.cat([mask, mask.new_ones(b, 1)], 1)
         positions = positions[:, -1:] + 1
     return tokens
@@ -94,7 +94,7 @@ def generate_with_kwargs(lm, queries, query_mask, kwargs: dict, pad_id: int, sto
     saved = lm.generation_config
     lm.generation_config = GenerationConfig()
     try:
-        seq = lm.generate(input_ids=queries, attention_mask=query_mask, generation_config=gen)
+        seq = lm.generate(input_ids=queries * query_mask, attention_mask=query_mask, generation_config=gen)
     finally:
         lm.generation_config = saved
     return seq[:, queries.shape[1]:]

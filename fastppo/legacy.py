@@ -20,14 +20,11 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn as nn
+from transformers import DataCollatorForLanguageModeling
 
 from fastppo.errors import SettingsError
-from fastppo.models import AutoModelForCausalLMWithValueHead, lm_of
+from fastppo.models import AutoModelForCausalLMWithValueHead, create_reference_model, embedding_rows, is_peft, lm_of
 
-try:  # create_reference_model is the value-head module's (TRL's own home for it)
-    from fastppo.models import create_reference_model
-except ImportError:  # pragma: no cover
-    create_reference_model = None
 
 # generate() kwargs whose given value keeps sampling exactly softmax(logits / temperature)
 _NEUTRAL = {
@@ -95,6 +92,10 @@ class PPOConfig:
     global_backward_batch_size: int | None = field(default=None, metadata={"help": "Derived."})
     global_batch_size: int | None = field(default=None, metadata={"help": "Derived."})
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preprocessing."})
+    output_dir: str | None = field(
+        default=None, metadata={"help": "fastppo: where log_stats writes metrics.jsonl and samples.jsonl and "
+                                "save_pretrained's default goes (unset: project_kwargs' logging_dir, else "
+                                "output/<exp_name>)."})
 
     def __post_init__(self):
         for name in ("tracker_kwargs", "accelerator_kwargs", "project_kwargs", "push_to_hub_if_best_kwargs"):
@@ -134,7 +135,8 @@ class PPOConfig:
         self.global_backward_batch_size = self.backward_batch_size * world_size
         self.global_batch_size = self.batch_size * world_size
         return CorePPOConfig(
-            output_dir=os.path.join("output", self.exp_name or "legacy"), report_to=[self.log_with] if self.log_with
+            output_dir=self.output_dir or (self.project_kwargs or {}).get("logging_dir")
+            or os.path.join("output", self.exp_name or "legacy"), report_to=[self.log_with] if self.log_with
             else "none", run_name=self.exp_name, seed=self.seed, learning_rate=self.learning_rate,
             per_device_train_batch_size=self.mini_batch_size,
             gradient_accumulation_steps=self.batch_size // self.mini_batch_size,
@@ -194,6 +196,17 @@ class AcceleratorView:
     local_process_index = property(lambda self: self._state.local_rank)
     is_main_process = property(lambda self: self._state.rank == 0)
     is_local_main_process = property(lambda self: self._state.local_rank == 0)
+
+    @property
+    def state(self):
+        """accelerate's ``AcceleratorState`` fields legacy scripts read (no DeepSpeed plugin: the legacy API
+        trains with DDP)."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(deepspeed_plugin=None, num_processes=self.num_processes,
+                               process_index=self.process_index, device=self.device,
+                               distributed_type="MULTI_GPU" if self.num_processes > 1 and self.device.type == "cuda"
+                               else "MULTI_CPU" if self.num_processes > 1 else "NO")
 
     @staticmethod
     def unwrap_model(model):
@@ -271,11 +284,25 @@ def _collate_lists(rows: list[dict]) -> dict:
     return {key: [row[key] for row in rows] for key in rows[0]}
 
 
+def default_collate(rows: list):
+    """Legacy TRL's loader without a collator is torch's ``default_collate`` (tuples of tensors stacked, and so
+    on); where that fails on dict rows of variable-length prompts, a dict of lists (what TRL's docs' collator
+    returns) instead of an error."""
+    from torch.utils.data import default_collate as torch_default_collate
+
+    try:
+        return torch_default_collate(rows)
+    except (RuntimeError, TypeError):
+        if isinstance(rows[0], dict):
+            return _collate_lists(rows)
+        raise
+
+
 def legacy_dataloader(dataset, config, state, collator: Callable | None):
     """DataLoader over ``dataset``: ``batch_size`` rows per process, shuffled (seeded), last batch dropped.
 
-    Without a collator, a batch is a dict of lists (legacy TRL's docs pass exactly this collator;
-    torch's default one cannot stack variable-length prompts)."""
+    Without a collator, torch's default one (as legacy TRL), falling back to a dict of lists for rows of
+    variable-length prompts (``default_collate``)."""
     from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
     class EpochSampler(DistributedSampler):
@@ -293,7 +320,7 @@ def legacy_dataloader(dataset, config, state, collator: Callable | None):
     else:
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(config.seed))
     return DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, drop_last=True,
-                      collate_fn=collator or _collate_lists)
+                      collate_fn=collator or default_collate)
 
 
 def _is_exact(kwargs: dict) -> bool:
@@ -409,6 +436,21 @@ def _text(value) -> str:
     return value if isinstance(value, str) else str(value.tolist() if isinstance(value, torch.Tensor) else value)
 
 
+class OptimizerView:
+    """The user's optimizer as legacy TRL's trainer holds it (accelerate's wrapper): ``.optimizer`` is the
+    object passed in; every other attribute, read or set, is that object's (so a caller's
+    ``trainer.optimizer.zero_grad = ...`` rebinds what the update calls)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        object.__setattr__(self, "optimizer", optimizer)
+
+    def __getattr__(self, name: str):
+        return getattr(self.optimizer, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.optimizer, name, value)
+
+
 class PPOTrainer:
     """Legacy TRL's ``PPOTrainer`` (v0.11)::
 
@@ -442,22 +484,24 @@ class PPOTrainer:
         if ref_model is not None and num_shared_layers is not None:
             warnings.warn("num_shared_layers is ignored when ref_model is given (as in TRL): the reference is the "
                           "model you passed", UserWarning, stacklevel=2)
-        elif num_shared_layers is not None:
+        elif ref_model is None and not is_peft(model):  # TRL: a frozen copy (the PEFT policy's base otherwise)
             ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
+        self.ref_model = ref_model
         if isinstance(ref_model, AutoModelForCausalLMWithValueHead):
             ref_model = ref_model.pretrained_model  # the reference is only ever read for log-probs
         self.config = config
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if optimizer is None:  # legacy TRL's default: Adam over the trainable parameters
             optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
+        self.optimizer = OptimizerView(optimizer)
         self._core = CoreTrainer(args=config.to_core(world), processing_class=tokenizer, model=model,
-                                 ref_model=ref_model, optimizers=(optimizer, lr_scheduler), loop=False)
+                                 ref_model=ref_model, optimizers=(self.optimizer, lr_scheduler), loop=False)
         self.model = model
-        self.ref_model = ref_model
         self.tokenizer = tokenizer
-        self.optimizer = self._core.optimizer
         self.lr_scheduler = lr_scheduler
-        self.data_collator = data_collator
+        self.is_encoder_decoder = False
+        # the collator of prepare_model_inputs (legacy TRL's default); the loader's is data_collator
+        self.data_collator = training_data_collator or DataCollatorForLanguageModeling(tokenizer, mlm=False)
         self.dataset = dataset
         self.current_step = 0
         self.is_distributed = world > 1
@@ -503,6 +547,11 @@ class PPOTrainer:
 
         core = self._core
         scores = check_step_inputs(queries, responses, scores, response_masks, self.config.batch_size, core.device)
+        rows = embedding_rows(self.model)
+        largest = max(int(t.max()) for t in [*queries, *responses] if t.numel())
+        if largest >= rows:
+            raise SettingsError(f"step: token id {largest} is past the model's {rows} embedding rows (a token the "
+                                "tokenizer added without model.resize_token_embeddings?)")
         pad = core.tokenizer.pad_token_id
         q, q_mask = left_pad([x.tolist() for x in queries], pad)
         r, real = right_pad([x.tolist() for x in responses], pad)
@@ -545,3 +594,141 @@ class PPOTrainer:
             f.write(f"# {model_name}\n\nTrained with PPO by [fastppo](https://pypi.org/project/fastppo/) "
                     f"(legacy TRL API).\n\n```python\nfrom transformers import AutoModelForCausalLM\n\n"
                     f"model = AutoModelForCausalLM.from_pretrained({path!r})\n```\n")
+
+    # ------------------------------------------------------------------ legacy TRL's building blocks
+    # The same computations as step(), in legacy TRL's padded [batch, sequence] form, for loops that call them
+    # one by one. Each is a thin layer over fastppo's own functions (one place for each piece of math).
+
+    def prepare_model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:
+        """``input_ids``/``attention_mask`` of query+response rows, padded by the training collator."""
+        rows = [torch.cat([q, r]) for q, r in zip(queries, responses)]
+        batch = self.data_collator([{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in rows])
+        batch.pop("labels", None)  # no LM loss here
+        return {k: v.to(self._core.device) for k, v in batch.items()}
+
+    def batched_forward_pass(self, model, queries, responses, model_inputs: dict, return_logits: bool = False,
+                             response_masks=None):
+        """(log-probs [B, L-1], logits or None, values [B, L-1], masks [B, L-1]) in ``mini_batch_size`` chunks:
+        log-probs of the raw logits at each next token, masks 1 on response tokens (times ``response_masks``)."""
+        from fastppo.kernels import token_logprobs
+
+        size = self.config.mini_batch_size
+        logprobs, logits_out, values, masks = [], [], [], []
+        model.eval()
+        for start in range(0, len(queries), size):
+            inputs = {k: v[start:start + size] for k, v in model_inputs.items()}
+            logits, _, value = model(**inputs)
+            ids, attention = inputs["input_ids"], inputs["attention_mask"]
+            logprobs.append(token_logprobs(logits[:, :-1], ids[:, 1:]))
+            mask = torch.zeros_like(attention)
+            mask[:, :-1] = attention[:, 1:]
+            for j in range(ids.shape[0]):
+                first = len(queries[start + j]) - 1  # the token before the response predicts its first token
+                if attention[j, 0] == 0:  # left padding
+                    first += int(attention[j].nonzero()[0])
+                end = first + len(responses[start + j])
+                mask[j, :first] = 0
+                mask[j, end:] = 0
+                if response_masks is not None:
+                    mask[j, first:end] *= response_masks[start + j].to(mask.device)
+            logits_out.append(logits if return_logits else None)
+            values.append(value)
+            masks.append(mask)
+        return (torch.cat(logprobs), torch.cat(logits_out)[:, :-1] if return_logits else None,
+                torch.cat(values)[:, :-1], torch.cat(masks)[:, :-1])
+
+    def compute_rewards(self, scores, logprobs, ref_logprobs, masks):
+        """(rewards, non-score rewards, KL) per token: −β·KL everywhere and the score on each row's last
+        masked-in token (fastppo.train.per_token_rewards)."""
+        from fastppo.kernels import kl_penalty
+        from fastppo.train import per_token_rewards
+
+        estimator = {"kl": "k1"}.get(self.config.kl_penalty, self.config.kl_penalty)
+        if estimator == "full":
+            raise SettingsError("compute_rewards: kl_penalty='full' needs the whole distributions; step() computes "
+                                "it from hidden states (fastppo.kernels.fused_full_kl)")
+        kl = kl_penalty(logprobs, ref_logprobs, estimator)
+        masks = masks.bool()
+        last = masks.shape[1] - 1 - masks.flip(1).float().argmax(1)
+        rewards, non_score = per_token_rewards(kl, torch.as_tensor(scores, dtype=torch.float32,
+                                                                   device=kl.device).reshape(-1),
+                                               masks, last, self._core.kl_ctl.value)
+        return rewards, non_score, kl
+
+    def compute_advantages(self, values, rewards, mask):
+        """(masked values, whitened advantages, returns) by GAE (fastppo.train.compute_advantages)."""
+        from fastppo.train import compute_advantages
+
+        mask = mask.bool()
+        values, rewards = values * mask, rewards * mask
+        advantages, returns = compute_advantages(rewards, values, mask, self.config.gamma, self.config.lam,
+                                                 self.config.whiten_rewards)
+        return values, advantages.detach(), returns
+
+    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
+        """(policy loss, vf_coef × value loss, stats) as legacy TRL returns them (fastppo.train.ppo_losses)."""
+        from fastppo.kernels import token_logprobs
+        from fastppo.metrics import STAT
+        from fastppo.train import ppo_losses
+
+        mask = mask.bool()
+        entropy = token_logprobs(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device),
+                                 return_entropy=True)[1]
+        c = self.config
+        common = (old_logprobs, values, advantages, returns, mask, c.cliprange, c.cliprange_value)
+        policy, _ = ppo_losses(logprobs, vpreds, entropy, *common, 0.0, 0.0, c.ratio_threshold)
+        total, stats = ppo_losses(logprobs, vpreds, entropy, *common, c.vf_coef, 0.0, c.ratio_threshold)
+        if stats[STAT["ratio_skipped"]] > 0:
+            warnings.warn(f"The average ratio of batch ({stats[STAT['ratio']]:.2f}) exceeds threshold "
+                          f"{c.ratio_threshold:.2f}. Skipping batch.", UserWarning, stacklevel=2)
+        ratio = torch.exp(logprobs - old_logprobs)
+        named = {"loss/policy": "pg_loss", "loss/value": "vf_loss", "policy/entropy": "entropy",
+                 "policy/approxkl": "approxkl", "policy/policykl": "policykl", "policy/clipfrac": "pg_clipfrac",
+                 "policy/advantages_mean": "advantages_mean", "returns/mean": "returns_mean",
+                 "returns/var": "returns_var", "val/vpred": "vpred_mean", "val/error": "vf_error",
+                 "val/clipfrac": "vf_clipfrac", "val/mean": "values_mean", "val/var": "values_var"}
+        out = {key: stats[STAT[name]].detach() for key, name in named.items()}
+        out.update({"loss/total": total.detach(), "policy/advantages": advantages.detach(),
+                    "policy/ratio": ratio.detach()})
+        return policy, total - policy, out
+
+    def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns) -> dict:
+        """One optimizer step on one minibatch: loss, backward, clipping (``max_grad_norm``), step."""
+        self.model.train()
+        policy, value, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
+        (policy + value).backward()
+        if self.config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                           self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return stats
+
+    def record_step_stats(self, kl_coef: float, **data) -> dict:
+        """The step's statistics from its pieces (``masks``, ``kls``, ``logprobs``, ``ref_logprobs``,
+        ``non_score_reward``, ``scores``, ``queries``, ``responses``, ``train_stats``), as legacy TRL's."""
+        from fastppo.kernels import masked_mean
+
+        mask = data.pop("masks")
+        kl_sum = (data.pop("kls") * mask).sum(-1)
+        mean_kl = kl_sum.mean()
+        if mean_kl.item() < -1.0:
+            warnings.warn(f"KL divergence is starting to become negative: {mean_kl.item():.2f}; check the "
+                          "generation kwargs (they must sample from the model's own distribution)", UserWarning,
+                          stacklevel=2)
+        query_lens = torch.tensor([len(q) for q in data["queries"]], dtype=torch.float)
+        response_lens = torch.tensor([len(r) for r in data["responses"]], dtype=torch.float)
+        stats = {
+            "objective/kl": mean_kl, "objective/kl_dist": kl_sum, "objective/logprobs": data["logprobs"],
+            "objective/ref_logprobs": data["ref_logprobs"], "objective/kl_coef": kl_coef,
+            "objective/entropy": (-data["logprobs"] * mask).sum(-1).mean(),
+            "ppo/mean_non_score_reward": masked_mean(data["non_score_reward"], mask.bool()),
+            "ppo/mean_scores": data["scores"].mean(), "ppo/std_scores": data["scores"].std(),
+            "tokens/queries_len_mean": query_lens.mean().item(), "tokens/queries_len_std": query_lens.std().item(),
+            "tokens/queries_dist": query_lens.numpy(), "tokens/responses_len_mean": response_lens.mean().item(),
+            "tokens/responses_len_std": response_lens.std().item(), "tokens/responses_dist": response_lens.numpy(),
+        }
+        for key, value in data["train_stats"].items():
+            stats[f"ppo/{key}"] = torch.mean(value, dim=0) if isinstance(value, torch.Tensor) else value
+        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+        return stats

@@ -600,13 +600,14 @@ def make_layout(query_responses: torch.Tensor, context_length: int, query_length
     else:
         lq, lr = max(query_lengths), max(response_lengths)
         columns = slice(context_length - lq, context_length + lr)
-        input_ids = query_responses[:, columns]
         real = torch.zeros(b, lq + lr, dtype=torch.long)
         for i, (ql, rl) in enumerate(zip(query_lengths, response_lengths)):
             real[i, lq - ql : lq + rl] = 1
             gather.append(torch.arange(i * (lq + lr) + lq - 1, i * (lq + lr) + lq - 1 + rl))
             last.append(i * (lq + lr) + lq + rl - 1)
         attention_mask = real.to(device, non_blocking=True)
+        # padding is never attended; it is fed as id 0 (as TRL does), so a pad id past the embedding is harmless
+        input_ids = query_responses[:, columns] * attention_mask
         position_ids = (real.cumsum(1) - 1).clamp(min=0).to(device, non_blocking=True)
     for i, rl in enumerate(response_lengths):
         rows.append(torch.full((rl,), i))
@@ -869,24 +870,37 @@ def is_peft(model: nn.Module) -> bool:
     return hasattr(lm_of(model), "disable_adapter")
 
 
-def check_vocabulary(models: dict[str, nn.Module | None], tokenizer, loaded: set[str], log) -> None:
-    """Every token id the tokenizer can produce must have an embedding row. A model fastppo loaded itself is
-    resized (and it says so); a model the user passed is never changed behind their back: refused, with the
-    fix."""
+def embedding_rows(model: nn.Module) -> int:
+    return causal_lm_of(model).get_input_embeddings().weight.shape[0]
+
+
+def check_vocabulary(models: dict[str, nn.Module | None], tokenizer, loaded: set[str], largest_input_id: int,
+                     log) -> None:
+    """Every token a model reads must have an embedding row. Padding never reaches a model (its positions are
+    fed as id 0, as TRL does), so a tokenizer with an added pad token beyond the embedding is fine; what must
+    fit are the real inputs: the prompts' and stop tokens (``largest_input_id``) and, for the models that read
+    the policy's samples, every id the policy can generate. A model fastppo loaded itself is resized to the
+    tokenizer (and it says so); a model the user passed is never changed behind their back: refused, with
+    the fix."""
+    policy = models["policy"]
     for what, model in models.items():
         if model is None:
             continue
-        rows = causal_lm_of(model).get_input_embeddings().weight.shape[0]
-        if rows >= len(tokenizer):
+        need = largest_input_id + 1
+        if what != "policy":  # it reads the policy's samples: any id the policy's head can produce
+            need = max(need, lm_head_of(policy).weight.shape[0])
+        rows = embedding_rows(model)
+        if rows >= need:
             continue
         if what in loaded:
-            causal_lm_of(model).resize_token_embeddings(len(tokenizer))
-            log(f"{what}: embeddings resized from {rows} to the tokenizer's {len(tokenizer)} tokens")
+            causal_lm_of(model).resize_token_embeddings(max(need, len(tokenizer)))
+            log(f"{what}: embeddings resized from {rows} to {max(need, len(tokenizer))} tokens")
         else:
             raise SettingsError(
-                f"the {what} has {rows} embedding rows but the tokenizer has {len(tokenizer)} tokens (ids up to "
-                f"{len(tokenizer) - 1} would index past them); fastppo does not resize a model you pass: call "
-                f"model.resize_token_embeddings(len(tokenizer)) on it first (or drop the added tokens)")
+                f"the {what} has {rows} embedding rows but reads token ids up to {need - 1} (the prompts', the stop "
+                f"tokens' or the policy's samples); fastppo does not resize a model you pass: call "
+                f"model.resize_token_embeddings({max(need, len(tokenizer))}) on it first, or use a tokenizer and "
+                "models that share one vocabulary")
 
 
 def prepare_models(policy, ref_model, value_model, reward_model, tokenizer, config, device, log):
@@ -916,23 +930,8 @@ def prepare_models(policy, ref_model, value_model, reward_model, tokenizer, conf
                 check_packing(model, device, what)
 
 
-def freeze_shared_layers(policy: nn.Module, num_shared_layers: int) -> None:
-    """Legacy ``num_shared_layers``: the policy's parameters before layer k stay frozen (legacy TRL
-    "shares" them with the reference; it keeps the reference whole and freezes them in the policy)."""
-    patterns = ("transformer.h.{}.", "model.decoder.layers.{}.", "gpt_neox.layers.{}.", "model.layers.{}.")
-    names = [n for n, _ in causal_lm_of(policy).named_parameters()]
-    marker = next((p.format(num_shared_layers) for p in patterns
-                   if any(p.format(num_shared_layers) in n for n in names)), None)
-    if marker is None:
-        raise ValueError(f"num_shared_layers={num_shared_layers}: the policy has no layer {num_shared_layers}")
-    for name, p in causal_lm_of(policy).named_parameters():
-        if marker in name:
-            break
-        p.requires_grad_(False)
-
-
 def build_models(bound: dict, config, model_args, policy_path: str | None, tokenizer, reward_path: str | None,
-                 bf16: bool, device, log) -> tuple[nn.Module, nn.Module | None, nn.Module | None, nn.Module | None]:
+                 bf16: bool, device, log, largest_input_id: int = 0) -> tuple[nn.Module, nn.Module | None, nn.Module | None, nn.Module | None]:
     """(policy, reference, value model, reward model) from the trainer's arguments (objects or paths),
     falling back to the config's paths; prepared and placed on ``device``.
 
@@ -983,7 +982,7 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
                                     fresh_head_ok=config.allow_untrained_heads, frozen=True, bf16=bf16)
         loaded.add("reward model")
     check_vocabulary({"policy": policy, "reference model": ref_model, "value model": value_model,
-                      "reward model": reward_model}, tokenizer, loaded, log)
+                      "reward model": reward_model}, tokenizer, loaded, largest_input_id, log)
     if want_peft and not is_peft(policy):
         policy = apply_peft(policy, peft_config, model_args)
     prepare_models(policy, ref_model, value_model, reward_model, tokenizer, config, device, log)

@@ -412,7 +412,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 skipped += 1.0
                 log(f"non-finite loss or gradient at PPO epoch {epoch}, minibatch {mb}: "
                     "step skipped, weights unchanged")
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()  # torch frees the gradients (set_to_none); a caller may have rebound it
         if config.early_stopping:
             # legacy TRL: after each epoch, the policy KL of its last minibatch against 1.5 × target_kl
             kl_now = torch.nanmean(stats[STAT["policykl"], epoch, sizes.num_mini_batches - 1]).reshape(1)

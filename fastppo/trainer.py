@@ -158,7 +158,7 @@ class PPOTrainer:
         built = M.build_models(dict(model=model, ref_model=ref_model, value_model=value_model,
                                     reward_model=reward_model, peft_config=peft_config),
                                config, model_args, policy_path, tokenizer, reward_path, self.bf16, self.device,
-                               self.log)
+                               self.log, max([0, *self.stop_ids, *(max(p) for p in (self.prompts or []) + (self.eval_prompts or []) if p)]))
         self.policy, self.ref_model, self.value_model, self.reward_model = built
         self.actor_critic = M.PolicyAndValue(self.policy, self.value_model)
         self.model = self.actor_critic
