@@ -162,7 +162,7 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
     require(c.stop_token in (None, "eos"), f"stop_token must be 'eos' or unset, got {c.stop_token!r}")
     require(not (c.stop_token is not None and c.stop_token_id), "stop_token and stop_token_id are mutually "
             "exclusive; set one")
-    for token in c.stop_token_id or []:
+    for token in [c.stop_token_id] if isinstance(c.stop_token_id, int) else c.stop_token_id or []:
         require(isinstance(token, int) and 0 <= token < 2**63, f"stop_token_id {token!r} is not a token id (>= 0)")
     # rewards, KL, advantages
     require(c.kl_estimator in KL_ESTIMATOR_CHOICES,
@@ -213,7 +213,7 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
                        ("reward_model_path", c.reward_model_path), ("value_model_path", c.value_model_path)):
         check_path(path, flag)
     notes += [f"--{name} is a TrainingArguments field with no meaning in PPO: ignored" for name in ignored_fields(c)]
-    notes += check_deepspeed(c, peft)
+    notes += check_deepspeed(c, peft or model_args.use_peft)
     if c.target_kl != PPOConfig.__dataclass_fields__["target_kl"].default and not c.early_stopping:
         notes.append("target_kl is the early-stopping threshold (legacy TRL); without --early_stopping it has no "
                      "effect (the adaptive controller's target is --kl_target)")

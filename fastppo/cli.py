@@ -137,8 +137,8 @@ def get_kbit_device_map() -> dict[str, int] | None:
 EMBEDDED_PRESET: dict[str, Any] = dict(
     learning_rate=3e-3, per_device_train_batch_size=16, gradient_accumulation_steps=4, num_train_epochs=12.0,
     response_length=12, temperature=1.0, logging_steps=1, num_threads=1, gradient_checkpointing=False,
-    output_dir="output/fastppo-default",
 )
+EMBEDDED_OUTPUT_DIR = "output/fastppo-default"
 MODEL_FLAGS = ("model_name_or_path", "sft_model_path")
 
 
@@ -209,7 +209,7 @@ def cli_settings(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PP
     script_args, training_args, model_args, given = parse_args(argv)
     embedded = not ({"model_name_or_path", "sft_model_path"} & given)
     if embedded:
-        preset = {k: v for k, v in EMBEDDED_PRESET.items() if k not in given}
+        preset = {k: v for k, v in {**EMBEDDED_PRESET, "output_dir": EMBEDDED_OUTPUT_DIR}.items() if k not in given}
         training_args = PPOConfig(**{**training_args_kwargs(training_args, given), **preset})
     return script_args, training_args, model_args, embedded
 

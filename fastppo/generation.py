@@ -106,4 +106,5 @@ def stop_ids_of(config, tokenizer) -> list[int]:
         if tokenizer.eos_token_id is None:
             raise ValueError("stop_token='eos' but the tokenizer has no eos token; pass --stop_token_id")
         return [tokenizer.eos_token_id]
-    return list(config.stop_token_id or [])
+    ids = config.stop_token_id
+    return [ids] if isinstance(ids, int) else list(ids or [])  # TRL's type is one int

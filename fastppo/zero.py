@@ -160,7 +160,7 @@ def check_deepspeed(c: PPOConfig, use_peft: bool) -> list[str]:
                 f"{source}: {precision}.enabled is not supported: DeepSpeed's {precision} keeps {precision} weights; "
                 "fastppo trains fp32 weights and --bf16 turns on bf16 autocast for the forward passes; set "
                 f"{precision}.enabled to false or \"auto\"")
-    require(not use_peft, f"--use_peft with DeepSpeed ({source}) is not supported yet (LoRA under ZeRO is not "
+    require(not use_peft, f"--use_peft (a PEFT/LoRA policy) with DeepSpeed ({source}) is not supported yet (LoRA under ZeRO is not "
             "implemented and tested in fastppo); train LoRA with torchrun (DDP), or drop --use_peft")
     if importlib.util.find_spec("deepspeed") is None:
         raise SettingsError(f"{source} asks for DeepSpeed, which is not installed; install it with "

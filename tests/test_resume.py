@@ -264,7 +264,9 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
 
 def test_a_single_int_stop_token_id_is_one_stop_token(tmp_path):
     """TRL's stop_token_id is one int; fastppo also takes a list."""
+    from fastppo.generation import stop_ids_of
+
     assert PPOConfig(stop_token_id=2).stop_token_id == [2]
     config = PPOConfig()
-    config.stop_token_id = 7
-    assert config.stop_token_id == [7] and "stop_token_id" in config.given
+    config.stop_token_id = 7  # set after construction, as a TRL script may
+    assert stop_ids_of(config, tokenizer=None) == [7]

@@ -378,7 +378,7 @@ def test_reward_model_path_run(tmp_path, embedded_cache):
 
 
 def test_missing_model_path_fails_fast(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model_name_or_path"):
+    with pytest.raises(FileNotFoundError, match="sft_model_path"):
         train(tiny(tmp_path, sft_model_path=str(tmp_path / "no-such-model")))
 
 

@@ -125,7 +125,8 @@ def test_warmup_and_the_logged_lr_is_the_one_used(tmp_path, model_dir):
     assert [m["lr"] for m in plain.state.log_history] == pytest.approx([3e-3, 2e-3, 1e-3])  # never the next one, never 0
     warm = run(tiny(tmp_path / "warm", lr_scheduler_type="linear", total_episodes=32, warmup_steps=2))
     assert [m["lr"] for m in warm.state.log_history] == pytest.approx([0.0, 1.5e-3, 3e-3, 1.5e-3])
-    ratio = run(tiny(tmp_path / "ratio", lr_scheduler_type="linear", total_episodes=32, warmup_ratio=0.5))
+    fraction = {"warmup_ratio": 0.5} if "warmup_ratio" in PPOConfig.__dataclass_fields__ else {"warmup_steps": 0.5}
+    ratio = run(tiny(tmp_path / "ratio", lr_scheduler_type="linear", total_episodes=32, **fraction))
     assert [m["lr"] for m in ratio.state.log_history] == pytest.approx([0.0, 1.5e-3, 3e-3, 1.5e-3])
 
 
@@ -146,7 +147,7 @@ def test_dtype_loads_weights_in_that_dtype(tmp_path, model_dir):
 
 
 def test_frozen_models_in_bf16_under_bf16(tmp_path, model_dir):
-    trainer = PPOTrainer(args=tiny(tmp_path, bf16=True))
+    trainer = PPOTrainer(args=tiny(tmp_path, bf16=True, use_cpu=not torch.cuda.is_available()))  # transformers: bf16 on a CPU needs use_cpu
     assert {p.dtype for p in trainer.ref_model.parameters()} == {torch.bfloat16}  # forwards only
     assert {p.dtype for p in trainer.policy.parameters()} == {torch.float32}  # fp32 master weights
 
@@ -185,7 +186,9 @@ def test_max_steps_logging_first_step_and_save_total_limit(tmp_path, model_dir):
     trainer = run(tiny(tmp_path, max_steps=5, total_episodes=800, logging_steps=3, logging_first_step=True,
                        save_steps=1, save_total_limit=2))
     assert trainer.state.global_step == 5  # max_steps overrides total_episodes
-    assert [m["step"] for m in trainer.state.log_history] == [1, 3, 5]
+    assert [m["step"] for m in trainer.state.log_history] == [1, 2, 3, 4, 5]  # TRL logs every iteration
+    logged = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 3, 5]  # fastppo's loggers: every logging_steps, the first and the last
     checkpoints = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
     assert checkpoints == ["checkpoint-3", "checkpoint-4"]  # the newest 2 (the final save is the output_dir)
 
