@@ -99,7 +99,7 @@ REPORTERS = ("tensorboard", "wandb")
 
 def ignored_fields(config: PPOConfig) -> list[str]:
     """The TrainingArguments fields set to a non-default value that PPO has no use for."""
-    defaults = TrainingArguments(output_dir=config.output_dir)
+    defaults = PPOConfig(output_dir=config.output_dir)  # not TrainingArguments(): that one sets up accelerate
     out = []
     for name in TrainingArguments.__dataclass_fields__:
         if name in USED or name in UNSUPPORTED or not hasattr(defaults, name):
@@ -112,7 +112,7 @@ def ignored_fields(config: PPOConfig) -> list[str]:
 def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bool = False) -> list[str]:
     """Checks of the settings alone, before any model or dataset is loaded: a SettingsError naming the
     setting for anything that would crash later or silently train wrong. Returns notes to log."""
-    defaults = TrainingArguments(output_dir=c.output_dir)
+    defaults = PPOConfig(output_dir=c.output_dir)
     for name, why in UNSUPPORTED.items():
         if hasattr(c, name) and getattr(c, name) != getattr(defaults, name, None) and getattr(c, name):
             raise SettingsError(f"{name}: {why}")

@@ -171,12 +171,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOC
         return script_args, training_args, model_args, frozenset(named)
     *dataclasses_, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
-        flags = sorted(a.lstrip("-").replace("-", "_") for a in parser._option_string_actions)
+        flags = sorted({a.lstrip("-").replace("-", "_") for a in parser._option_string_actions})
         problems = []
-        for token in unknown:
+        for i, token in enumerate(unknown):
+            if not token.startswith("-") and i and unknown[i - 1].startswith("--") and "=" not in unknown[i - 1]:
+                continue  # the value of the unknown flag before it
             name = token.split("=", 1)[0]
             close = difflib.get_close_matches(name.lstrip("-"), flags, n=3, cutoff=0.6) if name.startswith("--") else []
-            problems.append(f"{token} (did you mean {', '.join('--' + c for c in close)}?)" if close else token)
+            problems.append(f"{name} (did you mean {', '.join('--' + c for c in close)}?)" if close else name)
         parser.error(f"unrecognized arguments: {'; '.join(problems)}")
     given = set()
     for token in argv:

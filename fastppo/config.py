@@ -17,9 +17,12 @@ off on a CPU). The legacy API's config (TRL <= 0.11) is another class, ``fastppo
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
+import torch
 from transformers import TrainingArguments
 
 KL_ESTIMATOR_CHOICES = ("k1", "k2", "k3", "abs", "mse", "full")
@@ -255,6 +258,20 @@ class PPOConfig(TrainingArguments):
             super().__post_init__()
         finally:
             self.deepspeed = deepspeed
+
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        """This process's device, without side effects. ``TrainingArguments`` builds accelerate's state here,
+        which under torchrun starts the process group the moment a config is made (and resets any accelerate
+        state already set up); fastppo starts its own in ``fastppo.dist`` (timeout, backend, a store per
+        elastic restart), so making a config stays free of side effects."""
+        self.distributed_state = None
+        if torch.cuda.is_available() and not self.use_cpu:
+            self._n_gpu = 1
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        self._n_gpu = 0
+        return torch.device("cpu")
 
 
 # ============================================================================ sizes

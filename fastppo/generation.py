@@ -40,8 +40,15 @@ def sample_responses(lm, queries, query_mask, response_length: int, temperature:
     ``synced``: a chunk's loop ends only when every process's rows have stopped (one all-reduce per token;
     DeepSpeed ZeRO-3 without gathered weights, where each forward is a collective). Every process must
     then sample the same number of chunks."""
-    out = [_sample_chunk(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, temperature,
-                         stop_ids, pad_id, synced) for i in range(0, queries.shape[0], chunk)]
+    # in training mode with gradient checkpointing transformers silently turns the KV cache off, and a decode
+    # loop that feeds one token at a time then forgets the prompt: sample in eval mode, whatever the caller's
+    training = lm.training
+    lm.eval()
+    try:
+        out = [_sample_chunk(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, temperature,
+                             stop_ids, pad_id, synced) for i in range(0, queries.shape[0], chunk)]
+    finally:
+        lm.train(training)
     return torch.cat(out)
 
 

@@ -438,17 +438,15 @@ def _text(value) -> str:
 
 class OptimizerView:
     """The user's optimizer as legacy TRL's trainer holds it (accelerate's wrapper): ``.optimizer`` is the
-    object passed in; every other attribute, read or set, is that object's (so a caller's
-    ``trainer.optimizer.zero_grad = ...`` rebinds what the update calls)."""
+    object passed in, every attribute read is that object's, and one set on the view stays on the view (so a
+    caller's ``trainer.optimizer.zero_grad = ...`` rebinds what the update calls, and the user's optimizer
+    object is left as it was)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
-        object.__setattr__(self, "optimizer", optimizer)
+        self.optimizer = optimizer
 
     def __getattr__(self, name: str):
-        return getattr(self.optimizer, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        setattr(self.optimizer, name, value)
+        return getattr(self.__dict__["optimizer"], name)
 
 
 class PPOTrainer:

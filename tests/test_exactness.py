@@ -273,3 +273,22 @@ def test_non_finite_steps_are_skipped_on_the_device_or_host(tmp_path, model_dir,
         assert torch.equal(v, before[k]), k
     for state in optimizer.state.values():  # fused: the moments exist but never moved
         assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+
+
+def test_sampling_is_the_same_in_train_mode_under_gradient_checkpointing(model_dir):
+    """transformers drops the KV cache of a model in train mode with gradient checkpointing on; the sampler must
+    not follow it into decoding without the prompt (it samples in eval mode, and restores the caller's mode)."""
+    from transformers import AutoModelForCausalLM
+
+    from fastppo.data import left_pad
+    from fastppo.generation import sample_responses
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    queries, mask = left_pad([[5, 6, 7, 8], [9, 10]], 0)
+    torch.manual_seed(3)
+    expected = sample_responses(model.eval(), queries, mask, 6, 1.0, [], 0, 8)
+    model.gradient_checkpointing_enable()
+    model.train()
+    torch.manual_seed(3)
+    assert torch.equal(sample_responses(model, queries, mask, 6, 1.0, [], 0, 8), expected)
+    assert model.training
