@@ -270,9 +270,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``python -m fastppo.train``: flags to a PPOTrainer, train, save. Bad input: one line, exit 2."""
     from fastppo.trainer import main_guard
 
+    settings = {}
+
     def run():
         script_args, training_args, model_args, embedded = cli_settings(argv)
+        settings["config"] = training_args  # for the guard's timeout message
         trainer = build_trainer(script_args, training_args, model_args, embedded)
         trainer.train()
 
-    main_guard(run)
+    main_guard(run, lambda: settings.get("config"))

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -273,11 +274,16 @@ def legacy_step_stats(metrics: dict, out: dict, rollout, vf_coef: float) -> dict
             "tokens/responses_len_mean": response_lengths.mean().item(),
             "tokens/responses_len_std": response_lengths.std().item() if len(response_lengths) > 1 else 0.0,
             "tokens/responses_dist": response_lengths.numpy(),
-            "time/ppo/forward_pass": out["seconds"]["scoring"],
+            "time/ppo/forward_pass": out["phases"]["forward"],
+            "time/ppo/compute_rewards": out["phases"]["rewards"],
             "time/ppo/optimize_step": out["seconds"]["update"],
         },
     )
-    return legacy_stats(metrics, stats_means(out["result"]), extra)
+    start = time.perf_counter()
+    stats = legacy_stats(metrics, stats_means(out["result"]), extra)
+    stats["time/ppo/calc_stats"] = time.perf_counter() - start
+    stats["time/ppo/total"] = out["seconds"]["scoring"] + out["seconds"]["update"] + stats["time/ppo/calc_stats"]
+    return stats
 
 
 def _collate_lists(rows: list[dict]) -> dict:

@@ -100,6 +100,7 @@ def legacy_stats(metrics: dict[str, float], stats_mean: dict[str, float], extra:
         "ppo/policy/policykl": stats_mean["policykl"],
         "ppo/policy/clipfrac": stats_mean["pg_clipfrac"],
         "ppo/policy/advantages_mean": stats_mean["advantages_mean"],
+        "ppo/policy/ratio": stats_mean["ratio"],  # legacy TRL: per-token ratios; here their mean
         "ppo/returns/mean": stats_mean["returns_mean"],
         "ppo/returns/var": stats_mean["returns_var"],
         "ppo/val/vpred": stats_mean["vpred_mean"],

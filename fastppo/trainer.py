@@ -344,6 +344,7 @@ class PPOTrainer:
             experience = score_rollout(self.actor_critic, self.reference, rollout, config.temperature,
                                        config.kl_estimator, config.local_rollout_forward_batch_size,
                                        config.padding_free, seconds)
+        t_forward = time.perf_counter()
         from fastppo.rewards import transform_scores
 
         final_scores = transform_scores(scores, config.use_score_scaling, config.use_score_norm, config.score_clip,
@@ -363,7 +364,8 @@ class PPOTrainer:
                             self.shuffle, self.autocast, self.log, zero=self.zero)
         t2 = time.perf_counter()
         return dict(experience=experience, targets=targets, result=result, kl_coef=kl_coef, lr=lr,
-                    final_scores=final_scores, seconds={"scoring": t1 - t0, "update": t2 - t1,
+                    final_scores=final_scores, phases={"forward": t_forward - t0, "rewards": t1 - t_forward},
+                    seconds={"scoring": t1 - t0, "update": t2 - t1,
                                                         **{f"scoring/{k}": v for k, v in seconds.items()}})
 
     def _end_iteration(self, rollout: Rollout, out: dict, logged_scores, eos) -> dict:
@@ -718,7 +720,7 @@ def fill_derived_sizes(config: PPOConfig, sizes: Sizes) -> None:
 
 
 
-def main_guard(run: Callable, config: PPOConfig | None = None):
+def main_guard(run: Callable, config: Callable[[], PPOConfig | None] = lambda: None):
     """Run ``run``; bad input becomes a one-line error and exit 2, a collective that timed out (a frozen
     or dead process) a line naming this rank and --ddp_timeout, and exit 1."""
     from fastppo.rewards import RewardFunctionError
@@ -732,7 +734,7 @@ def main_guard(run: Callable, config: PPOConfig | None = None):
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
         rank = os.environ.get("RANK", "0")
-        timeout = config.ddp_timeout if config is not None else "?"
+        timeout = config().ddp_timeout if config() is not None else "?"
         print(f"fastppo.train: error: rank {rank}: a collective did not complete within --ddp_timeout {timeout} s; "
               f"another process is frozen or dead ({str(e).splitlines()[0]})", file=sys.stderr)
         raise SystemExit(1) from e
