@@ -236,9 +236,16 @@ def check_step_inputs(queries, responses, scores, response_masks, n: int, device
     if any(len(t) == 0 for t in queries):
         raise ValueError("step: every query needs at least one token")
     if isinstance(scores, torch.Tensor):
+        if scores.dim() > 1:
+            raise ValueError(f"step: scores must be one value per sample, got a tensor of shape {list(scores.shape)}")
         scores = scores.reshape(-1)
     else:
-        scores = torch.stack([torch.as_tensor(s, dtype=torch.float32).reshape(()) for s in scores])
+        scores = [torch.as_tensor(s, dtype=torch.float32) for s in scores]
+        for s in scores:  # legacy TRL: each a 0-d tensor (or one value in a 1-d one), never a matrix
+            if s.dim() > 1 or s.numel() != 1:
+                raise ValueError(f"step: each score must be a scalar tensor (or a 1-element 1-d one), got shape "
+                                 f"{list(s.shape)}")
+        scores = torch.stack([s.reshape(()) for s in scores])
     if scores.numel() != n:
         raise ValueError(f"step: batch_size is {n} but scores has {scores.numel()} values")
     if not bool(torch.isfinite(scores).all()):
@@ -455,6 +462,14 @@ class OptimizerView:
         return getattr(self.__dict__["optimizer"], name)
 
 
+class SchedulerView(OptimizerView):
+    """The user's scheduler as legacy TRL holds it: ``.scheduler`` is the object passed in."""
+
+    def __init__(self, scheduler):
+        self.__dict__["optimizer"] = scheduler  # the delegate (OptimizerView's slot)
+        self.scheduler = scheduler
+
+
 class PPOTrainer:
     """Legacy TRL's ``PPOTrainer`` (v0.11)::
 
@@ -502,13 +517,16 @@ class PPOTrainer:
                                  ref_model=ref_model, optimizers=(self.optimizer, lr_scheduler), loop=False)
         self.model = model
         self.tokenizer = tokenizer
-        self.lr_scheduler = lr_scheduler
+        self.lr_scheduler = SchedulerView(lr_scheduler) if lr_scheduler is not None else None
         self.is_encoder_decoder = False
         # the collator of prepare_model_inputs (legacy TRL's default); the loader's is data_collator
         self.data_collator = training_data_collator or DataCollatorForLanguageModeling(tokenizer, mlm=False)
         self.dataset = dataset
         self.current_step = 0
         self.is_distributed = world > 1
+        if dataset is None:  # legacy TRL's warning: step() checks its inputs against batch_size
+            warnings.warn("No dataset is provided. Make sure to set config.batch_size to the correct value before "
+                          "training.", UserWarning, stacklevel=2)
         self.dataloader = self.prepare_dataloader(dataset, data_collator) if dataset is not None else None
 
     # the core's plumbing the loop helpers read (device, dist, policy, autocast, log, state, ...)
@@ -678,6 +696,8 @@ class PPOTrainer:
         mask = mask.bool()
         entropy = token_logprobs(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device),
                                  return_entropy=True)[1]
+        if entropy.dim() < mask.dim():  # logits without a vocabulary axis (TRL's own tests pass such): per row
+            entropy = entropy.reshape(*entropy.shape, *[1] * (mask.dim() - entropy.dim())).expand(mask.shape)
         c = self.config
         common = (old_logprobs, values, advantages, returns, mask, c.cliprange, c.cliprange_value)
         policy, _ = ppo_losses(logprobs, vpreds, entropy, *common, 0.0, 0.0, c.ratio_threshold)

@@ -205,3 +205,18 @@ def test_legacy_train_minibatch_steps_the_optimizer(legacy_parts):
     head = model.v_head.summary.weight.detach().clone()
     stats = trainer.train_minibatch(old, values, new, logits[:, :-1], vpreds[:, :-1], masks, advantages, returns)
     assert not torch.equal(head, model.v_head.summary.weight) and math.isfinite(stats["loss/total"].item())
+
+
+def test_legacy_scheduler_view_no_dataset_warning_and_score_shapes(legacy_parts):
+    tokenizer, model, queries, responses = legacy_parts
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    decay = torch.optim.lr_scheduler.ExponentialLR(sgd, gamma=0.5)
+    with pytest.warns(UserWarning, match="No dataset is provided"):
+        trainer = legacy.PPOTrainer(legacy.PPOConfig(batch_size=2, mini_batch_size=1), model, None, tokenizer,
+                                    optimizer=sgd, lr_scheduler=decay)
+    assert trainer.lr_scheduler.scheduler is decay  # accelerate's view, as legacy TRL's tests read it
+    with pytest.raises(ValueError, match=r"each score must be a scalar tensor .*got shape \[1, 1\]"):
+        trainer.step(queries, responses, [torch.tensor([[1.0]]), torch.tensor([[0.0]])])
+    first = trainer.step(queries, responses, [torch.tensor([1.0]), torch.tensor([0.0])])  # 1-element: fine
+    second = trainer.step(queries, responses, [torch.tensor(1.0), torch.tensor(0.0)])
+    assert first["ppo/learning_rate"] == 0.01 and second["ppo/learning_rate"] == 0.005  # the user's schedule, stepped
