@@ -163,7 +163,7 @@ _LEGACY_ONLY = frozenset(("config", "tokenizer", "dataset", "optimizer", "num_sh
 def is_legacy_call(args: tuple, kwargs: dict) -> bool:
     """Whether ``fastppo.PPOTrainer(...)`` was called with legacy TRL's arguments: its config, a legacy-only
     keyword, or a model (not a tokenizer) in second position."""
-    first = args[0] if args else kwargs.get("config", kwargs.get("args"))
+    first = args[0] if args else kwargs.get("config")
     return isinstance(first, PPOConfig) or bool(_LEGACY_ONLY & kwargs.keys()) or (
         len(args) >= 2 and isinstance(args[1], nn.Module))
 

@@ -101,6 +101,9 @@ class PPOTrainer:
         self._setup_console()
         for note in notes:
             self.log(note)
+        if data_collator is not None:  # TRL 0.26 takes one; PPO's prompts are padded by the trainer itself
+            self.log("data_collator is not used: fastppo left-pads the prompts itself (with the tokenizer's pad "
+                     "token); pass the dataset with a text column or input_ids")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.bf16 = config.bf16 if config.bf16 is not None else (

@@ -220,3 +220,24 @@ def test_legacy_scheduler_view_no_dataset_warning_and_score_shapes(legacy_parts)
     first = trainer.step(queries, responses, [torch.tensor([1.0]), torch.tensor([0.0])])  # 1-element: fine
     second = trainer.step(queries, responses, [torch.tensor(1.0), torch.tensor(0.0)])
     assert first["ppo/learning_rate"] == 0.01 and second["ppo/learning_rate"] == 0.005  # the user's schedule, stepped
+
+
+def test_api_mixups_and_unsupported_flags_are_refused_by_name(tmp_path, model_dir):
+    from fastppo.cli import ModelConfig, ScriptArguments, get_quantization_config, require_supported_model_args
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with pytest.raises(TypeError, match="args must be a fastppo.PPOConfig .*fastppo.legacy.PPOConfig"):
+        PPOTrainer(args=legacy.PPOConfig(batch_size=2, mini_batch_size=2), processing_class=tokenizer)
+    with pytest.raises(TypeError, match="config must be a fastppo.legacy.PPOConfig"):
+        legacy.PPOTrainer(small(tmp_path), AutoModelForCausalLM.from_pretrained(model_dir), None, tokenizer)
+    with pytest.raises(ValueError, match="--use_dora: DoRA is not supported"):
+        require_supported_model_args(ModelConfig(use_dora=True))
+    with pytest.raises(ValueError, match="--dataset_streaming"):
+        require_supported_model_args(ModelConfig(), ScriptArguments(dataset_streaming=True))
+    with pytest.raises(ValueError, match="load_in_4bit/load_in_8bit: quantised policies are not supported"):
+        get_quantization_config(ModelConfig(load_in_4bit=True))
+    for bad, message in ((dict(push_to_hub=True), "push_to_hub: pushing to the Hub is not supported"),
+                         (dict(save_strategy="epoch"), "save_strategy"),
+                         (dict(optim="adafactor"), "optim 'adafactor' is not supported")):
+        with pytest.raises(ValueError, match=message):
+            PPOTrainer(args=small(tmp_path, **bad))
