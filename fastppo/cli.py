@@ -14,6 +14,7 @@ models and the dataset itself; so does this one, with fastppo's own ``ScriptArgu
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import yaml
 from transformers import HfArgumentParser
 
 from fastppo.config import PPOConfig
@@ -162,10 +164,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOC
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")) and os.path.isfile(argv[0]):
         files = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
         script_args, training_args, model_args = files(os.path.abspath(argv[0]))
-        import json
-
-        import yaml
-
         with open(argv[0]) as f:
             named = (json.load if argv[0].endswith(".json") else yaml.safe_load)(f) or {}
         return script_args, training_args, model_args, frozenset(named)

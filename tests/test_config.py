@@ -138,3 +138,13 @@ def test_legacy_config_checks_at_construction_and_maps_to_the_same_split():
     assert (s.local_batch_size, s.micro_batch_size, s.micro_steps, s.num_mini_batches, s.batch_size) == (16, 4, 2, 2, 32)
     assert (core.kl_coef, core.adaptive_kl, core.kl_estimator, core.num_ppo_epochs, core.max_grad_norm) == (
         0.3, False, "k1", 3, 0.0)
+
+
+def test_a_yaml_config_file_is_parsed_as_the_flags_are(tmp_path):
+    """HfArgumentParser's file form (``python -m fastppo.train run.yaml``): named fields count as given."""
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rate: 0.01\nnum_train_epochs: 0.5\ndataset_train_split: dev\nlora_r: 4\n")
+    script_args, training_args, model_args, embedded = cli_settings([str(path)])
+    assert (training_args.learning_rate, training_args.num_train_epochs) == (0.01, 0.5)
+    assert script_args.dataset_train_split == "dev" and model_args.lora_r == 4 and embedded
+    assert training_args.per_device_train_batch_size == EMBEDDED_PRESET["per_device_train_batch_size"]
