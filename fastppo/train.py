@@ -35,7 +35,8 @@ import torch
 
 from fastppo import dist as fdist
 from fastppo.config import PPOConfig, Sizes
-from fastppo.kernels import fused_full_kl, gae, kl_penalty, masked_mean, masked_var, masked_whiten, truncate_at_stop
+from fastppo.kernels import (clipped_surrogate, fused_full_kl, gae, kl_penalty, masked_mean, masked_var, masked_whiten,
+                             truncate_at_stop)
 from fastppo.metrics import STAT, STAT_NAMES, UpdateResult
 
 # ============================================================================ 1. rollout
@@ -282,10 +283,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
     # clipped surrogate: max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε))
     log_ratio = new_logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = masked_mean(torch.max(pg_losses1, pg_losses2), mask)
+    pg_losses, ratio, clipped = clipped_surrogate(new_logprobs, old_logprobs, advantages, cliprange)
+    pg_loss = masked_mean(pg_losses, mask)
     mean_entropy = masked_mean(entropy, mask)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
     loss = policy_loss + vf_coef * vf_loss
@@ -299,7 +298,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
         for name, value in (
             ("approxkl", 0.5 * masked_mean(log_ratio**2, mask)),
             ("policykl", masked_mean(-log_ratio, mask)),
-            ("pg_clipfrac", masked_mean((pg_losses2 > pg_losses1).float(), mask)),
+            ("pg_clipfrac", masked_mean(clipped.float(), mask)),
             ("pg_loss", pg_loss * kept),
             ("vf_loss", vf_loss * kept),
             ("vf_clipfrac", masked_mean((vf_losses2 > vf_losses1).float(), mask)),

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from fastppo.kernels import PPOPolicyLossOutput, fused_ppo_policy_loss, fused_ppo_policy_loss_reference
+from fastppo.kernels import PPOPolicyLossOutput, clipped_surrogate, fused_ppo_policy_loss, fused_ppo_policy_loss_reference
 from fastppo.kernels import fused_token_logprobs, fused_token_logprobs_reference, masked_mean
 from fastppo.kernels import ppo_loss as ppo_mod
 from helpers import assert_close, assert_grad_close, lm_head_inputs, recorded_launches
@@ -24,16 +24,13 @@ CLIP = 0.25  # 1 ± 0.25 are exact in fp32
 def unfused(hidden, weight, index, old, adv, mask, cliprange, entropy_coef, temperature, bias, reduction):
     """fused_token_logprobs + the trainer's policy loss (fastppo/train.py ``ppo_losses``) in PyTorch."""
     logp, ent = fused_token_logprobs(hidden, weight, index, temperature, bias=bias, return_entropy=True)
-    ratio = torch.exp(logp - old)
-    pg_losses1 = -adv * ratio
-    pg_losses2 = -adv * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
-    pg = torch.max(pg_losses1, pg_losses2)
+    pg, ratio, clipped = clipped_surrogate(logp, old, adv, cliprange)
     if reduction == "token_mean":
         loss = masked_mean(pg, mask) - entropy_coef * masked_mean(ent, mask)
     else:
         real = mask != 0
         loss = torch.where(real, pg, 0.0).sum() - entropy_coef * torch.where(real, ent, 0.0).sum()
-    return PPOPolicyLossOutput(loss, logp, ratio, pg_losses2 > pg_losses1, ent)
+    return PPOPolicyLossOutput(loss, logp, ratio, clipped, ent)
 
 
 def make_case(lead, hdim, vocab, dtype, device, *, bias, temperature, masked_fraction=0.3, generator=None):

@@ -326,6 +326,18 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
 # --------------------------------------------------------------------------- references
 
 
+def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      cliprange: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's per-token clipped surrogate loss, max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) with ρ = exp(logp − old):
+    (the per-token loss, ρ, where the clipped term won). The one PyTorch statement of (P2)-(P3): the trainer,
+    the reference below and the tests use it; the Triton kernel computes the same per row and is tested
+    against it."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
+    return torch.max(unclipped, clipped), ratio, clipped > unclipped
+
+
 def fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advantages, mask, cliprange,
                                     entropy_coef=0.0, temperature=1.0, bias=None,
                                     reduction="token_mean") -> PPOPolicyLossOutput:
@@ -337,15 +349,13 @@ def fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advanta
                                          return_entropy=True)
     acc = logp.dtype
     old, adv, real = old_logprobs.detach().to(acc), advantages.detach().to(acc), mask != 0
-    ratio = torch.exp(logp - old)
-    pg_losses1 = -adv * ratio
-    pg_losses2 = -adv * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
+    pg_losses, ratio, clipped = clipped_surrogate(logp, old, adv, cliprange)
     zero = torch.zeros((), dtype=acc, device=logp.device)
-    pg_sum = torch.where(real, torch.max(pg_losses1, pg_losses2), zero).sum()
+    pg_sum = torch.where(real, pg_losses, zero).sum()
     ent_sum = torch.where(real, ent, zero).sum()
     if reduction == "token_mean":
         count = real.sum()
         loss = pg_sum / count - entropy_coef * (ent_sum / count)
     else:
         loss = pg_sum - entropy_coef * ent_sum
-    return PPOPolicyLossOutput(loss, logp.detach(), ratio.detach(), pg_losses2 > pg_losses1, ent.detach())
+    return PPOPolicyLossOutput(loss, logp.detach(), ratio.detach(), clipped, ent.detach())
