@@ -24,6 +24,7 @@ import torch.nn as nn
 from transformers import DataCollatorForLanguageModeling
 
 from fastppo.errors import SettingsError
+from fastppo.kernels._common import check_temperature
 from fastppo.models import AutoModelForCausalLMWithValueHead, create_reference_model, embedding_rows, is_peft, lm_of
 
 
@@ -344,6 +345,15 @@ def legacy_generate(trainer, query_tensor, length_sampler, batch_size: int, retu
                     generate_ref_response: bool, remove_padding: bool, kwargs: dict):
     from fastppo.models import lm_of
 
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise SettingsError(f"generate: batch_size must be an integer >= 1, got {batch_size!r}")
+    if "max_new_tokens" in kwargs and (not isinstance(kwargs["max_new_tokens"], int) or kwargs["max_new_tokens"] < 1):
+        raise SettingsError(f"generate: max_new_tokens must be an integer >= 1, got {kwargs['max_new_tokens']!r}")
+    if kwargs.get("do_sample", True) and "temperature" in kwargs:
+        try:  # sampling divides the logits by it: the kernels' range, one message
+            check_temperature(kwargs["temperature"])
+        except (TypeError, ValueError) as e:
+            raise SettingsError(f"generate: temperature: {e} (for greedy decoding pass do_sample=False)") from None
     single = isinstance(query_tensor, torch.Tensor)
     if single and query_tensor.dim() != 1:
         raise ValueError(f"generate: query_tensor must be 1-D (one query) or a list of them, got shape "

@@ -98,7 +98,9 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     Called as TRL's GRPOTrainer calls reward functions: keywords ``prompts``, ``completions`` and
     the ``columns`` (``prompt_ids``, ``completion_ids``, the dataset row's other columns).
     """
-    kwargs = _accepted_kwargs(fn, dict(prompts=prompts, completions=completions, **columns))
+    # copies: a function that edits its arguments in place must not change the samples the run logs
+    kwargs = _accepted_kwargs(fn, dict(prompts=list(prompts), completions=list(completions),
+                                       **{k: list(v) if isinstance(v, list) else v for k, v in columns.items()}))
     try:
         out = fn(**kwargs)
     except SystemExit as e:  # sys.exit() in a reward function must not end the run as a success

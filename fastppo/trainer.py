@@ -413,6 +413,10 @@ class PPOTrainer:
         if not self.loop:
             raise RuntimeError("this trainer was built with loop=False (a caller drives update()); it has no "
                                "prompts to train() on")
+        if self.state.global_step >= sizes.num_total_batches:
+            raise SettingsError(f"train() has already run all {sizes.num_total_batches} iterations of this trainer "
+                                "(its schedule is spent); to train further, build a new PPOTrainer (with "
+                                "resume_from_checkpoint and a larger total_episodes or max_steps to continue this run)")
         first = self._start_output()
         self.log(f"{sizes.num_total_batches} iterations × {sizes.batch_size} episodes on {sizes.world_size} "
                  f"process(es), {sizes.local_batch_size} per process; output in {config.output_dir}"
@@ -528,6 +532,10 @@ class PPOTrainer:
 
         config = self.config
         spec = config.resume_from_checkpoint
+        if spec is True or (isinstance(spec, str) and spec.lower() == "true"):
+            spec = "latest"  # transformers' meaning of True: the newest checkpoint in output_dir
+        elif spec is False or (isinstance(spec, str) and spec.lower() == "false"):
+            spec = None
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if spec is None and restarted:  # torchrun --max-restarts: carry on from the last checkpoint, if any
             spec = "latest" if C.checkpoints(config.output_dir) else None

@@ -241,3 +241,51 @@ def test_api_mixups_and_unsupported_flags_are_refused_by_name(tmp_path, model_di
                          (dict(optim="adafactor"), "optim 'adafactor' is not supported")):
         with pytest.raises(ValueError, match=message):
             PPOTrainer(args=small(tmp_path, **bad))
+
+
+# ---------------------------------------------------------------------------- hostile but plausible calls
+
+
+def test_train_twice_is_refused_instead_of_running_at_lr_zero(tmp_path, model_dir):
+    trainer = PPOTrainer(args=small(tmp_path, total_episodes=8))
+    trainer.train()
+    with pytest.raises(ValueError, match=r"train\(\) has already run all 1 iterations .*resume_from_checkpoint"):
+        trainer.train()
+    assert [m["step"] for m in trainer.state.log_history] == [1]
+
+
+def test_resume_from_checkpoint_true_means_the_latest_one(tmp_path, model_dir):
+    class StopAfterOne(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step >= 1
+            control.should_save = state.global_step == 1
+
+    PPOTrainer(args=small(tmp_path), callbacks=[StopAfterOne()]).train()
+    resumed = PPOTrainer(args=small(tmp_path, resume_from_checkpoint=True))  # transformers' meaning
+    assert resumed._resume_path.endswith("checkpoint-1")
+
+
+def test_a_reward_function_editing_its_arguments_changes_nothing_logged(tmp_path, model_dir):
+    seen = []
+
+    def vandal(prompts, completions, **kwargs):
+        scores = [float(len(c)) for c in completions]
+        seen.append(list(completions))
+        completions[:] = ["edited"] * len(completions)
+        prompts.clear()
+        return scores
+
+    trainer = PPOTrainer(args=small(tmp_path, total_episodes=8), reward_model=vandal)
+    batch = trainer.rollout()
+    assert batch.completions == seen[0] and "edited" not in batch.completions and batch.prompts
+
+
+def test_legacy_generate_refuses_meaningless_arguments(legacy_parts):
+    tokenizer, model, queries, _ = legacy_parts
+    trainer = legacy.PPOTrainer(legacy.PPOConfig(batch_size=2, mini_batch_size=2), model, None, tokenizer)
+    for kwargs, message in ((dict(temperature=0.0), "generate: temperature"),
+                            (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1"),
+                            (dict(batch_size=0), "batch_size must be an integer >= 1")):
+        with pytest.raises(ValueError, match=message):
+            trainer.generate(queries, return_prompt=False, **kwargs)
+    assert len(trainer.generate(queries, return_prompt=False, max_new_tokens=3, do_sample=True)) == 2
