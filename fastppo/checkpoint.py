@@ -208,15 +208,25 @@ def check_compatible(path: str, config: PPOConfig, world_size: int, zero_stage: 
     if wrong:
         raise ValueError(f"cannot resume from {path!r}: it was made with other settings ({'; '.join(wrong)}); "
                          "resume with the same ones, or start a fresh run in another --output_dir")
+    held = [f"{name}: checkpoint {saved.get(name)!r}, now {current.get(name)!r}" for name in HELD_IN_STATE
+            if name in saved and saved.get(name) != current.get(name)]
+    if held:  # loading the state would silently put the old values back: refuse rather than announce a change
+        raise ValueError(f"cannot resume from {path!r} with other optimizer or schedule settings ({'; '.join(held)}): "
+                         "the optimizer and scheduler state saved there carry the old values, so the new ones would "
+                         "not apply; resume with the same values, or start a new run from the checkpoint's weights "
+                         f"(--sft_model_path {path})")
     return [f"{k} differs from the checkpoint's ({saved.get(k)!r} -> {v!r}); the new value applies from here"
             for k, v in current.items() if k in NOTED and k in saved and saved[k] != v]
 
 
+# Settings the saved optimizer (param_groups: lr, betas, eps, weight_decay) and scheduler (base lrs, warmup) hold:
+# a resume would restore the old values whatever the new config says.
+HELD_IN_STATE = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim",
+                 "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio")
 # Settings whose change on resume is worth a note (PPO's own and the optimisation's; not bookkeeping).
 NOTED = frozenset(
     {f for f in PPOConfig.__dataclass_fields__ if f in vars(PPOConfig).get("__annotations__", {})}
-    | {"learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "weight_decay", "adam_beta1",
-       "adam_beta2", "adam_epsilon", "max_grad_norm", "num_train_epochs", "max_steps", "bf16", "optim"}
+    | {"max_grad_norm", "num_train_epochs", "max_steps", "bf16"}
 ) - {"output_dir", "overwrite_output_dir", "num_sample_generations", "logging_steps", "run_name", "exp_name",
      "world_size", "num_total_batches", "micro_batch_size", "local_batch_size", "batch_size", "local_mini_batch_size",
      "mini_batch_size", "total_episodes", "zero_stage", "dataset_num_proc", "gradient_checkpointing", "num_threads"}

@@ -113,9 +113,17 @@ def prompt_column(dataset, text_field: str, name: str) -> str:
 
 def tokenize_prompts(dataset, column: str, tokenizer) -> list[list[int]]:
     """Token ids of every prompt (empty ones included): token-id lists as they are, chat messages through
-    the chat template."""
+    the chat template. Pre-tokenized ids with an ``attention_mask`` column (``tokenizer(prompts, padding=True)``)
+    keep only their attended tokens: the padding is not prompt text."""
+    masks = dataset["attention_mask"] if column == "input_ids" and "attention_mask" in dataset.column_names else None
     ids = []
-    for value in dataset[column]:
+    for row, value in enumerate(dataset[column]):
+        if masks is not None:
+            mask = masks[row]
+            if not isinstance(mask, list) or len(mask) != len(value):
+                raise ValueError(f"row {row}: attention_mask must be a list as long as input_ids ({len(value)}), "
+                                 f"got {mask!r}")
+            value = [t for t, keep in zip(value, mask) if keep]
         if isinstance(value, list) and value and isinstance(value[0], dict):
             tokens = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True)
             if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):

@@ -289,3 +289,30 @@ def test_legacy_generate_refuses_meaningless_arguments(legacy_parts):
         with pytest.raises(ValueError, match=message):
             trainer.generate(queries, return_prompt=False, **kwargs)
     assert len(trainer.generate(queries, return_prompt=False, max_new_tokens=3, do_sample=True)) == 2
+
+
+def test_pre_tokenized_padding_is_not_prompt_text(tmp_path, model_dir):
+    """``tokenizer(prompts, padding=True)`` gives padded input_ids with an attention_mask: only attended tokens."""
+    import datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    prompts = ["the movie was", "i think the whole plot of it is"] * 4
+    encoded = tokenizer(prompts, padding=True)
+    data = datasets.Dataset.from_dict({"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]})
+    trainer = PPOTrainer(args=small(tmp_path), train_dataset=data)
+    assert trainer.prompts[:2] == [tokenizer(p)["input_ids"] for p in prompts[:2]]
+    assert all(tokenizer.pad_token_id not in p for p in trainer.prompts[:2])
+
+
+@pytest.mark.parametrize("change", [dict(learning_rate=1e-3), dict(weight_decay=0.1), dict(adam_beta1=0.8)])
+def test_resume_with_other_optimizer_settings_is_refused_not_announced(tmp_path, model_dir, change):
+    """The saved optimizer and scheduler state would put the old values back: refuse, never 'applies from here'."""
+    class SaveOne(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = control.should_save = state.global_step == 1
+
+    PPOTrainer(args=small(tmp_path), callbacks=[SaveOne()]).train()
+    with pytest.raises(ValueError, match=f"other optimizer or schedule settings \\({next(iter(change))}"):
+        PPOTrainer(args=small(tmp_path, resume_from_checkpoint="latest", **change))
+    PPOTrainer(args=small(tmp_path, resume_from_checkpoint="latest", max_grad_norm=0.5))  # not held in the state
