@@ -492,8 +492,9 @@ class PPOTrainer:
     ``model`` is the user's ``AutoModelForCausalLMWithValueHead`` (a plain causal LM gets a value head on
     its trunk); ``trainer.model`` is that object, trained in place. ``optimizer``/``lr_scheduler`` are used
     as given (default: Adam at ``config.learning_rate``, as legacy TRL). ``num_shared_layers`` without a
-    ``ref_model`` builds the reference with ``create_reference_model`` (the first layers shared and frozen);
-    with a ``ref_model`` it is ignored with a warning, as in TRL.
+    ``ref_model`` builds the reference with ``create_reference_model`` (a frozen copy; the policy's first
+    ``num_shared_layers`` layers are frozen, so they stay equal to the copy's, as in TRL); with a ``ref_model`` it is
+    ignored with a warning, as in TRL.
     """
 
     def __init__(self, config: PPOConfig | None = None, model=None, ref_model=None, tokenizer=None, dataset=None,
