@@ -162,26 +162,126 @@ def rotate_checkpoints(output_dir: str, limit: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def resolve_checkpoint(spec: str, output_dir: str, required: bool = True) -> str | None:
-    """``latest`` (the pointer, else the newest complete checkpoint) or a path, checked to be complete."""
+def resolve_checkpoint(spec: str, output_dir: str, required: bool = True, log=None) -> str | None:
+    """``latest`` (the pointer, else the newest complete checkpoint) or a path, checked to be complete.
+
+    ``log``: also read every file of the candidate (``unreadable``): ``latest`` then falls back, newest
+    first, to the newest checkpoint whose files all read (saying which it skipped and why); a named path
+    with a damaged file is an error naming the file."""
     if spec == "latest":
         pointer = os.path.join(output_dir, LATEST)
         path = None
         if os.path.isfile(pointer):
             with open(pointer) as f:
                 path = os.path.join(output_dir, f.read().strip())
-        if path is None or not os.path.isfile(os.path.join(path, STATE_FILE)):
-            found = checkpoints(output_dir)
-            path = found[-1][1] if found else None
-        if path is None:
-            if required:
-                raise FileNotFoundError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir!r}")
-            return None
-        return path
+        candidates = [p for _, p in reversed(checkpoints(output_dir))]
+        if path is not None and os.path.isfile(os.path.join(path, STATE_FILE)):
+            candidates = [path] + [p for p in candidates if p != path]
+        for candidate in candidates:
+            problem = unreadable(candidate) if log is not None else None
+            if problem is None:
+                return candidate
+            log(f"skipping {candidate}: {problem}; trying the previous checkpoint")
+        if required:
+            raise FileNotFoundError(f"--resume_from_checkpoint latest: no {'readable ' if candidates else ''}"
+                                    f"checkpoint in {output_dir!r}")
+        return None
     if not os.path.isfile(os.path.join(spec, STATE_FILE)):
         raise FileNotFoundError(f"--resume_from_checkpoint {spec!r}: not a complete fastppo checkpoint "
                                 f"(no {STATE_FILE})")
+    problem = unreadable(spec) if log is not None else None
+    if problem is not None:
+        raise OSError(f"--resume_from_checkpoint {spec!r}: {problem}; resume from another checkpoint")
     return spec
+
+
+def unreadable(path: str) -> str | None:
+    """What is wrong with a checkpoint's files (a truncated or corrupt ``trainer_state.pt``, RNG state or
+    weights file), or None. Cheap: torch files are memory-mapped, safetensors files have their header and
+    sizes checked, nothing is read into memory. Saves are atomic, so this only finds damage done after
+    (a partial copy, a full disk, a bad sync)."""
+    from safetensors import safe_open
+
+    for root, _, files in os.walk(path):
+        for name in sorted(files):
+            file = os.path.join(root, name)
+            if os.path.relpath(file, path).startswith("deepspeed"):
+                continue  # DeepSpeed reads its own engine checkpoint, and reports its own damage
+            try:
+                if name.endswith(".safetensors"):
+                    with safe_open(file, "pt"):
+                        pass
+                elif name.endswith(".pt"):
+                    torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+            except Exception as e:  # noqa: BLE001  (any failure to read is the answer)
+                return f"{os.path.relpath(file, path)} is unreadable (truncated or corrupt: {type(e).__name__}: {e})"
+    return None
+
+
+def saved_step(path: str) -> int:
+    """The iteration a checkpoint was saved after."""
+    return int(torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False,
+                          mmap=True)["global_step"])
+
+
+FINAL_STATE_FILE = "trainer_state.json"  # transformers' TrainerState, written beside the final model
+
+
+def finished_step(output_dir: str) -> int | None:
+    """The iteration of the final model a finished run left in ``output_dir`` (None: no finished run)."""
+    file = os.path.join(output_dir, FINAL_STATE_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            return int(json.load(f)["global_step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+LOCK_FILE = ".fastppo.lock"
+
+
+class RunLock:
+    """One run writes an output_dir at a time: an exclusive ``flock`` on ``output_dir/.fastppo.lock``, taken
+    before a run decides what to do with the directory and held until its last file is written. Two trainers
+    built on one directory (in one process or two) cannot both write it; the kernel drops the lock when its
+    process dies, so a crashed run never leaves a stale one. Where ``flock`` is missing (not Linux/macOS) or
+    the filesystem refuses it, the lock is skipped."""
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, LOCK_FILE)
+        self.file = None
+
+    def acquire(self) -> str | None:
+        """None when held now; else who holds it."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover
+            return None
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        file = open(self.path, "a+")
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "another process"
+            file.close()
+            return holder
+        except OSError:  # pragma: no cover  (a filesystem without flock)
+            file.close()
+            return None
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()}")
+        file.flush()
+        self.file = file
+        return None
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # closing the descriptor drops the flock
+            self.file = None
 
 
 def _engine_name(zero_stage: int | None) -> str:
@@ -265,7 +365,7 @@ def _tied_names(model) -> set[str]:
 RUN_FILES = re.compile(r"^(checkpoint-\d+|\.tmp-checkpoint-\d+|latest|metrics\.jsonl|samples\.jsonl|curves\.png|runs|"
                        r"value_model|fastppo_config\.json|config\.json|generation_config\.json|model.*\.safetensors|"
                        r"model\.safetensors\.index\.json|adapter_.*|v_head\.safetensors|tokenizer.*|"
-                       r"special_tokens_map\.json|chat_template\.jinja|vocab\.json|merges\.txt)$")
+                       r"special_tokens_map\.json|chat_template\.jinja|vocab\.json|merges\.txt|trainer_state\.json)$")
 
 
 def run_files(output_dir: str) -> list[str]:

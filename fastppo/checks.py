@@ -15,6 +15,11 @@ from fastppo.errors import SettingsError, require
 from fastppo.kernels._common import check_temperature
 from fastppo.zero import check_deepspeed
 
+# PPO's per-token quantities are log-probs of softmax(logits / T): the log-ratio ρ and the KL scale as 1/T, and
+# fp32 rounding of logits / T as |logits| / T. TRL's own near-greedy sample table samples at 0.01; below that the
+# clip range (±0.2 in log-ratio) is crossed by logit drifts of ~1e-3 and the numbers stop being PPO's.
+MIN_TRAINING_TEMPERATURE = 0.01
+
 def check_path(path: str | None, flag: str) -> None:
     """Fail now, with the flag's name, on a local model path that does not exist."""
     if path is None or not isinstance(path, str) or os.path.isdir(path):
@@ -72,7 +77,7 @@ def _check_output_dir(path: str) -> None:
 
 # TrainingArguments fields fastppo cannot honour: set to anything but their default, an error.
 UNSUPPORTED: dict[str, str] = {
-    "fp16": "fp16 mixed precision is not supported: use --bf16 (or --dtype float16 to load weights in fp16)",
+    "fp16": "fp16 mixed precision is not supported (no loss scaling): use --bf16, or --dtype bfloat16 for bf16 weights",
     "fsdp": "FSDP is not supported: use --deepspeed (ZeRO-2/3) to shard models",
     "fsdp_config": "FSDP is not supported: use --deepspeed (ZeRO-2/3) to shard models",
     "push_to_hub": "pushing to the Hub is not supported; upload output_dir yourself",
@@ -159,6 +164,11 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
         check_temperature(c.temperature)
     except (TypeError, ValueError) as e:
         raise SettingsError(f"temperature: {e}") from None
+    require(c.temperature >= MIN_TRAINING_TEMPERATURE,
+            f"temperature {c.temperature:g} is below {MIN_TRAINING_TEMPERATURE:g}, the lowest PPO trains at: the "
+            "log-ratio and the KL grow as 1/temperature (at 1e-6 a logit drift of 1e-6 is a log-ratio of 1, and KL "
+            "reaches 1e6), so clipping and the KL penalty stop meaning anything; for near-greedy samples use "
+            f"{MIN_TRAINING_TEMPERATURE:g} or more")
     require(c.stop_token in (None, "eos"), f"stop_token must be 'eos' or unset, got {c.stop_token!r}")
     require(not (c.stop_token is not None and c.stop_token_id), "stop_token and stop_token_id are mutually "
             "exclusive; set one")

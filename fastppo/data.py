@@ -6,6 +6,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from fastppo.errors import SettingsError
+
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")  # what datasets' save_to_disk writes
 DATASET_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
@@ -206,6 +208,12 @@ def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=pr
     if len(dataset) == 0:
         raise ValueError(f"no prompts in dataset {name!r} (it is empty)")
     ids = tokenize_prompts(dataset, column, tokenizer)
+    vocab = len(tokenizer)
+    bad = next(((row, t) for row, prompt in enumerate(ids) for t in prompt
+                if not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:  # an id past the vocabulary has no embedding row: caught here, not as an index error mid-run
+        raise SettingsError(f"{what} {name!r}: row {bad[0]} of column {column!r} holds token id {bad[1]!r}, outside "
+                            f"the tokenizer's vocabulary (0..{vocab - 1}); tokenize the prompts with this tokenizer")
     keep = [i for i, t in enumerate(ids) if t]
     if not keep:
         raise ValueError(f"no prompts in dataset {name!r}: every row of column {column!r} tokenizes to zero tokens")

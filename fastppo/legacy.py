@@ -25,7 +25,8 @@ from transformers import DataCollatorForLanguageModeling
 
 from fastppo.errors import SettingsError
 from fastppo.kernels._common import check_temperature
-from fastppo.models import AutoModelForCausalLMWithValueHead, create_reference_model, embedding_rows, is_peft, lm_of
+from fastppo.models import (AutoModelForCausalLMWithValueHead, causal_lm_of, create_reference_model, embedding_rows, is_peft,
+                            lm_of, position_limit)
 
 
 # generate() kwargs whose given value keeps sampling exactly softmax(logits / temperature)
@@ -399,6 +400,11 @@ def _generate_chunk(trainer, model, queries: list[torch.Tensor], kwargs: dict, r
             model = lm_of(trainer.policy)
             context = model.disable_adapter()
     max_new = kwargs.get("max_new_tokens", 20)
+    limit = position_limit(causal_lm_of(model).config)
+    if limit is not None and ids.shape[1] + max_new > limit:  # the 0.26 API refuses the same lengths
+        raise SettingsError(f"generate: the longest query ({ids.shape[1]} tokens) + max_new_tokens ({max_new}) = "
+                            f"{ids.shape[1] + max_new} exceeds the model's {limit} positions; shorten the queries "
+                            "or lower max_new_tokens (or the length_sampler's range)")
     with context, trainer.autocast():
         if _is_exact(kwargs):
             responses = sample_responses(model, ids, mask, max_new, float(kwargs.get("temperature", 1.0)),
@@ -429,6 +435,7 @@ def legacy_log_stats(trainer, stats: dict, batch: dict, rewards, columns_to_log:
     if is_distributed():
         import torch.distributed as dist
 
+        every_rank_arrives(trainer, "log_stats")
         gathered = [torch.empty_like(rewards) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, rewards)
         rewards = torch.cat(gathered)
@@ -447,6 +454,38 @@ def legacy_log_stats(trainer, stats: dict, batch: dict, rewards, columns_to_log:
             for i, reward in enumerate(rewards.tolist()[: len(batch[columns[0]])]):
                 row = {c: _text(batch[c][i]) for c in columns}
                 f.write(json.dumps({"step": trainer.state.global_step, **row, "reward": reward}) + "\n")
+
+
+# How long a rank waits for the others at a call every rank must make (log_stats): ranks leave step()'s
+# collectives together, so a longer wait means a rank is not coming (the call sits under `if is_main:`).
+RENDEZVOUS_TIMEOUT_S = float(os.environ.get("FASTPPO_RENDEZVOUS_TIMEOUT", "120"))
+
+
+def every_rank_arrives(trainer, call: str) -> None:
+    """Before a collective that only some ranks might reach: every rank checks in through the process
+    group's key-value store (not a collective, so it cannot pair with another rank's unrelated one) and
+    waits, at most ``RENDEZVOUS_TIMEOUT_S``, for the others' n-th check-in. A rank that never comes is an
+    error naming the call, instead of a gather blocked forever."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError):  # pragma: no cover  (no reachable store: the plain gather)
+        return
+    counts = trainer.__dict__.setdefault("_rendezvous_counts", {})
+    n = counts[call] = counts.get(call, 0) + 1
+    key = f"fastppo/{call}/{n}/"
+    store.set(key + str(dist.get_rank()), "1")
+    try:
+        store.wait([key + str(r) for r in range(dist.get_world_size())],
+                   datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    except RuntimeError as e:  # torch's DistStoreError (a timeout) is one
+        raise RuntimeError(
+            f"{call}() must be called on every process (it gathers from all of them), but rank {dist.get_rank()} "
+            f"waited {RENDEZVOUS_TIMEOUT_S:g} s for the others' call #{n}; call it outside any `if is_main_process:` "
+            "(FASTPPO_RENDEZVOUS_TIMEOUT sets the wait)") from e
 
 
 def _is_scalar(value) -> bool:
@@ -585,6 +624,11 @@ class PPOTrainer:
         if largest >= rows:
             raise SettingsError(f"step: token id {largest} is past the model's {rows} embedding rows (a token the "
                                 "tokenizer added without model.resize_token_embeddings?)")
+        limit = position_limit(causal_lm_of(self.model).config)
+        longest = max(len(q) + len(r) for q, r in zip(queries, responses))
+        if limit is not None and longest > limit:
+            raise SettingsError(f"step: a query + response of {longest} tokens exceeds the model's {limit} positions; "
+                                "shorten the queries or the responses (generate's max_new_tokens)")
         pad = core.tokenizer.pad_token_id
         q, q_mask = left_pad([x.tolist() for x in queries], pad)
         r, real = right_pad([x.tolist() for x in responses], pad)

@@ -135,7 +135,7 @@ class MetricsLogger:
             return
         os.makedirs(config.output_dir, exist_ok=True)
         self.path = os.path.join(config.output_dir, "metrics.jsonl")
-        self.file = open(self.path, "a")  # a fresh run starts from an empty output_dir; a resumed one appends
+        self.file = None  # opened at the first line: a run that fails before it leaves no empty file behind
         targets = {t.lower() for t in config.report_to}
         everything = "all" in targets
         if everything or "tensorboard" in targets:
@@ -160,6 +160,8 @@ class MetricsLogger:
         if not self.is_main:
             return
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self.file is None:  # a fresh run starts from an empty output_dir; a resumed one appends
+            self.file = open(self.path, "a")
         self.file.write(json.dumps({**scalars, "step": step}) + "\n")
         self.file.flush()
         if self.tb is not None:
@@ -170,7 +172,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self.is_main:
-            self.file.close()
+            if self.file is not None:
+                self.file.close()
             if self.tb is not None:
                 self.tb.close()
             if self.wandb is not None:

@@ -805,8 +805,16 @@ def load_seq_cls(path: str, model_args, tokenizer, what: str, fresh_head_ok: boo
                  bf16: bool = False) -> nn.Module:
     """An AutoModelForSequenceClassification with one label. A checkpoint without a trained scalar head
     (a causal LM, say) gets a random one from transformers: refused unless ``fresh_head_ok``."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
+    try:
+        saved = AutoConfig.from_pretrained(path, revision=model_args.model_revision,
+                                           trust_remote_code=model_args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise load_error(what, path, e) from e
+    if any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in saved.architectures or ()) \
+            and saved.num_labels != 1:  # transformers' own report of the mismatch is a log line, then a RuntimeError
+        raise SettingsError(_labels_message(what, saved.num_labels, f"at {path!r}"))
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, output_loading_info=True, **pretrained_kwargs(model_args, frozen, bf16))
@@ -823,6 +831,38 @@ def load_seq_cls(path: str, model_args, tokenizer, what: str, fresh_head_ok: boo
         )
     model.config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def _labels_message(what: str, labels: int, where: str) -> str:
+    return (f"the {what} {where} has {labels} output labels (a classifier); PPO needs one scalar per sequence "
+            f"(num_labels=1): pass a reward model trained with num_labels=1, or wrap yours so that it returns "
+            f"one score (a reward function: reward_model=fn(prompts, completions, **kw))")
+
+
+def check_scalar_head(model: nn.Module, what: str) -> None:
+    """A reward or value model object must output one number per position: a 2-label classifier's
+    logits are not a reward (and would be read as [B, 2] scores)."""
+    _, head = backbone_and_head(model)
+    rows = head.weight.shape[0] if hasattr(head, "weight") else getattr(head, "out_features", 1)
+    if rows != 1:
+        raise SettingsError(_labels_message(what, rows, f"({type(model).__name__})"))
+
+
+def check_trainable_dtype(models: dict[str, nn.Module | None]) -> None:
+    """fp16 weights cannot be trained here: PPO's update would run on them with no loss scaling and no fp32
+    master copy (the first step overflows: KL 25, scores 0, then NaN probabilities in generation). bf16
+    weights train (as given), fp16 frozen models (reference, reward) only run forwards and are fine."""
+    for what, model in models.items():
+        if model is None:
+            continue
+        half = sorted({n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad
+                       and p.dtype == torch.float16})
+        if half:
+            raise SettingsError(
+                f"the {what}'s trainable weights are float16: fastppo trains without fp16 loss scaling, so its "
+                f"first update would overflow; load it in float32 or bfloat16 (from_pretrained(..., "
+                f"dtype=torch.float32), --dtype float32/bfloat16) or call .float() on it, and use --bf16 for "
+                "mixed precision")
 
 
 def frozen_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
@@ -981,6 +1021,10 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
         reward_model = load_seq_cls(reward_path, model_args, tokenizer, "reward model",
                                     fresh_head_ok=config.allow_untrained_heads, frozen=True, bf16=bf16)
         loaded.add("reward model")
+    for what, scalar in (("value model", value_model), ("reward model", reward_model)):
+        if scalar is not None and what not in loaded:
+            check_scalar_head(scalar, what)
+    check_trainable_dtype({"policy": policy, "value model": value_model})
     check_vocabulary({"policy": policy, "reference model": ref_model, "value model": value_model,
                       "reward model": reward_model}, tokenizer, loaded, largest_input_id, log)
     if want_peft and not is_peft(policy):
@@ -992,21 +1036,28 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
 POSITION_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def check_positions(model_or_path, config, model_args, longest_prompt: int) -> None:
-    """Prompt + response must fit the model's positions, checked from its config before any weight loads:
-    a learned-position model (GPT-2) would crash inside generation, a RoPE one silently run past its limit."""
+def position_limit(model_config) -> int | None:
+    """The number of positions a model's config says it has (None: not stated)."""
+    return next((getattr(model_config, f) for f in POSITION_LIMIT_FIELDS
+                 if isinstance(getattr(model_config, f, None), int)), None)
+
+
+def check_positions(model_or_path, config, model_args, longest_prompt: int, what: str = "model") -> None:
+    """Prompt + response must fit the model's positions, checked from its config (the policy's before any
+    weight loads, the other models' once built): a learned-position model (GPT-2) would crash inside
+    generation or scoring, a RoPE one silently run past its limit."""
     from transformers import AutoConfig
 
     if isinstance(model_or_path, nn.Module):
-        model_config = causal_lm_of(model_or_path).config
+        inner = getattr(model_or_path, "pretrained_model", model_or_path)
+        model_config = getattr(inner, "config", None) or causal_lm_of(model_or_path).config
     else:
         try:
             model_config = AutoConfig.from_pretrained(model_or_path, revision=model_args.model_revision,
                                                       trust_remote_code=model_args.trust_remote_code)
         except (OSError, ValueError) as e:
             raise load_error("policy's config", model_or_path, e) from e
-    limit = next((getattr(model_config, f) for f in POSITION_LIMIT_FIELDS
-                  if isinstance(getattr(model_config, f, None), int)), None)
+    limit = position_limit(model_config)
     if limit is None:
         return
     width = longest_prompt
@@ -1016,9 +1067,9 @@ def check_positions(model_or_path, config, model_args, longest_prompt: int) -> N
         room = limit - config.response_length
         hint = (f"set --max_prompt_length {room} (or less) to keep each prompt's last tokens"
                 if room > 0 else "lower --response_length")
-        raise ValueError(
+        raise SettingsError(
             f"the longest prompt ({width} tokens) + response_length ({config.response_length}) = "
-            f"{width + config.response_length} exceeds the model's {limit} positions: {hint}"
+            f"{width + config.response_length} exceeds the {what}'s {limit} positions: {hint}"
         )
 
 

@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from fastppo.errors import SettingsError
+
 # A toy sentiment lexicon: the embedded default's task is TRL's classic
 # "make GPT-2 write positive movie reviews", with a word count in place of a
 # sentiment classifier so it runs offline and its optimum is obvious.
@@ -166,6 +168,26 @@ def resolve_reward(reward, config) -> tuple[Callable | None, str | None, str | N
         return None, None, config.reward_model_path
     spec = config.reward_fn or DEFAULT_REWARD_FN
     return load_reward_fn(spec), spec, None
+
+
+# what every call passes beside the dataset's columns
+PASSED_ALWAYS = ("prompts", "completions", "prompt_ids", "completion_ids")
+
+
+def check_reward_fn_columns(fn: Callable, name: str, dataset, what: str) -> None:
+    """Before any model loads: each keyword the reward function requires (no default) must be a column of
+    every dataset it will be called on (the eval set's too), else it would fail mid-run."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    required = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in PASSED_ALWAYS
+                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    missing = [c for c in required if c not in (dataset.column_names if dataset is not None else ())]
+    if missing:
+        columns = list(dataset.column_names) if dataset is not None else []
+        raise SettingsError(f"reward_fn {name!r} requires {', '.join(map(repr, missing))}, which {what} does not have "
+                            f"(its columns: {columns}); add the column to {what}, or give the parameter a default")
 
 
 def reward_fn_columns(prompt_ids: list[list[int]], completion_ids: list[list[int]], rows=None) -> dict:

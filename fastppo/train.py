@@ -258,10 +258,19 @@ def compute_advantages(rewards, values, response_mask, gamma: float, lam: float,
     recursion, which bootstraps across them from the next trained token (verl's multi-turn GAE).
     """
     if whiten_rewards:
-        rewards = masked_whiten(rewards, response_mask, shift_mean=False) * response_mask
+        rewards = whiten_trained(rewards, response_mask, shift_mean=False)
     advantages, returns = gae(rewards, values, response_mask, gamma, lam, skip_masked=skip_masked)
-    advantages = masked_whiten(advantages, response_mask) * response_mask
-    return advantages, returns
+    return whiten_trained(advantages, response_mask), returns
+
+
+def whiten_trained(x, mask, shift_mean: bool = True):
+    """``masked_whiten`` over the trained tokens, 0 elsewhere. A batch of fewer than two trained tokens (one
+    process's batch of one response that stopped at once) has no variance: its single value is centred
+    (0, or the value itself when ``shift_mean=False``) instead of raising mid-run, where TRL's NaN would
+    end in a skipped step anyway."""
+    if int(mask.sum()) >= 2:
+        return masked_whiten(x, mask, shift_mean=shift_mean) * mask
+    return (x if not shift_mean else torch.zeros_like(x)) * mask
 
 
 # ============================================================================ 5. PPO update

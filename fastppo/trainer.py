@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from fastppo import checkpoint as C
 from fastppo import dist as fdist
 from fastppo.config import PPOConfig, Sizes, derive_sizes, every
 from fastppo.data import load_prompts
 from fastppo.errors import SettingsError
 from fastppo.generation import stop_ids_of
-from fastppo.rewards import call_reward_fn, resolve_reward, reward_fn_columns, reward_model_scores
+from fastppo.rewards import call_reward_fn, check_reward_fn_columns, resolve_reward, reward_fn_columns, reward_model_scores
 from fastppo.train import (AdaptiveKLController, FixedKLController, Rollout, Targets, apply_eos_penalties,
                            compute_advantages, contains_stop, eos_count, make_rollout, per_token_rewards,
                            ppo_update, score_rollout)
@@ -134,11 +135,15 @@ class PPOTrainer:
             if not 0 <= token < vocab:
                 raise ValueError(f"stop_token_id {token} is outside the tokenizer's vocabulary (0..{vocab - 1}): "
                                  "responses would never stop")
-        self.prompts = self.prompt_rows = self.eval_prompts = self._resume_path = self.ds_config = None
+        self.prompts = self.prompt_rows = self.eval_prompts = self.eval_rows = self._resume_path = self.ds_config = None
         if loop:
             self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log)
-            self.eval_prompts = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log)[0]
-                                 if eval_dataset is not None else None)
+            self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log)
+                                                 if eval_dataset is not None else (None, None))
+            if self.reward_fn is not None:
+                for what, rows in (("train_dataset", self.prompt_rows), ("eval_dataset", self.eval_rows)):
+                    if rows is not None:
+                        check_reward_fn_columns(self.reward_fn, self.reward_fn_name, rows, what)
             self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
             if ds_request is not None:
                 from fastppo.zero import resolve_deepspeed_config
@@ -147,8 +152,9 @@ class PPOTrainer:
                 for note in ds_notes:
                     self.log(note)
             self._resume_path = self._decide_resume()
+            longest_prompt = max(len(p) for p in self.prompts + (self.eval_prompts or []))
             M.check_positions(model if isinstance(model, nn.Module) else policy_path, config, model_args,
-                              max(len(p) for p in self.prompts + (self.eval_prompts or [])))
+                              longest_prompt)
         else:
             self.sizes = derive_sizes(config, self.dist.world_size, 1)
         fill_derived_sizes(config, self.sizes)
@@ -163,6 +169,11 @@ class PPOTrainer:
                                config, model_args, policy_path, tokenizer, reward_path, self.bf16, self.device,
                                self.log, max([0, *self.stop_ids, *(max(p) for p in (self.prompts or []) + (self.eval_prompts or []) if p)]))
         self.policy, self.ref_model, self.value_model, self.reward_model = built
+        if loop:  # the models that read prompt + response beside the policy must have the positions for it
+            for what, other in (("reference model", self.ref_model), ("value model", self.value_model),
+                                ("reward model", self.reward_model)):
+                if other is not None:
+                    M.check_positions(other, config, model_args, longest_prompt, what)
         self.actor_critic = M.PolicyAndValue(self.policy, self.value_model)
         self.model = self.actor_critic
         self.zero = None
@@ -205,6 +216,7 @@ class PPOTrainer:
         self.state = _new_state(self.sizes, len(self.prompts) if self.prompts else None, self.dist.is_main, config)
         self.control = TrainerControl()
         self._logger = None
+        self._run_lock = None
 
     def _adamw(self) -> torch.optim.Optimizer:
         """AdamW over every trainable parameter; ``adamw_torch_fused``: one fused kernel for all of them
@@ -249,20 +261,20 @@ class PPOTrainer:
     # ------------------------------------------------------------------ 1. rollout
 
     @torch.no_grad()
-    def rollout(self, prompt_ids: Sequence[Sequence[int]] | None = None, temperature: float | None = None
-                ) -> RolloutBatch:
+    def rollout(self, prompt_ids: Sequence[Sequence[int]] | None = None, temperature: float | None = None,
+                rows=None) -> RolloutBatch:
         """Step 1: the next prompts (or ``prompt_ids``), responses y ~ π_θ_old, cut at the stop token, scored.
 
-        ``temperature``: sample at this one instead of the config's (the near-greedy sample table)."""
+        ``temperature``: sample at this one instead of the config's (the near-greedy sample table);
+        ``rows``: the dataset rows of ``prompt_ids`` (their columns go to a reward function)."""
         from fastppo.data import left_pad
         from fastppo.generation import sample_responses
 
         config, tok = self.config, self.tokenizer
         t0 = time.perf_counter()
-        rows = None
         if prompt_ids is None:
-            rows = next(self._batches)
-            prompt_ids = [self.prompts[i] for i in rows]
+            drawn = next(self._batches)
+            prompt_ids, rows = [self.prompts[i] for i in drawn], self.prompt_rows.select(drawn)
         queries, query_mask = left_pad(prompt_ids, tok.pad_token_id, config.pad_to_multiple_of)
         queries, query_mask = queries.to(self.device), query_mask.to(self.device)
         self.actor_critic.eval()
@@ -284,8 +296,7 @@ class PPOTrainer:
             else:
                 prompt_ids, completion_ids = rollout.token_ids()
                 prompts, completions = self.decode(prompt_ids, completion_ids)
-                columns = reward_fn_columns(prompt_ids, completion_ids,
-                                            None if rows is None else self.prompt_rows.select(rows))
+                columns = reward_fn_columns(prompt_ids, completion_ids, rows)
                 scores = call_reward_fn(self.reward_fn, self.reward_fn_name, prompts, completions, self.device,
                                         **columns)
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
@@ -314,7 +325,8 @@ class PPOTrainer:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             for start in starts:
-                batch = self.rollout(self.eval_prompts[start:start + chunk], self.SAMPLE_TABLE_TEMPERATURE)
+                batch = self.rollout(self.eval_prompts[start:start + chunk], self.SAMPLE_TABLE_TEMPERATURE,
+                                     self.eval_rows.select(range(start, min(start + chunk, len(self.eval_prompts)))))
                 texts = (batch.prompts, batch.completions) if batch.prompts is not None else self.decode(*batch.rollout.token_ids())
                 prompts += texts[0]
                 completions += texts[1]
@@ -407,9 +419,7 @@ class PPOTrainer:
         TRL's events: on_train_begin, on_step_begin, on_log every iteration, on_step_end, on_save after each
         checkpoint (``control.should_save``: save_steps through transformers' DefaultFlowCallback, or a
         callback's own request), on_train_end."""
-        from fastppo.metrics import MetricsLogger, plot_curves, print_samples
-
-        config, sizes, state = self.config, self.sizes, self.state
+        sizes = self.sizes
         if not self.loop:
             raise RuntimeError("this trainer was built with loop=False (a caller drives update()); it has no "
                                "prompts to train() on")
@@ -417,6 +427,39 @@ class PPOTrainer:
             raise SettingsError(f"train() has already run all {sizes.num_total_batches} iterations of this trainer "
                                 "(its schedule is spent); to train further, build a new PPOTrainer (with "
                                 "resume_from_checkpoint and a larger total_episodes or max_steps to continue this run)")
+        self._lock_output_dir()
+        try:
+            return self._train()
+        finally:
+            if self._run_lock is not None:
+                self._run_lock.release()
+                self._run_lock = None
+
+    def _lock_output_dir(self) -> None:
+        """Take the output_dir's lock (rank 0, for the run's life) and decide again, under it, what this run
+        does there: another trainer may have written it since this one was built."""
+        lock = C.RunLock(self.config.output_dir) if self.dist.is_main else None
+        holder = lock.acquire() if lock is not None else None
+        refused = torch.tensor([float(holder is not None)], device=self.device)
+        fdist.all_reduce(refused)
+        if refused.item():
+            raise SettingsError(
+                f"--output_dir {self.config.output_dir!r} is being written by another run ({holder or 'rank 0 says'}"
+                f"{' (this process: another PPOTrainer)' if holder == f'pid {os.getpid()}' else ''}); wait for it "
+                "to finish, or use another --output_dir")
+        self._run_lock = lock
+        try:
+            self._resume_path = self._decide_resume(log_notes=False)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            self._run_lock = None
+            raise
+
+    def _train(self):
+        from fastppo.metrics import MetricsLogger, plot_curves, print_samples
+
+        config, sizes, state = self.config, self.sizes, self.state
         first = self._start_output()
         self.log(f"{sizes.num_total_batches} iterations × {sizes.batch_size} episodes on {sizes.world_size} "
                  f"process(es), {sizes.local_batch_size} per process; output in {config.output_dir}"
@@ -473,9 +516,10 @@ class PPOTrainer:
                                       os.path.join(config.output_dir, "samples.jsonl"))
                 self.control = self.callback_handler.on_step_end(config, state, self.control)
                 preempted = stop.requested_anywhere()
-                # the last iteration's state is the final model, saved below (TRL saves it with save_model too)
+                # transformers' flow asks for a checkpoint at save_steps and after the last iteration (as TRL's
+                # loop saves it): a finished run can be continued with a larger max_steps
                 wants_save = self.control.should_save and config.save_strategy != "no"
-                if preempted or (wants_save and update != sizes.num_total_batches):
+                if preempted or wants_save:
                     self.save_checkpoint()
                     self.control = self.callback_handler.on_save(config, state, self.control)
                 self.control.should_save = False
@@ -488,6 +532,8 @@ class PPOTrainer:
                     break
         if not preempted:
             self.save_model(config.output_dir)  # every rank: a collective under ZeRO-3; rank 0 writes
+            if self.dist.is_main:  # which iteration the final model is (a later resume must not replace it)
+                state.save_to_json(os.path.join(config.output_dir, C.FINAL_STATE_FILE))
         if self.dist.is_main and not preempted:
             plot_curves(state.log_history, os.path.join(config.output_dir, "curves.png"), self.log)
             self.log(f"done: {state.episode} episodes in {time.perf_counter() - start:.1f}s; model saved to "
@@ -509,13 +555,12 @@ class PPOTrainer:
 
     def _start_output(self) -> int:
         """The output_dir for this run (resumed, overwritten or fresh); returns the first iteration to run."""
-        from fastppo import checkpoint as C
-
         config = self.config
         path = self._resume_path
+        elsewhere = path is not None and os.path.abspath(os.path.dirname(path)) != os.path.abspath(config.output_dir)
+        if (path is None or elsewhere) and config.overwrite_output_dir and self.dist.is_main:
+            C.remove_run_files(config.output_dir)
         if path is None:
-            if config.overwrite_output_dir and self.dist.is_main:
-                C.remove_run_files(config.output_dir)
             fdist.barrier()
             return 1
         self._load_checkpoint(path)
@@ -525,11 +570,10 @@ class PPOTrainer:
         fdist.barrier()
         return self.state.global_step + 1
 
-    def _decide_resume(self) -> str | None:
-        """Before any model loads: which checkpoint this run continues (None: a fresh run), and whether the
-        output_dir may be written. A previous run there is never silently mixed with or overwritten."""
-        from fastppo import checkpoint as C
-
+    def _decide_resume(self, log_notes: bool = True) -> str | None:
+        """Which checkpoint this run continues (None: a fresh run), and whether the output_dir may be written:
+        decided before any model loads, and again when ``train()`` starts writing (under the directory's
+        lock). A previous run there is never silently mixed with or overwritten."""
         config = self.config
         spec = config.resume_from_checkpoint
         if spec is True or (isinstance(spec, str) and spec.lower() == "true"):
@@ -539,29 +583,55 @@ class PPOTrainer:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if spec is None and restarted:  # torchrun --max-restarts: carry on from the last checkpoint, if any
             spec = "latest" if C.checkpoints(config.output_dir) else None
-            if spec:
+            if spec and log_notes:
                 self.log("elastic restart: resuming from the latest checkpoint")
+        existing = C.run_files(config.output_dir)
         if spec is not None:
-            path = C.resolve_checkpoint(spec, config.output_dir)
+            path = C.resolve_checkpoint(spec, config.output_dir, log=self.log if log_notes else lambda _: None)
             from fastppo.zero import zero_stage_of
 
-            for note in C.check_compatible(path, config, self.dist.world_size, zero_stage_of(self.ds_config),
-                                           self.model_args):
+            notes = C.check_compatible(path, config, self.dist.world_size, zero_stage_of(self.ds_config),
+                                       self.model_args)
+            for note in notes if log_notes else ():
                 self.log(note)
+            self._check_resume_keeps_outputs(path, existing)
             return path
-        existing = C.run_files(config.output_dir)
         if existing and not config.overwrite_output_dir and not restarted:
-            raise ValueError(
+            resumable = C.checkpoints(config.output_dir)
+            raise SettingsError(
                 f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}"
-                f"{', ...' if len(existing) > 6 else ''}); pass --resume_from_checkpoint latest to continue it, "
-                "--overwrite_output_dir to replace it, or another --output_dir"
+                f"{', ...' if len(existing) > 6 else ''}); "
+                + ("pass --resume_from_checkpoint latest to continue it, " if resumable else
+                   "it has no checkpoint to continue from: ")
+                + "--overwrite_output_dir to replace it, or another --output_dir"
             )
         return None
 
+    def _check_resume_keeps_outputs(self, path: str, existing: list[str]) -> None:
+        """A resume may redo what came after its checkpoint only where nothing finished lies there: the
+        iterations past a crash are lost anyway, but a finished run's final model and metrics are not."""
+        config, total = self.config, self.sizes.num_total_batches
+        step = C.saved_step(path)
+        if step >= total:
+            raise SettingsError(
+                f"{path} is after iteration {step}, and this run has {total} iteration(s) in all (max_steps / "
+                "total_episodes): nothing is left to train; raise max_steps or total_episodes to train further")
+        inside = os.path.abspath(os.path.dirname(path)) == os.path.abspath(config.output_dir)
+        final = C.finished_step(config.output_dir)
+        if final is not None and final > step:
+            raise SettingsError(
+                f"--output_dir {config.output_dir!r} holds a finished run's final model (iteration {final}), newer "
+                f"than {os.path.basename(path)}: resuming there would replace that model and drop the metrics after "
+                f"iteration {step}; to redo from the checkpoint, resume into another --output_dir "
+                f"(--resume_from_checkpoint {path} --output_dir NEW)")
+        if not inside and existing and not config.overwrite_output_dir:
+            raise SettingsError(
+                f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}), and "
+                f"{path} is another directory's checkpoint: resume into an empty --output_dir, or pass "
+                "--overwrite_output_dir to replace that run")
+
     def save_checkpoint(self) -> str:
         """``checkpoint-<iteration>`` with everything needed to continue exactly (see ``fastppo.checkpoint``)."""
-        from fastppo import checkpoint as C
-
         config, state = self.config, self.state
         tag = f"global_step{state.global_step}"
         trainer_state = {
@@ -593,7 +663,6 @@ class PPOTrainer:
         return path
 
     def _load_checkpoint(self, path: str) -> None:
-        from fastppo import checkpoint as C
         from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
 
         state = torch.load(os.path.join(path, C.STATE_FILE), map_location="cpu", weights_only=False)

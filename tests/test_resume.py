@@ -94,9 +94,10 @@ def test_save_total_limit_deletes_only_after_a_newer_checkpoint_is_complete(tmp_
     monkeypatch.setattr(C, "rotate_checkpoints", spy)
     PPOTrainer(args=PPOConfig(**{**SETTINGS, "save_steps": 1, "save_total_limit": 2, "total_episodes": 40},
                               output_dir=str(tmp_path / "run"))).train()
-    # rotation ran after each save had completed (renamed, latest updated), and kept the newest two
-    assert seen[-1] == ([2, 3, 4], "checkpoint-4")
-    assert [s for s, _ in C.checkpoints(str(tmp_path / "run"))] == [3, 4]
+    # rotation ran after each save had completed (renamed, latest updated), and kept the newest two (the
+    # last iteration is checkpointed too, as transformers' flow asks)
+    assert seen[-1] == ([3, 4, 5], "checkpoint-5")
+    assert [s for s, _ in C.checkpoints(str(tmp_path / "run"))] == [4, 5]
 
 
 # ---------------------------------------------------------------------------- killed, preempted, restarted

@@ -190,7 +190,7 @@ def test_max_steps_logging_first_step_and_save_total_limit(tmp_path, model_dir):
     logged = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert logged == [1, 3, 5]  # fastppo's loggers: every logging_steps, the first and the last
     checkpoints = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
-    assert checkpoints == ["checkpoint-3", "checkpoint-4"]  # the newest 2 (the final save is the output_dir)
+    assert checkpoints == ["checkpoint-4", "checkpoint-5"]  # the newest 2 (the last iteration is checkpointed too)
 
 
 # ---------------------------------------------------------------------------- metrics as TRL defines them
