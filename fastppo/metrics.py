@@ -211,16 +211,19 @@ def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> N
     plt.close(fig)
 
 
-def print_samples(console, prompts, completions, scores, update: int, path: str, n: int = 6) -> None:
-    """A rich table of sample completions, also appended to samples.jsonl."""
+def print_samples(console, prompts, completions, scores, update: int, path: str | None, n: int = 6) -> None:
+    """A rich table of sample completions, also appended to ``path`` (samples.jsonl; None: printed only)."""
     from rich.table import Table
 
     table = Table(title=f"samples at iteration {update}", show_lines=False)
     table.add_column("query", overflow="fold")
     table.add_column("response", overflow="fold")
     table.add_column("score", justify="right")
-    with open(path, "a") as f:
-        for p, c, s in list(zip(prompts, completions, scores))[:n]:
-            table.add_row(p, c, f"{s:.3f}")
-            f.write(json.dumps({"iteration": update, "query": p, "response": c, "score": s}) + "\n")
+    rows = list(zip(prompts, completions, scores))[:n]
+    for p, c, s in rows:
+        table.add_row(p, c, f"{s:.3f}")
+    if path is not None:
+        with open(path, "a") as f:
+            for p, c, s in rows:
+                f.write(json.dumps({"iteration": update, "query": p, "response": c, "score": s}) + "\n")
     console.print(table)

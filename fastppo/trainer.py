@@ -217,6 +217,7 @@ class PPOTrainer:
         self.control = TrainerControl()
         self._logger = None
         self._run_lock = None
+        self._training = False  # inside train(): the output_dir is this run's to write
 
     def _adamw(self) -> torch.optim.Optimizer:
         """AdamW over every trainable parameter; ``adamw_torch_fused``: one fused kernel for all of them
@@ -331,9 +332,10 @@ class PPOTrainer:
                 prompts += texts[0]
                 completions += texts[1]
                 scores += batch.scores.tolist()
-        if self.dist.is_main:
+        if self.dist.is_main:  # samples.jsonl is the run's: written while train() holds the output_dir
             print_samples(self.console, prompts, completions, scores, self.state.global_step,
-                          os.path.join(self.config.output_dir, "samples.jsonl"), n=len(prompts))
+                          os.path.join(self.config.output_dir, "samples.jsonl") if self._training else None,
+                          n=len(prompts))
         return prompts, completions, scores
 
     def _lm(self):
@@ -429,8 +431,10 @@ class PPOTrainer:
                                 "resume_from_checkpoint and a larger total_episodes or max_steps to continue this run)")
         self._lock_output_dir()
         try:
+            self._training = True
             return self._train()
         finally:
+            self._training = False
             if self._run_lock is not None:
                 self._run_lock.release()
                 self._run_lock = None
@@ -519,7 +523,9 @@ class PPOTrainer:
                 # transformers' flow asks for a checkpoint at save_steps and after the last iteration (as TRL's
                 # loop saves it): a finished run can be continued with a larger max_steps
                 wants_save = self.control.should_save and config.save_strategy != "no"
-                if preempted or wants_save:
+                # a callback's stop ends the run early: its final model gets a checkpoint too, to continue from
+                stopping = self.control.should_training_stop and update != sizes.num_total_batches
+                if preempted or wants_save or (stopping and config.save_strategy != "no"):
                     self.save_checkpoint()
                     self.control = self.callback_handler.on_save(config, state, self.control)
                 self.control.should_save = False
@@ -527,7 +533,7 @@ class PPOTrainer:
                     self.log(f"stopped by a signal after iteration {update}: checkpoint saved; continue with "
                              "--resume_from_checkpoint latest")
                     break
-                if self.control.should_training_stop and update != sizes.num_total_batches:
+                if stopping:
                     self.log(f"a callback stopped training after iteration {update}")
                     break
         if not preempted:

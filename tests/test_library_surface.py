@@ -1,0 +1,308 @@
+"""The library surface under hostile but realistic use: every user object checked before work starts (or used
+exactly as given), no run's outputs lost to another trainer or a resume, and errors that name what to do.
+Each class of problem has the example that found it and at least one other member."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import datasets
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback)
+
+from fastppo import PPOConfig, PPOTrainer, legacy
+from fastppo import checkpoint as C
+from fastppo.cli import EMBEDDED_PRESET
+from fastppo.models import AutoModelForCausalLMWithValueHead
+from fastppo.train import whiten_trained
+
+pytestmark = pytest.mark.usefixtures("reference_path")
+
+
+def config(tmp_path, name="out", **overrides) -> PPOConfig:
+    base = {**EMBEDDED_PRESET, **dict(
+        output_dir=str(tmp_path / name), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        num_ppo_epochs=1, response_length=5, total_episodes=16, num_sample_generations=0, disable_tqdm=True,
+        local_rollout_forward_batch_size=8, logging_steps=1, save_steps=10**6)}
+    base.update(overrides)
+    return PPOConfig(**base)
+
+
+def length_reward(completions, **kw):
+    return [float(len(c)) for c in completions]
+
+
+def scalar_model(model_dir, labels=1, **config_changes):
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=labels)
+    for key, value in config_changes.items():
+        setattr(model.config, key, value)
+    return model
+
+
+# ---------------------------------------------------------------------------- user objects: checked, never altered
+
+
+def test_a_two_label_reward_or_value_model_is_refused_in_memory_and_by_path(tmp_path, model_dir):
+    """transformers' own report of the head mismatch is a log line fastppo's verbosity hides, then a RuntimeError
+    saying 'look at the above report': fastppo names the model and the fix."""
+    with pytest.raises(ValueError, match=r"reward model .* has 2 output labels .*num_labels=1"):
+        PPOTrainer(args=config(tmp_path), reward_model=scalar_model(model_dir, labels=2))
+    with pytest.raises(ValueError, match=r"value model .* has 3 output labels"):
+        PPOTrainer(args=config(tmp_path), value_model=scalar_model(model_dir, labels=3), reward_model=length_reward)
+    scalar_model(model_dir, labels=2).save_pretrained(tmp_path / "classifier")
+    with pytest.raises(ValueError, match=r"reward model at .*classifier.* has 2 output labels"):
+        PPOTrainer(args=config(tmp_path, reward_model_path=str(tmp_path / "classifier")))
+    with pytest.raises(ValueError, match=r"value model at .*classifier.* has 2 output labels"):
+        PPOTrainer(args=config(tmp_path, value_model_path=str(tmp_path / "classifier"), reward_fn=None),
+                   reward_model=length_reward)
+
+
+@pytest.mark.parametrize("which", ["policy", "value model"])
+def test_float16_trainable_weights_are_refused_before_the_first_update(tmp_path, model_dir, which):
+    """An fp16 policy object used to be wrecked by its first update (no loss scaling: KL 25, then NaN)."""
+    kwargs = dict(reward_model=length_reward)
+    if which == "policy":
+        kwargs["model"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16)
+    else:
+        kwargs["value_model"] = scalar_model(model_dir).half()
+    with pytest.raises(ValueError, match=f"the {which}'s trainable weights are float16.*float32 or bfloat16"):
+        PPOTrainer(args=config(tmp_path), **kwargs)
+    with pytest.raises(ValueError, match="the policy's trainable weights are float16"):  # --dtype float16, loaded
+        from fastppo.cli import ModelConfig
+
+        PPOTrainer(args=config(tmp_path), model_args=ModelConfig(dtype="float16"), reward_model=length_reward)
+
+
+def test_frozen_float16_and_bf16_objects_are_used_as_given(tmp_path, model_dir):
+    reward = scalar_model(model_dir).half()
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    trainer = PPOTrainer(args=config(tmp_path, total_episodes=8), model=policy, reward_model=reward)
+    trainer.train()
+    assert reward.dtype == torch.float16 and policy.dtype == torch.bfloat16  # never re-typed
+    assert all(torch.isfinite(p).all() for p in policy.parameters())
+
+
+def test_models_with_too_few_positions_are_refused_by_name(tmp_path, model_dir):
+    reward = scalar_model(model_dir, max_position_embeddings=8)
+    with pytest.raises(ValueError, match=r"exceeds the reward model's 8 positions"):
+        PPOTrainer(args=config(tmp_path), reward_model=reward)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir)
+    ref.config.max_position_embeddings = 8
+    with pytest.raises(ValueError, match=r"exceeds the reference model's 8 positions"):
+        PPOTrainer(args=config(tmp_path), ref_model=ref, reward_model=length_reward)
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused_before_any_model_loads(tmp_path, model_dir, monkeypatch):
+    from fastppo import models
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [{"input_ids": [5, 6, 7]}, {"input_ids": [5, len(tokenizer) + 10]}, {"input_ids": [5, -1]}]
+    monkeypatch.setattr(models, "build_models", lambda *a, **k: pytest.fail("models were built"))
+    for bad in rows[1:]:
+        with pytest.raises(ValueError, match=r"row 1 of column 'input_ids' holds token id .* outside the tokenizer's"):
+            PPOTrainer(args=config(tmp_path), train_dataset=[rows[0], bad], reward_model=length_reward)
+
+
+# ---------------------------------------------------------------------------- the math's meaningful range
+
+
+def test_training_temperature_has_a_floor_where_ppo_still_means_something(tmp_path, model_dir):
+    for low in (1e-6, 5e-3):
+        with pytest.raises(ValueError, match=r"below 0.01, the lowest PPO trains at"):
+            PPOTrainer(args=config(tmp_path, temperature=low))
+    PPOTrainer(args=config(tmp_path, temperature=0.01))
+
+
+def test_fewer_than_two_trained_tokens_whiten_to_zero_not_an_error():
+    x = torch.randn(2, 5)
+    one = torch.zeros(2, 5, dtype=torch.bool)
+    one[1, 3] = True
+    assert torch.equal(whiten_trained(x, one), torch.zeros_like(x))
+    assert torch.equal(whiten_trained(x, one, shift_mean=False), x * one)  # the single value is kept as it is
+    assert torch.equal(whiten_trained(x, torch.zeros_like(one)), torch.zeros_like(x))
+    two = one.clone()
+    two[0, 0] = True
+    w = whiten_trained(x, two)
+    assert torch.allclose(w[two], (x[two] - x[two].mean()) / x[two].std(), atol=1e-5) and not w[~two].any()
+
+
+def test_a_batch_with_one_trained_token_updates(model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(model_dir)
+    trainer = legacy.PPOTrainer(legacy.PPOConfig(batch_size=1, mini_batch_size=1), model, None, tokenizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = trainer.step([torch.tensor([5, 6, 7])], [torch.tensor([8])], [torch.tensor(1.0)])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    # a statistic of one sample (the scores' std, explained variance) is undefined, as in TRL; the losses are not
+    assert all(math.isfinite(float(stats[k])) for k in ("ppo/loss/total", "ppo/loss/policy", "ppo/loss/value"))
+
+
+# ---------------------------------------------------------------------------- no lost run
+
+
+def test_two_trainers_on_one_output_dir_cannot_both_write_it(tmp_path, model_dir):
+    first = PPOTrainer(args=config(tmp_path, total_episodes=8))
+    second = PPOTrainer(args=config(tmp_path, total_episodes=8))  # both built on an empty directory
+    first.train()
+    model = (tmp_path / "out" / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="already holds a run"):  # decided again when writing starts
+        second.train()
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == model
+    assert len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_an_output_dir_being_written_is_locked(tmp_path, model_dir):
+    lock = C.RunLock(str(tmp_path / "out"))
+    assert lock.acquire() is None  # as a run in another process would hold it
+    trainer = PPOTrainer(args=config(tmp_path, total_episodes=8))
+    with pytest.raises(ValueError, match=r"is being written by another run \(pid \d+"):
+        trainer.train()
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    lock.release()
+    trainer.train()  # free again: the refused trainer was not spent by the refusal
+    assert trainer.state.global_step == 1
+
+
+def test_resuming_a_finished_run_never_replaces_its_final_model(tmp_path, model_dir):
+    class SaveEach(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_save = True
+
+    PPOTrainer(args=config(tmp_path, total_episodes=24), callbacks=[SaveEach()]).train()  # 3 iterations
+    out = tmp_path / "out"
+    final, metrics = (out / "model.safetensors").read_bytes(), (out / "metrics.jsonl").read_text()
+    assert C.finished_step(str(out)) == 3 and [s for s, _ in C.checkpoints(str(out))] == [1, 2, 3]
+    with pytest.raises(ValueError, match="after iteration 3, and this run has 2 iteration"):  # smaller max_steps
+        PPOTrainer(args=config(tmp_path, total_episodes=24, max_steps=2, resume_from_checkpoint="latest"))
+    with pytest.raises(ValueError, match=r"final model \(iteration 3\), newer than checkpoint-1"):
+        PPOTrainer(args=config(tmp_path, total_episodes=24, resume_from_checkpoint=str(out / "checkpoint-1")))
+    assert (out / "model.safetensors").read_bytes() == final and (out / "metrics.jsonl").read_text() == metrics
+    # a larger max_steps continues from the last iteration's checkpoint
+    more = PPOTrainer(args=config(tmp_path, total_episodes=24, max_steps=4, resume_from_checkpoint="latest"))
+    more.train()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    # redoing from an old checkpoint goes into another directory, leaving this run whole
+    PPOTrainer(args=config(tmp_path, name="redo", total_episodes=24,
+                           resume_from_checkpoint=str(out / "checkpoint-1"))).train()
+    assert C.finished_step(str(tmp_path / "redo")) == 3 and C.finished_step(str(out)) == 4
+
+
+def _truncate(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+
+
+@pytest.mark.parametrize("damaged", ["trainer_state.pt", "model.safetensors"])
+def test_a_truncated_checkpoint_file_is_named_and_latest_falls_back(tmp_path, model_dir, damaged):
+    class CrashAfterSecondSave(TrainerCallback):  # a run killed after checkpoint-2: no final model
+        def on_step_end(self, args, state, control, **kw):
+            control.should_save = True
+
+        def on_save(self, args, state, control, **kw):
+            if state.global_step == 2:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        PPOTrainer(args=config(tmp_path, total_episodes=24), callbacks=[CrashAfterSecondSave()]).train()
+    out = tmp_path / "out"
+    _truncate(out / "checkpoint-2" / damaged)
+    with pytest.raises(OSError, match=f"checkpoint-2.*{damaged} is unreadable"):
+        PPOTrainer(args=config(tmp_path, total_episodes=24, resume_from_checkpoint=str(out / "checkpoint-2")))
+    resumed = PPOTrainer(args=config(tmp_path, total_episodes=24, resume_from_checkpoint="latest"))
+    assert resumed._resume_path.endswith("checkpoint-1")
+
+
+def test_a_run_that_fails_in_its_first_iteration_leaves_a_usable_directory(tmp_path, model_dir):
+    def broken(completions, **kw):
+        raise KeyError("score")
+
+    with pytest.raises(RuntimeError, match="reward_fn .*broken.* raised KeyError"):
+        PPOTrainer(args=config(tmp_path), reward_model=broken).train()
+    out = tmp_path / "out"
+    assert not (out / "metrics.jsonl").exists() and C.run_files(str(out)) == []
+    PPOTrainer(args=config(tmp_path, total_episodes=8), reward_model=length_reward).train()  # same directory
+
+
+def test_a_run_without_checkpoints_is_not_offered_a_resume(tmp_path, model_dir):
+    PPOTrainer(args=config(tmp_path, total_episodes=8, save_strategy="no")).train()
+    with pytest.raises(ValueError, match="it has no checkpoint to continue from: --overwrite_output_dir"):
+        PPOTrainer(args=config(tmp_path, total_episodes=8))
+
+
+# ---------------------------------------------------------------------------- reward functions and datasets
+
+
+def test_a_reward_functions_column_missing_from_the_eval_set_is_refused_by_name(tmp_path, model_dir):
+    seen = []
+
+    def graded(prompts, completions, answer, **kw):
+        seen.append(list(answer))
+        return [float(a == "yes") for a in answer]
+
+    train = [{"prompt": f"question {i}", "answer": "yes" if i % 2 else "no"} for i in range(8)]
+    with pytest.raises(ValueError, match=r"requires 'answer', which eval_dataset does not have \(its columns: "
+                                         r"\['prompt'\]\)"):
+        PPOTrainer(args=config(tmp_path), reward_model=graded, train_dataset=train,
+                   eval_dataset=[{"prompt": "question x"}])
+    with pytest.raises(ValueError, match="requires 'answer', which train_dataset does not have"):
+        PPOTrainer(args=config(tmp_path), reward_model=graded, train_dataset=[{"prompt": "q"}] * 8)
+    trainer = PPOTrainer(args=config(tmp_path, per_device_eval_batch_size=2), reward_model=graded,
+                         train_dataset=train, eval_dataset=[{"prompt": "q a", "answer": "yes"},
+                                                            {"prompt": "q b", "answer": "no"}])
+    trainer.generate_completions()  # the eval rows' columns reach the function
+    assert seen[-1] == ["yes", "no"]
+
+
+# ---------------------------------------------------------------------------- legacy loop
+
+
+def test_legacy_generate_and_step_refuse_lengths_past_the_positions(model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(model_dir)
+    limit = model.pretrained_model.config.max_position_embeddings
+    trainer = legacy.PPOTrainer(legacy.PPOConfig(batch_size=2, mini_batch_size=2), model, None, tokenizer)
+    long_query = torch.randint(3, len(tokenizer), (limit - 4,))
+    with pytest.raises(ValueError, match=rf"generate: the longest query \({limit - 4} tokens\) \+ max_new_tokens "
+                                         rf"\(8\) = {limit + 4} exceeds the model's {limit} positions"):
+        trainer.generate([long_query], max_new_tokens=8)
+    with pytest.raises(ValueError, match=rf"step: a query \+ response of {limit + 1} tokens exceeds"):
+        trainer.step([long_query, long_query[:3]], [torch.randint(3, 50, (5,)), torch.randint(3, 50, (2,))],
+                     [1.0, 0.0])
+
+
+WORKER = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    from transformers import AutoTokenizer
+    from fastppo import legacy
+    from fastppo.models import AutoModelForCausalLMWithValueHead
+
+    path = os.environ["MODEL_DIR"]
+    tok = AutoTokenizer.from_pretrained(path)
+    trainer = legacy.PPOTrainer(legacy.PPOConfig(batch_size=1, mini_batch_size=1),
+                                AutoModelForCausalLMWithValueHead.from_pretrained(path), None, tok)
+    query, response = [torch.tensor([5, 6, 7])], [torch.tensor([8, 9])]
+    stats = trainer.step(query, response, [torch.tensor(1.0)])
+    if dist.get_rank() == 0:  # the mistake: log_stats gathers from every rank
+        trainer.log_stats(stats, {"query": ["q"], "response": ["r"]}, [torch.tensor(1.0)])
+    else:
+        import time; time.sleep(30)
+""")
+
+
+@pytest.mark.slow
+def test_legacy_log_stats_on_one_rank_fails_in_bounded_time_naming_the_call(tmp_path, model_dir):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "MODEL_DIR": model_dir, "FASTPPO_RENDEZVOUS_TIMEOUT": "5", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "log_stats() must be called on every process" in result.stderr
+    assert "rank 0 waited 5 s" in result.stderr
