@@ -4,6 +4,8 @@ The module tests (test_logprobs, test_kl, test_ppo_loss) check each kernel
 end to end; these check the shared pieces where a drift would hide behind a
 kernel's tolerance (issue 14), and that each kernel really goes through them.
 """
+import inspect
+
 import pytest
 import torch
 
@@ -56,6 +58,91 @@ def test_addmm_acc_adds_a_16_bit_product_unrounded():
     _lmhead.addmm_acc_(out, a, b)
     assert out.item() == 257.0
     assert _lmhead.mm_acc(a, b).item() == 257.0
+
+
+def _module_state():
+    """_lmhead's module-level data (not its functions, classes or modules), copied: a global fallback shows here."""
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(_lmhead).items()
+            if not (callable(v) or inspect.ismodule(v) or k.startswith("__"))}
+
+
+class _ClaimsCuda(torch.Tensor):
+    is_cuda = True
+
+
+def test_an_error_in_the_real_gemm_propagates_and_flips_nothing(monkeypatch):
+    # The wide-output GEMM is decided once from (device type, dtypes); an out-of-memory of the real call
+    # is that call's error. The old code caught it, switched every later call to upcast operands (twice
+    # the memory) for the rest of the process, and retried the call that had just run out of memory.
+    monkeypatch.setattr(_lmhead, "_WIDE_OUT", {("cpu", torch.bfloat16, torch.float32): True}, raising=False)
+    calls = []
+
+    def failing(real):
+        def op(*args, **kwargs):
+            calls.append(real.__name__)
+            if "out_dtype" in kwargs:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            return real(*args, **kwargs)
+        return op
+
+    monkeypatch.setattr(torch, "mm", failing(torch.mm))
+    monkeypatch.setattr(torch, "addmm", failing(torch.addmm))
+    # CPU tensors that also claim is_cuda: the wide path is taken whichever check picks it.
+    a, b = (torch.ones(*shape).bfloat16().as_subclass(_ClaimsCuda) for shape in ((4, 3), (3, 2)))
+    before = _module_state()
+    for call in (lambda: _lmhead.mm_acc(a, b), lambda: _lmhead.mm_acc(a, b, out=torch.empty(4, 2)),
+                 lambda: _lmhead.addmm_acc_(torch.zeros(4, 2), a, b)):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            call()
+    assert calls == ["mm", "mm", "addmm"]  # no retry
+    assert _module_state() == before
+
+
+def test_the_wide_output_decision_is_a_probe_on_tiny_tensors(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(_lmhead, "_WIDE_OUT", {})
+    assert not _lmhead.wide_output_ok(cpu, torch.bfloat16, torch.float32)  # CPU upcasts: never a probe
+    assert _lmhead._WIDE_OUT == {("cpu", torch.bfloat16, torch.float32): False}
+    shapes = []
+    for error, supported in ((None, True), (NotImplementedError("no aten::mm.dtype for this backend"), False),
+                             (TypeError("mm() got an unexpected keyword argument 'out_dtype'"), False)):
+        def fake(*args, out_dtype=None, out=None, error=error):
+            shapes.append(args[-1].shape)
+            if error is not None:
+                raise error
+            result = args[0].to(out_dtype) + args[1].to(out_dtype) @ args[2].to(out_dtype) if len(args) == 3 else \
+                args[0].to(out_dtype) @ args[1].to(out_dtype)
+            return result if out is None else out.copy_(result)
+
+        monkeypatch.setattr(torch, "mm", fake)
+        monkeypatch.setattr(torch, "addmm", fake)
+        assert _lmhead._probe_wide_out(cpu, torch.bfloat16, torch.float32) is supported
+    assert set(shapes) == {(2, 2)}
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    # An out-of-memory in the probe says nothing about support: it propagates and nothing is cached.
+    monkeypatch.setattr(torch, "mm", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        _lmhead._probe_wide_out(cpu, torch.bfloat16, torch.float32)
+    monkeypatch.setattr(_lmhead, "_probe_wide_out", oom)
+    monkeypatch.setattr(_lmhead, "_HAS_OUT_DTYPE", True)
+    monkeypatch.setattr(_lmhead, "_WIDE_OUT", {})
+    with pytest.raises(torch.OutOfMemoryError):
+        _lmhead.wide_output_ok(torch.device("cuda"), torch.float16, torch.float32)
+    assert _lmhead._WIDE_OUT == {}
+
+
+def test_gemms_with_a_wide_output_equal_the_upcast_product_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(7, 33, generator=g).to(dtype), torch.randn(33, 5, generator=g).to(dtype)
+        ref = torch.mm(a.float(), b.float())
+        assert torch.equal(_lmhead.mm_acc(a, b), ref)
+        start = torch.randn(7, 5, generator=g)
+        assert torch.equal(_lmhead.addmm_acc_(start.clone(), a, b), start + ref if dtype != torch.float32
+                           else start.clone().addmm_(a, b))
 
 
 def test_every_lm_head_backward_goes_through_the_core(triton_device, monkeypatch):

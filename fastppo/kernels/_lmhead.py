@@ -334,24 +334,62 @@ def merge_splits(m_part, s_part, t_part=None, a_part=None) -> SoftmaxStats:
     return SoftmaxStats(m_ref + log_s, entropy, mean)
 
 
-# torch.mm(..., out_dtype=torch.float32) (aten::mm.dtype, CUDA only) keeps 16-bit
-# operands and writes fp32; addmm likewise accumulates into fp32. Where they are
-# missing or refuse the dtypes we upcast the operands instead (slower, same
-# result) and stop trying.
-_out_dtype_ok = "dtype" in torch.ops.aten.mm.overloads()
+# torch.mm(..., out_dtype=torch.float32) (aten::mm.dtype) keeps 16-bit operands and
+# writes fp32; addmm likewise accumulates into fp32. Where that is missing for a
+# (device type, operand dtype, output dtype) the operands are upcast instead
+# (twice the memory for the operands). The choice is made once per key, before any
+# real call, by ``wide_output_ok``: an error of a real call (an out-of-memory
+# above all) is that call's error and propagates; nothing retries it.
+_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
+_WIDE_OUT: dict[tuple[str, torch.dtype, torch.dtype], bool] = {}  # (device type, operand, output dtype) -> ok
+
+
+def _probe_wide_out(device: torch.device, in_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether the three wide-output calls of ``mm_acc``/``addmm_acc_`` run and are right on 2×2 tensors.
+
+    Not supported (the op refuses the device or dtypes, or is too old for
+    ``out_dtype``) is False; an out-of-memory propagates (it says nothing
+    about support, and nothing is cached then).
+    """
+    with torch.no_grad():
+        a = torch.ones(2, 2, dtype=in_dtype, device=device)
+        try:
+            results = (
+                torch.mm(a, a, out_dtype=out_dtype),
+                torch.mm(a, a, out_dtype=out_dtype, out=torch.empty(2, 2, dtype=out_dtype, device=device)),
+                torch.addmm(torch.ones(2, 2, dtype=out_dtype, device=device), a, a, out_dtype=out_dtype,
+                            out=torch.empty(2, 2, dtype=out_dtype, device=device)),
+            )
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, NotImplementedError):
+            return False
+        return all(r.dtype == out_dtype for r in results) and [r.tolist() for r in results] == [
+            [[2.0, 2.0]] * 2, [[2.0, 2.0]] * 2, [[3.0, 3.0]] * 2]
+
+
+def wide_output_ok(device: torch.device, in_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether ``mm_acc``/``addmm_acc_`` multiply ``in_dtype`` operands on ``device`` straight into ``out_dtype``.
+
+    Decided once per (device type, in_dtype, out_dtype): on CUDA by a probe on
+    tiny tensors (``_probe_wide_out``); elsewhere never (CPU has no such
+    kernel, and its upcast operands are the reference numerics).
+    """
+    key = (device.type, in_dtype, out_dtype)
+    ok = _WIDE_OUT.get(key)
+    if ok is None:
+        ok = device.type == "cuda" and _HAS_OUT_DTYPE and _probe_wide_out(device, in_dtype, out_dtype)
+        _WIDE_OUT[key] = ok
+    return ok
 
 
 def mm_acc(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b with an fp32 (fp64 for fp64) *output* (into ``out`` if given): never rounded to 16 bits."""
-    global _out_dtype_ok
     acc = acc_dtype(a.dtype)
     if a.dtype == acc:
         return torch.mm(a, b, out=out)
-    if a.is_cuda and _out_dtype_ok:
-        try:
-            return torch.mm(a, b, out_dtype=acc) if out is None else torch.mm(a, b, out_dtype=acc, out=out)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _out_dtype_ok = False
+    if wide_output_ok(a.device, a.dtype, acc):
+        return torch.mm(a, b, out_dtype=acc) if out is None else torch.mm(a, b, out_dtype=acc, out=out)
     return torch.mm(a.to(acc), b.to(acc), out=out)
 
 
@@ -362,14 +400,10 @@ def addmm_acc_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     16 bits before the fp32 sum: the rounding fused_full_kl's backward had
     (issue 14; tests/test_lmhead.py has a test that sees it).
     """
-    global _out_dtype_ok
     if a.dtype == out.dtype:
         return out.addmm_(a, b)
-    if a.is_cuda and _out_dtype_ok:
-        try:
-            return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _out_dtype_ok = False
+    if wide_output_ok(a.device, a.dtype, out.dtype):
+        return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     return out.add_(mm_acc(a, b))
 
 
