@@ -6,8 +6,8 @@
     python bench/trl_baseline.py --impl both --rounds 3 --iterations 20   # the same, outside pytest
 
 By default both trainers run the embedded default (tiny local Llama, built-in prompts, the default reward
-function; TRL gets it as a reward *model*, see ``trl_baseline.RewardFnModel``) with identical
-hyper-parameters; see ``trl_baseline.py`` for exactly what is matched and how. Each run is a fresh
+function; TRL gets it as a reward *model*, see ``trl_peer.RewardFnModel``) with identical
+hyper-parameters; see ``e2e_common.py`` for exactly what is matched and how. Each run is a fresh
 process, and the runs are interleaved (fastppo, TRL, fastppo, TRL, ...) so that load drift on a
 shared machine hits both. Reported per trainer:
 
@@ -15,7 +15,7 @@ shared machine hits both. Reported per trainer:
   the wall-clock stamps are taken inside the training loops, after a warm-up iteration, so process
   start, model loading and the final checkpoint are excluded), and episodes/s = batch / that;
 * peak memory: CUDA ``max_memory_allocated`` on a GPU; on a CPU the peak resident-set growth during
-  training (``trl_baseline.measure``);
+  training (``e2e_measure.PeakMemory``);
 * the reward trend: ``objective/scores`` per iteration, first vs last third.
 
 The TRL row is the group's reference, so the summary's "speedup" is fastppo's episodes/s over TRL's.
