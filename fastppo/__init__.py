@@ -17,7 +17,7 @@ def __getattr__(name: str):
 
         return PPOConfig
     if name == "PPOTrainer":
-        from fastppo.trainer import PPOTrainer
+        from fastppo.api import PPOTrainer
 
         return PPOTrainer
     if name in ("AutoModelForCausalLMWithValueHead", "create_reference_model"):

@@ -28,6 +28,7 @@ import shutil
 
 import torch
 
+from fastppo.errors import SettingsError, MissingPathError, LoadError
 from fastppo.config import PPOConfig
 
 LATEST = "latest"
@@ -183,15 +184,15 @@ def resolve_checkpoint(spec: str, output_dir: str, required: bool = True, log=No
                 return candidate
             log(f"skipping {candidate}: {problem}; trying the previous checkpoint")
         if required:
-            raise FileNotFoundError(f"--resume_from_checkpoint latest: no {'readable ' if candidates else ''}"
+            raise MissingPathError(f"--resume_from_checkpoint latest: no {'readable ' if candidates else ''}"
                                     f"checkpoint in {output_dir!r}")
         return None
     if not os.path.isfile(os.path.join(spec, STATE_FILE)):
-        raise FileNotFoundError(f"--resume_from_checkpoint {spec!r}: not a complete fastppo checkpoint "
+        raise MissingPathError(f"--resume_from_checkpoint {spec!r}: not a complete fastppo checkpoint "
                                 f"(no {STATE_FILE})")
     problem = unreadable(spec) if log is not None else None
     if problem is not None:
-        raise OSError(f"--resume_from_checkpoint {spec!r}: {problem}; resume from another checkpoint")
+        raise LoadError(f"--resume_from_checkpoint {spec!r}: {problem}; resume from another checkpoint")
     return spec
 
 
@@ -306,12 +307,12 @@ def check_compatible(path: str, config: PPOConfig, world_size: int, zero_stage: 
     if saved_stage != zero_stage:
         wrong.append(f"engine: checkpoint {_engine_name(saved_stage)}, now {_engine_name(zero_stage)}")
     if wrong:
-        raise ValueError(f"cannot resume from {path!r}: it was made with other settings ({'; '.join(wrong)}); "
+        raise SettingsError(f"cannot resume from {path!r}: it was made with other settings ({'; '.join(wrong)}); "
                          "resume with the same ones, or start a fresh run in another --output_dir")
     held = [f"{name}: checkpoint {saved.get(name)!r}, now {current.get(name)!r}" for name in HELD_IN_STATE
             if name in saved and saved.get(name) != current.get(name)]
     if held:  # loading the state would silently put the old values back: refuse rather than announce a change
-        raise ValueError(f"cannot resume from {path!r} with other optimizer or schedule settings ({'; '.join(held)}): "
+        raise SettingsError(f"cannot resume from {path!r} with other optimizer or schedule settings ({'; '.join(held)}): "
                          "the optimizer and scheduler state saved there carry the old values, so the new ones would "
                          "not apply; resume with the same values, or start a new run from the checkpoint's weights "
                          f"(--sft_model_path {path})")
@@ -338,7 +339,7 @@ def load_weights(model, path: str) -> None:
 
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors") and f != "v_head.safetensors")
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+        raise MissingPathError(f"no *.safetensors weights in {path!r}")
     state = {}
     for name in files:
         state.update(load_file(os.path.join(path, name)))
@@ -347,7 +348,7 @@ def load_weights(model, path: str) -> None:
     tied = _tied_names(model)
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
-        raise ValueError(f"weights in {path!r} do not fit the model: missing {missing[:5]}, unexpected "
+        raise SettingsError(f"weights in {path!r} do not fit the model: missing {missing[:5]}, unexpected "
                          f"{result.unexpected_keys[:5]}")
 
 

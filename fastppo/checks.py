@@ -11,8 +11,8 @@ from transformers import TrainingArguments, get_scheduler
 
 from fastppo.config import KL_ESTIMATOR_CHOICES, PPOConfig
 from fastppo.data import looks_local
-from fastppo.errors import SettingsError, require
-from fastppo.kernels._common import check_temperature
+from fastppo.errors import SettingsError, MissingPathError, require
+from fastppo.kernels import check_temperature
 from fastppo.zero import check_deepspeed
 
 # PPO's per-token quantities are log-probs of softmax(logits / T): the log-ratio ρ and the KL scale as 1/T, and
@@ -27,7 +27,7 @@ def check_path(path: str | None, flag: str) -> None:
     if os.path.exists(path):
         raise SettingsError(f"--{flag} {path!r} is a file; expected a model directory or a Hub id")
     if looks_local(path):
-        raise FileNotFoundError(f"--{flag} {path!r}: no such directory")
+        raise MissingPathError(f"--{flag} {path!r}: no such directory")
 
 
 def _is_finite(x) -> bool:

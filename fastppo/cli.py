@@ -18,94 +18,17 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import yaml
 from transformers import HfArgumentParser
 
-from fastppo.config import PPOConfig
-from fastppo.errors import SettingsError
-
-
-@dataclass
-class ScriptArguments:
-    """The dataset flags of TRL's scripts (``trl.ScriptArguments``: same names, defaults and meanings)."""
-
-    dataset_name: str | None = field(
-        default=None,
-        metadata={"help": "Prompt dataset: a Hub name or a local file/directory (jsonl, json, parquet, arrow, csv, or "
-                  "a save_to_disk directory). Unset: fastppo's built-in prompt set."},
-    )
-    dataset_config: str | None = field(
-        default=None, metadata={"help": "Dataset configuration name (load_dataset's name=)."}
-    )
-    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
-    dataset_test_split: str = field(
-        default="test",
-        metadata={"help": "Split the sample tables are drawn from (eval_dataset), when the dataset has it."},
-    )
-    dataset_streaming: bool = field(
-        default=False, metadata={"help": "Stream the dataset (not supported by PPO's prompt sampler: refused)."}
-    )
-    gradient_checkpointing_use_reentrant: bool = field(
-        default=False, metadata={"help": "use_reentrant of gradient checkpointing (TRL 0.26)."}
-    )
-    ignore_bias_buffers: bool = field(
-        default=False, metadata={"help": "TRL's DDP workaround for bool buffers (no effect in fastppo)."}
-    )
-
-
-@dataclass
-class ModelConfig:
-    """How the models load (``trl.ModelConfig``: same names, defaults and meanings)."""
-
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "The tokenizer, and the policy unless --sft_model_path names another: a local directory or "
-                  "a Hub id. Unset (and no --sft_model_path): fastppo's embedded tiny model."},
-    )
-    model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
-    dtype: str | None = field(
-        default=None,
-        metadata={"help": "Load every model's weights in this dtype. Unset: fp32 for the trained models and, under "
-                  "bf16, bf16 for the frozen reference and reward models.",
-                  "choices": ["auto", "bfloat16", "float16", "float32"]},
-    )
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with their own modeling code."})
-    attn_implementation: str | None = field(
-        default=None, metadata={"help": "Attention implementation: sdpa (unset), eager or flash_attention_2."}
-    )
-    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters on the policy."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Modules to adapt (default: peft's choice for the architecture)."}
-    )
-    lora_target_parameters: list[str] | None = field(
-        default=None, metadata={"help": "LoRA on parameters (not supported: refused)."}
-    )
-    lora_modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Modules to train fully beside the adapters (not supported: refused)."}
-    )
-    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type (PPO's policy: CAUSAL_LM)."})
-    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA."})
-    use_dora: bool = field(default=False, metadata={"help": "DoRA (not supported: refused)."})
-    load_in_8bit: bool = field(default=False, metadata={"help": "8-bit weights (not supported: refused)."})
-    load_in_4bit: bool = field(default=False, metadata={"help": "4-bit weights (not supported: refused)."})
-    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit quantisation type.",
-                                                              "choices": ["fp4", "nf4"]})
-    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Nested 4-bit quantisation."})
-    bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "4-bit storage dtype."})
-    torch_dtype: str | None = field(default=None, metadata={"help": "Older name of --dtype."})
-
-    def __post_init__(self):
-        if self.torch_dtype and not self.dtype:
-            self.dtype = self.torch_dtype
-        if self.load_in_8bit and self.load_in_4bit:
-            raise SettingsError("load_in_8bit and load_in_4bit are exclusive; set one")
+from fastppo.config import ModelConfig, PPOConfig, ScriptArguments  # noqa: F401  (TRL's names, re-exported)
+from fastppo.data import load_prompt_dataset, split_names
+from fastppo.embedded import PROMPTS_PATH
+from fastppo.errors import SettingsError, settings_errors
+from fastppo.trainer import PPOTrainer, main_guard
 
 
 def get_peft_config(model_args) -> Any:
@@ -163,11 +86,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOC
     argv = join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")) and os.path.isfile(argv[0]):
         files = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
-        script_args, training_args, model_args = files(os.path.abspath(argv[0]))
-        with open(argv[0]) as f:
-            named = (json.load if argv[0].endswith(".json") else yaml.safe_load)(f) or {}
+        with settings_errors(argv[0]):
+            script_args, training_args, model_args = files(os.path.abspath(argv[0]))
+            with open(argv[0]) as f:
+                named = (json.load if argv[0].endswith(".json") else yaml.safe_load)(f) or {}
         return script_args, training_args, model_args, frozenset(named)
-    *dataclasses_, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    with settings_errors("flags"):
+        *dataclasses_, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         flags = sorted({a.lstrip("-").replace("-", "_") for a in parser._option_string_actions})
         problems = []
@@ -210,7 +135,8 @@ def cli_settings(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PP
     embedded = not ({"model_name_or_path", "sft_model_path"} & given)
     if embedded:
         preset = {k: v for k, v in {**EMBEDDED_PRESET, "output_dir": EMBEDDED_OUTPUT_DIR}.items() if k not in given}
-        training_args = PPOConfig(**{**training_args_kwargs(training_args, given), **preset})
+        with settings_errors("flags"):
+            training_args = PPOConfig(**{**training_args_kwargs(training_args, given), **preset})
     return script_args, training_args, model_args, embedded
 
 
@@ -224,10 +150,6 @@ def build_trainer(script_args, training_args: PPOConfig, model_args, embedded: b
     policy from ``sft_model_path`` (or ``model_name_or_path``), the reward and value models from
     ``reward_model_path`` (or ``reward_fn``; ``value_model_path`` for another value model), the dataset's train
     split and, when it has one, its test split as the eval set."""
-    from fastppo.data import load_prompt_dataset, split_names
-    from fastppo.embedded import PROMPTS_PATH
-    from fastppo.trainer import PPOTrainer
-
     get_quantization_config(model_args)
     require_supported_model_args(model_args, script_args)
     if embedded:
@@ -266,8 +188,6 @@ def require_supported_model_args(model_args, script_args=None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m fastppo.train``: flags to a PPOTrainer, train, save. Bad input: one line, exit 2."""
-    from fastppo.trainer import main_guard
-
     settings = {}
 
     def run():
@@ -277,3 +197,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         trainer.train()
 
     main_guard(run, lambda: settings.get("config"))
+
+
+if __name__ == "__main__":  # python -m fastppo.cli (and python -m fastppo.train, which runs this)
+    main()

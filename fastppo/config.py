@@ -25,6 +25,8 @@ from typing import Literal
 import torch
 from transformers import TrainingArguments
 
+from fastppo.errors import SettingsError
+
 KL_ESTIMATOR_CHOICES = ("k1", "k2", "k3", "abs", "mse", "full")
 
 
@@ -115,7 +117,9 @@ class PPOConfig(TrainingArguments):
     push_to_hub: bool = field(default=False, metadata={"help": "Push the model to the Hub (not supported: refused)."})
 
     # ------------------------------------------------------------ TRL 0.26 PPOConfig
-    exp_name: str = field(default="ppo_config", metadata={"help": "Name of this experiment."})
+    exp_name: str = field(default="ppo_config", metadata={
+        "help": "Name of this experiment: tensorboard and wandb name the run <exp_name>__<seed>__<unix time>, as "
+                "TRL does, unless --run_name is set."})
     reward_model_path: str | None = field(
         default=None,
         metadata={"help": "Reward model: an AutoModelForSequenceClassification with one label sharing the policy's "
@@ -295,7 +299,7 @@ class Sizes:
 
 def exact_div(a: int, b: int, what: str) -> int:
     if b <= 0 or a % b:
-        raise ValueError(f"{what}: {a} is not divisible by {b}")
+        raise SettingsError(f"{what}: {a} is not divisible by {b}")
     return a // b
 
 
@@ -303,7 +307,7 @@ def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
     """All sizes from the flags (TRL 0.17-0.26's formulas); raises ValueError on any inexact split."""
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs"):
         if getattr(config, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+            raise SettingsError(f"{name} must be >= 1, got {getattr(config, name)}")
     local_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps
     local_mini = exact_div(
         local_batch_size,
@@ -322,7 +326,7 @@ def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
     if total_episodes is None:
         total_episodes = int(config.num_train_epochs * num_prompts)
     if total_episodes < 1 and config.max_steps <= 0:
-        raise ValueError(f"total_episodes must be >= 1, got {total_episodes}")
+        raise SettingsError(f"total_episodes must be >= 1, got {total_episodes}")
     num_total_batches = config.max_steps if config.max_steps > 0 else math.ceil(total_episodes / batch_size)
     freq = max(1, num_total_batches // config.num_sample_generations) if config.num_sample_generations > 0 else 0
     return Sizes(
@@ -342,3 +346,86 @@ def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
 def every(steps: float, total: int) -> int:
     """``logging_steps``/``save_steps`` as transformers reads them: a count, or in (0, 1) a fraction of ``total``."""
     return max(1, math.ceil(steps * total)) if 0 < steps < 1 else max(1, int(steps))
+
+
+# ============================================================================ TRL's script and model flags
+# (beside PPOConfig: the trainer takes a ModelConfig too; the command line parses all three)
+
+
+@dataclass
+class ScriptArguments:
+    """The dataset flags of TRL's scripts (``trl.ScriptArguments``: same names, defaults and meanings)."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Prompt dataset: a Hub name or a local file/directory (jsonl, json, parquet, arrow, csv, or "
+                  "a save_to_disk directory). Unset: fastppo's built-in prompt set."},
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Dataset configuration name (load_dataset's name=)."}
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
+    dataset_test_split: str = field(
+        default="test",
+        metadata={"help": "Split the sample tables are drawn from (eval_dataset), when the dataset has it."},
+    )
+    dataset_streaming: bool = field(
+        default=False, metadata={"help": "Stream the dataset (not supported by PPO's prompt sampler: refused)."}
+    )
+    gradient_checkpointing_use_reentrant: bool = field(
+        default=False, metadata={"help": "use_reentrant of gradient checkpointing (TRL 0.26)."}
+    )
+    ignore_bias_buffers: bool = field(
+        default=False, metadata={"help": "TRL's DDP workaround for bool buffers (no effect in fastppo)."}
+    )
+
+
+@dataclass
+class ModelConfig:
+    """How the models load (``trl.ModelConfig``: same names, defaults and meanings)."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "The tokenizer, and the policy unless --sft_model_path names another: a local directory or "
+                  "a Hub id. Unset (and no --sft_model_path): fastppo's embedded tiny model."},
+    )
+    model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": "Load every model's weights in this dtype. Unset: fp32 for the trained models and, under "
+                  "bf16, bf16 for the frozen reference and reward models.",
+                  "choices": ["auto", "bfloat16", "float16", "float32"]},
+    )
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with their own modeling code."})
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "Attention implementation: sdpa (unset), eager or flash_attention_2."}
+    )
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters on the policy."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Modules to adapt (default: peft's choice for the architecture)."}
+    )
+    lora_target_parameters: list[str] | None = field(
+        default=None, metadata={"help": "LoRA on parameters (not supported: refused)."}
+    )
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Modules to train fully beside the adapters (not supported: refused)."}
+    )
+    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type (PPO's policy: CAUSAL_LM)."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA."})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA (not supported: refused)."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "8-bit weights (not supported: refused)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "4-bit weights (not supported: refused)."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit quantisation type.",
+                                                              "choices": ["fp4", "nf4"]})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Nested 4-bit quantisation."})
+    bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "4-bit storage dtype."})
+    torch_dtype: str | None = field(default=None, metadata={"help": "Older name of --dtype."})
+
+    def __post_init__(self):
+        if self.torch_dtype and not self.dtype:
+            self.dtype = self.torch_dtype
+        if self.load_in_8bit and self.load_in_4bit:
+            raise SettingsError("load_in_8bit and load_in_4bit are exclusive; set one")

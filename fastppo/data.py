@@ -1,12 +1,15 @@
 """Prompts: loading a dataset (Hub, local file, in-memory), tokenizing it, and drawing batches."""
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Sequence
 
+import datasets
 import torch
 
-from fastppo.errors import SettingsError
+from fastppo.embedded import PROMPTS_PATH
+from fastppo.errors import MissingPathError, SettingsError, SettingsTypeError
 
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")  # what datasets' save_to_disk writes
 DATASET_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
@@ -19,12 +22,10 @@ def looks_local(path: str) -> bool:
 
 def load_prompt_dataset(name: str, split: str, config_name: str | None = None):
     """The ``split`` of a Hub dataset, a local file or a ``save_to_disk`` directory, as a ``datasets.Dataset``."""
-    import datasets
-
     if os.path.isfile(name):
         ext = os.path.splitext(name)[1].lower()
         if ext not in DATASET_BUILDERS:
-            raise ValueError(f"dataset file {name!r}: unsupported extension {ext!r}; use one of {sorted(DATASET_BUILDERS)}")
+            raise SettingsError(f"dataset file {name!r}: unsupported extension {ext!r}; use one of {sorted(DATASET_BUILDERS)}")
         if ext in (".jsonl", ".json"):
             check_json_file(name)
         data = datasets.load_dataset(DATASET_BUILDERS[ext], data_files={split: name})
@@ -34,22 +35,20 @@ def load_prompt_dataset(name: str, split: str, config_name: str | None = None):
         data = datasets.load_dataset(name, config_name)
     else:
         if looks_local(name):
-            raise FileNotFoundError(f"--dataset_name {name!r}: no such file or directory")
+            raise MissingPathError(f"--dataset_name {name!r}: no such file or directory")
         try:
             data = datasets.load_dataset(name, config_name)
         except Exception as e:
-            raise ValueError(f"could not load dataset {name!r} (not a local path; Hub load failed: {e})") from e
+            raise SettingsError(f"could not load dataset {name!r} (not a local path; Hub load failed: {e})") from e
     if isinstance(data, (datasets.DatasetDict, dict)):
         if split not in data:
-            raise ValueError(f"dataset {name!r} has no split {split!r}; splits: {sorted(data.keys())}")
+            raise SettingsError(f"dataset {name!r} has no split {split!r}; splits: {sorted(data.keys())}")
         data = data[split]
     return data
 
 
 def split_names(name: str, config_name: str | None = None) -> list[str]:
     """The splits a dataset has (a local file: only the one it is loaded as; [] when they cannot be listed)."""
-    import datasets
-
     if os.path.isfile(name):
         return []
     try:
@@ -63,12 +62,10 @@ def split_names(name: str, config_name: str | None = None) -> list[str]:
 
 def check_json_file(path: str) -> None:
     """A JSON (lines) file that ``datasets`` would reject gets an error naming the file and the line."""
-    import json
-
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if not text.strip():
-        raise ValueError(f"no prompts in {path!r}: the file is empty")
+        raise SettingsError(f"no prompts in {path!r}: the file is empty")
     if path.endswith(".json") and text.lstrip().startswith(("[", "{")):
         try:
             json.loads(text)
@@ -81,24 +78,22 @@ def check_json_file(path: str) -> None:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno})") from e
+                raise SettingsError(f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno})") from e
             if not isinstance(row, dict):
-                raise ValueError(f"{path}, line {number}: expected a JSON object per line, got {type(row).__name__}")
+                raise SettingsError(f"{path}, line {number}: expected a JSON object per line, got {type(row).__name__}")
 
 
 def as_dataset(data, what: str = "train_dataset"):
     """A ``datasets.Dataset`` from a Dataset or a list of dicts."""
-    import datasets
-
     if isinstance(data, datasets.Dataset):
         return data
     if isinstance(data, (list, tuple)) and all(isinstance(row, dict) for row in data):
         if not data:
-            raise ValueError(f"{what} is empty")
+            raise SettingsError(f"{what} is empty")
         return datasets.Dataset.from_list(list(data))
     if isinstance(data, torch.utils.data.Dataset) and hasattr(data, "__len__"):
         return datasets.Dataset.from_list([dict(data[i]) for i in range(len(data))])
-    raise TypeError(f"{what} must be a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
+    raise SettingsTypeError(f"{what} must be a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
 
 
 def prompt_column(dataset, text_field: str, name: str) -> str:
@@ -107,7 +102,7 @@ def prompt_column(dataset, text_field: str, name: str) -> str:
         return text_field
     if "input_ids" in dataset.column_names:
         return "input_ids"
-    raise ValueError(
+    raise SettingsError(
         f"dataset {name!r} has no column {text_field!r} (set --dataset_text_field) and no 'input_ids'; "
         f"its columns are {dataset.column_names}"
     )
@@ -123,7 +118,7 @@ def tokenize_prompts(dataset, column: str, tokenizer) -> list[list[int]]:
         if masks is not None:
             mask = masks[row]
             if not isinstance(mask, list) or len(mask) != len(value):
-                raise ValueError(f"row {row}: attention_mask must be a list as long as input_ids ({len(value)}), "
+                raise SettingsError(f"row {row}: attention_mask must be a list as long as input_ids ({len(value)}), "
                                  f"got {mask!r}")
             value = [t for t, keep in zip(value, mask) if keep]
         if isinstance(value, list) and value and isinstance(value[0], dict):
@@ -135,7 +130,7 @@ def tokenize_prompts(dataset, column: str, tokenizer) -> list[list[int]]:
         elif isinstance(value, str):
             tokens = tokenizer(value)["input_ids"]
         else:
-            raise ValueError(
+            raise SettingsError(
                 f"column {column!r} must hold strings, chat messages or token ids, got {type(value).__name__}"
             )
         ids.append(list(tokens))
@@ -152,7 +147,7 @@ def prompt_batches(num_prompts: int, local_batch_size: int, rank: int, world_siz
     """
     shard = num_prompts // world_size
     if shard == 0:
-        raise ValueError(f"{num_prompts} prompts cannot be shared by {world_size} processes")
+        raise SettingsError(f"{num_prompts} prompts cannot be shared by {world_size} processes")
     buffer: list[int] = []
     epoch = 0
     while True:
@@ -196,8 +191,6 @@ def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=pr
     split), or None for the built-in prompts. Its other columns go to reward
     functions. Empty prompts are dropped and prompts longer than ``max_prompt_length`` keep their last
     tokens; both counts are logged."""
-    from fastppo.embedded import PROMPTS_PATH
-
     if dataset is None or isinstance(dataset, str):  # a path, or None: the built-in prompts
         name = dataset or PROMPTS_PATH
         dataset = load_prompt_dataset(name, "train")
@@ -206,7 +199,7 @@ def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=pr
         dataset = as_dataset(dataset, what)
     column = prompt_column(dataset, config.dataset_text_field, name)
     if len(dataset) == 0:
-        raise ValueError(f"no prompts in dataset {name!r} (it is empty)")
+        raise SettingsError(f"no prompts in dataset {name!r} (it is empty)")
     ids = tokenize_prompts(dataset, column, tokenizer)
     vocab = len(tokenizer)
     bad = next(((row, t) for row, prompt in enumerate(ids) for t in prompt
@@ -216,7 +209,7 @@ def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=pr
                             f"the tokenizer's vocabulary (0..{vocab - 1}); tokenize the prompts with this tokenizer")
     keep = [i for i, t in enumerate(ids) if t]
     if not keep:
-        raise ValueError(f"no prompts in dataset {name!r}: every row of column {column!r} tokenizes to zero tokens")
+        raise SettingsError(f"no prompts in dataset {name!r}: every row of column {column!r} tokenizes to zero tokens")
     if len(keep) < len(ids):
         log(f"{what}: dropped {len(ids) - len(keep)} empty prompt(s) of {len(ids)}")
         ids, dataset = [ids[i] for i in keep], dataset.select(keep)

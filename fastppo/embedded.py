@@ -13,11 +13,10 @@ import shutil
 import tempfile
 from importlib import resources
 
-from fastppo.rewards import NEGATIVE_WORDS, POSITIVE_WORDS
+from fastppo.rewards import DEFAULT_REWARD_FN, NEGATIVE_WORDS, POSITIVE_WORDS  # noqa: F401  (re-exported)
 
 EMBEDDED_VERSION = 1  # bump when the vocabulary or the architecture changes
 PROMPTS_PATH = str(resources.files("fastppo") / "builtin_prompts.jsonl")
-DEFAULT_REWARD_FN = "fastppo.rewards:positive_words"
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 _PROMPT_WORDS = (

@@ -1,13 +1,42 @@
-"""The one exception type for bad settings or input, so the command line can tell a user's mistake (one line,
-exit 2) from a bug (a traceback, exit 1)."""
+"""The exception types for bad settings or input, so the command line can tell a user's mistake (one line,
+exit 2) from a bug or a failure (a traceback, exit 1).
+
+Each is a ``SettingsError`` and also the built-in type a caller would catch for that kind of mistake (a
+``ValueError`` always, plus ``TypeError`` or ``FileNotFoundError``/``OSError``), so code written against
+TRL's exceptions still catches them."""
 from __future__ import annotations
+
+import contextlib
 
 
 class SettingsError(ValueError):
-    """A setting, argument or input that cannot work, with a message naming it and saying what to do.
-    A ValueError, so callers that catch ValueError (as TRL's users do) still catch it."""
+    """A setting, argument or input that cannot work, with a message naming it and saying what to do."""
+
+
+class SettingsTypeError(SettingsError, TypeError):
+    """An argument of the wrong type."""
+
+
+class MissingPathError(SettingsError, FileNotFoundError):
+    """A path the user named that does not exist (a model, dataset or checkpoint)."""
+
+
+class LoadError(SettingsError, OSError):
+    """A model, tokenizer or checkpoint the user named that cannot be read."""
 
 
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise SettingsError(message)
+
+
+@contextlib.contextmanager
+def settings_errors(what: str):
+    """Errors raised while building the user's settings (transformers' own ``TrainingArguments`` checks, a
+    dataclass's conversions) are the user's: re-raised as ``SettingsError`` with the same message."""
+    try:
+        yield
+    except SettingsError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise SettingsError(f"{what}: {e}") from e

@@ -20,6 +20,10 @@ import inspect
 
 import torch
 import torch.nn as nn
+from transformers import DynamicCache, GenerationConfig
+
+from fastppo.dist import all_reduce_min
+from fastppo.errors import SettingsError
 
 
 def _accepts_logits_to_keep(lm) -> bool:
@@ -55,15 +59,12 @@ def sample_responses(lm, queries, query_mask, response_length: int, temperature:
 def _all_stopped(done: torch.Tensor, synced: bool) -> bool:
     if not synced:
         return bool(done.all())
-    from fastppo.dist import all_reduce_min
 
     return bool(all_reduce_min(done.all().float()))
 
 
 def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: float, stop_ids: list[int],
                   pad_id: int, synced: bool = False) -> torch.Tensor:
-    from transformers import DynamicCache
-
     b = queries.shape[0]
     device = queries.device
     stops = torch.tensor(stop_ids, dtype=queries.dtype, device=device) if stop_ids else None
@@ -95,8 +96,6 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
 def generate_with_kwargs(lm, queries, query_mask, kwargs: dict, pad_id: int, stop_ids: list[int]) -> torch.Tensor:
     """[B, T] new tokens from ``transformers``' generate with exactly the caller's ``kwargs``: the checkpoint's
     generation_config is set aside for the call, so none of its fields (top_k, repetition_penalty, ...) leak in."""
-    from transformers import GenerationConfig
-
     gen = GenerationConfig(**{"pad_token_id": pad_id, "eos_token_id": list(stop_ids), **kwargs})
     saved = lm.generation_config
     lm.generation_config = GenerationConfig()
@@ -111,7 +110,7 @@ def stop_ids_of(config, tokenizer) -> list[int]:
     """The token ids a response stops at: eos with ``stop_token='eos'``, else ``stop_token_id`` (or none)."""
     if config.stop_token == "eos":
         if tokenizer.eos_token_id is None:
-            raise ValueError("stop_token='eos' but the tokenizer has no eos token; pass --stop_token_id")
+            raise SettingsError("stop_token='eos' but the tokenizer has no eos token; pass --stop_token_id")
         return [tokenizer.eos_token_id]
     ids = config.stop_token_id
     return [ids] if isinstance(ids, int) else list(ids or [])  # TRL's type is one int

@@ -8,6 +8,8 @@ TRL 0.26's terms) and drives the core trainer's ``update()`` with the caller's o
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import random
@@ -16,17 +18,28 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import default_collate as torch_default_collate
 from transformers import DataCollatorForLanguageModeling
 
-from fastppo.errors import SettingsError
-from fastppo.kernels._common import check_temperature
-from fastppo.models import (AutoModelForCausalLMWithValueHead, causal_lm_of, create_reference_model, embedding_rows, is_peft,
-                            lm_of, position_limit)
+from fastppo.config import PPOConfig as CorePPOConfig
+from fastppo.data import left_pad, right_pad
+from fastppo.dist import all_reduce, barrier, is_distributed
+from fastppo.errors import SettingsError, SettingsTypeError
+from fastppo.generation import generate_with_kwargs, sample_responses
+from fastppo.kernels import check_temperature, kl_penalty, masked_mean, token_logprobs
+from fastppo.metrics import STAT, MetricsLogger, legacy_stats, stats_means
+from fastppo.models import (AutoModelForCausalLMWithValueHead, causal_lm_of, create_reference_model, embedding_rows,
+                            is_peft, lm_of, position_limit)
+from fastppo.train import assemble, compute_advantages, per_token_rewards, ppo_losses
+from fastppo.trainer import PPOTrainer as CoreTrainer
 
 
 # generate() kwargs whose given value keeps sampling exactly softmax(logits / temperature)
@@ -132,8 +145,6 @@ class PPOConfig:
         ``mini_batch_size``-row passes; in TRL 0.26's terms that is micro-batches of ``mini_batch_size``,
         ``batch_size / mini_batch_size`` of them per rollout, ``batch_size / backward_batch_size`` minibatches.
         Log-probs are those of the raw logits (temperature 1), as legacy TRL's ``step()`` computes them."""
-        from fastppo.config import PPOConfig as CorePPOConfig
-
         self.world_size = world_size
         self.global_backward_batch_size = self.backward_batch_size * world_size
         self.global_batch_size = self.batch_size * world_size
@@ -204,8 +215,6 @@ class AcceleratorView:
     def state(self):
         """accelerate's ``AcceleratorState`` fields legacy scripts read (no DeepSpeed plugin: the legacy API
         trains with DDP)."""
-        from types import SimpleNamespace
-
         return SimpleNamespace(deepspeed_plugin=None, num_processes=self.num_processes,
                                process_index=self.process_index, device=self.device,
                                distributed_type="MULTI_GPU" if self.num_processes > 1 and self.device.type == "cuda"
@@ -221,8 +230,6 @@ class AcceleratorView:
 
     @staticmethod
     def wait_for_everyone() -> None:
-        from fastppo.dist import barrier
-
         barrier()
 
 
@@ -230,40 +237,37 @@ def check_step_inputs(queries, responses, scores, response_masks, n: int, device
     """The scores of legacy ``step()``'s arguments as a [B] tensor; a clear error for anything malformed."""
     for name, value in (("queries", queries), ("responses", responses)):
         if not isinstance(value, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in value):
-            raise TypeError(f"step: {name} must be a list of 1-D token tensors")
+            raise SettingsTypeError(f"step: {name} must be a list of 1-D token tensors")
         if len(value) != n:
-            raise ValueError(f"step: batch_size is {n} but {name} has {len(value)} samples")
+            raise SettingsError(f"step: batch_size is {n} but {name} has {len(value)} samples")
         if any(t.dim() != 1 for t in value):
-            raise ValueError(f"step: every tensor in {name} must be 1-D (one sample's tokens)")
+            raise SettingsError(f"step: every tensor in {name} must be 1-D (one sample's tokens)")
     if any(len(t) == 0 for t in queries):
-        raise ValueError("step: every query needs at least one token")
+        raise SettingsError("step: every query needs at least one token")
     if isinstance(scores, torch.Tensor):
         if scores.dim() > 1:
-            raise ValueError(f"step: scores must be one value per sample, got a tensor of shape {list(scores.shape)}")
+            raise SettingsError(f"step: scores must be one value per sample, got a tensor of shape {list(scores.shape)}")
         scores = scores.reshape(-1)
     else:
         scores = [torch.as_tensor(s, dtype=torch.float32) for s in scores]
         for s in scores:  # legacy TRL: each a 0-d tensor (or one value in a 1-d one), never a matrix
             if s.dim() > 1 or s.numel() != 1:
-                raise ValueError(f"step: each score must be a scalar tensor (or a 1-element 1-d one), got shape "
+                raise SettingsError(f"step: each score must be a scalar tensor (or a 1-element 1-d one), got shape "
                                  f"{list(s.shape)}")
         scores = torch.stack([s.reshape(()) for s in scores])
     if scores.numel() != n:
-        raise ValueError(f"step: batch_size is {n} but scores has {scores.numel()} values")
+        raise SettingsError(f"step: batch_size is {n} but scores has {scores.numel()} values")
     if not bool(torch.isfinite(scores).all()):
-        raise ValueError("step: scores must be finite")
+        raise SettingsError("step: scores must be finite")
     if response_masks is not None:
         if len(response_masks) != n or any(len(m) != len(r) for m, r in zip(response_masks, responses)):
-            raise ValueError("step: response_masks needs one mask per response, as long as that response")
+            raise SettingsError("step: response_masks needs one mask per response, as long as that response")
     return scores.float().to(device)
 
 
 
 def legacy_step_stats(metrics: dict, out: dict, rollout, vf_coef: float) -> dict:
     """``step()``'s return value: legacy TRL's stats keys (arrays included) beside TRL 0.26's names."""
-    from fastppo.kernels import masked_mean
-    from fastppo.metrics import legacy_stats, stats_means
-
     experience, targets, scores = out["experience"], out["targets"], out["final_scores"]
     mask = rollout.response_mask
     query_lengths = rollout.attention_mask[:, : rollout.context_length].sum(1).float().cpu()
@@ -303,8 +307,6 @@ def default_collate(rows: list):
     """Legacy TRL's loader without a collator is torch's ``default_collate`` (tuples of tensors stacked, and so
     on); where that fails on dict rows of variable-length prompts, a dict of lists (what TRL's docs' collator
     returns) instead of an error."""
-    from torch.utils.data import default_collate as torch_default_collate
-
     try:
         return torch_default_collate(rows)
     except (RuntimeError, TypeError):
@@ -318,8 +320,6 @@ def legacy_dataloader(dataset, config, state, collator: Callable | None):
 
     Without a collator, torch's default one (as legacy TRL), falling back to a dict of lists for rows of
     variable-length prompts (``default_collate``)."""
-    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
-
     class EpochSampler(DistributedSampler):
         """Reshuffles on every pass, as accelerate's prepared loader (legacy TRL's) does by calling
         set_epoch; a plain DistributedSampler repeats its first order forever."""
@@ -344,8 +344,6 @@ def _is_exact(kwargs: dict) -> bool:
 
 def legacy_generate(trainer, query_tensor, length_sampler, batch_size: int, return_prompt: bool,
                     generate_ref_response: bool, remove_padding: bool, kwargs: dict):
-    from fastppo.models import lm_of
-
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise SettingsError(f"generate: batch_size must be an integer >= 1, got {batch_size!r}")
     if "max_new_tokens" in kwargs and (not isinstance(kwargs["max_new_tokens"], int) or kwargs["max_new_tokens"] < 1):
@@ -357,11 +355,11 @@ def legacy_generate(trainer, query_tensor, length_sampler, batch_size: int, retu
             raise SettingsError(f"generate: temperature: {e} (for greedy decoding pass do_sample=False)") from None
     single = isinstance(query_tensor, torch.Tensor)
     if single and query_tensor.dim() != 1:
-        raise ValueError(f"generate: query_tensor must be 1-D (one query) or a list of them, got shape "
+        raise SettingsError(f"generate: query_tensor must be 1-D (one query) or a list of them, got shape "
                          f"{tuple(query_tensor.shape)}")
     queries = [query_tensor] if single else list(query_tensor)
     if not queries or not all(isinstance(q, torch.Tensor) and q.dim() == 1 and len(q) for q in queries):
-        raise ValueError("generate: query_tensor must be a non-empty 1-D tensor or a list of them")
+        raise SettingsError("generate: query_tensor must be a non-empty 1-D tensor or a list of them")
     models = [lm_of(trainer.policy)]
     if generate_ref_response:
         models.append(None)  # the reference: a frozen copy, or the policy with its adapter disabled
@@ -381,11 +379,6 @@ def legacy_generate(trainer, query_tensor, length_sampler, batch_size: int, retu
 @torch.no_grad()
 def _generate_chunk(trainer, model, queries: list[torch.Tensor], kwargs: dict, return_prompt: bool,
                     cut_after_eos: bool) -> list[torch.Tensor]:
-    import contextlib
-
-    from fastppo.data import left_pad
-    from fastppo.generation import generate_with_kwargs, sample_responses
-
     tok = trainer.tokenizer
     pad = kwargs.get("pad_token_id", tok.pad_token_id)
     eos = kwargs.get("eos_token_id", tok.eos_token_id)
@@ -423,18 +416,10 @@ def _generate_chunk(trainer, model, queries: list[torch.Tensor], kwargs: dict, r
 
 
 def legacy_log_stats(trainer, stats: dict, batch: dict, rewards, columns_to_log: Sequence[str]) -> None:
-    import json
-    import os
-
-    from fastppo.dist import is_distributed
-    from fastppo.metrics import MetricsLogger
-
     if not isinstance(rewards, torch.Tensor):
         rewards = torch.stack([torch.as_tensor(r, dtype=torch.float32).reshape(()) for r in rewards])
     rewards = rewards.float().reshape(-1).to(trainer.device)
     if is_distributed():
-        import torch.distributed as dist
-
         every_rank_arrives(trainer, "log_stats")
         gathered = [torch.empty_like(rewards) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, rewards)
@@ -466,10 +451,6 @@ def every_rank_arrives(trainer, call: str) -> None:
     group's key-value store (not a collective, so it cannot pair with another rank's unrelated one) and
     waits, at most ``RENDEZVOUS_TIMEOUT_S``, for the others' n-th check-in. A rank that never comes is an
     error naming the call, instead of a gather blocked forever."""
-    import datetime
-
-    import torch.distributed as dist
-
     try:
         store = dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError):  # pragma: no cover  (no reachable store: the plain gather)
@@ -489,8 +470,6 @@ def every_rank_arrives(trainer, call: str) -> None:
 
 
 def _is_scalar(value) -> bool:
-    import numpy as np
-
     return isinstance(value, (int, float)) or (isinstance(value, np.ndarray) and value.size == 1)
 
 
@@ -539,11 +518,9 @@ class PPOTrainer:
     def __init__(self, config: PPOConfig | None = None, model=None, ref_model=None, tokenizer=None, dataset=None,
                  optimizer=None, data_collator=None, num_shared_layers: int | None = None, lr_scheduler=None,
                  training_data_collator=None):
-        from fastppo.trainer import PPOTrainer as CoreTrainer
-
         config = PPOConfig() if config is None else config
         if not isinstance(config, PPOConfig):
-            raise TypeError(f"config must be a fastppo.legacy.PPOConfig, got {type(config).__name__}")
+            raise SettingsTypeError(f"config must be a fastppo.legacy.PPOConfig, got {type(config).__name__}")
         if model is None:
             raise SettingsError("the legacy PPOTrainer(config, model, ref_model, tokenizer, ...) needs a model")
         if tokenizer is None:
@@ -614,9 +591,6 @@ class PPOTrainer:
         token tensors, ``scores`` one per sample (0-d tensors, floats or a 1-D tensor), ``response_masks``
         optional 0/1 per response token (0: not trained on; GAE bootstraps across them). Returns legacy
         TRL's stats keys (and TRL 0.26's names)."""
-        from fastppo.data import left_pad, right_pad
-        from fastppo.train import assemble
-
         core = self._core
         scores = check_step_inputs(queries, responses, scores, response_masks, self.config.batch_size, core.device)
         rows = embedding_rows(self.model)
@@ -651,8 +625,6 @@ class PPOTrainer:
 
     def gather_stats(self, stats: dict) -> dict:
         """Stats averaged over the processes (tensors all-reduced; a no-op in one process)."""
-        from fastppo.dist import all_reduce
-
         out = {}
         for key, value in stats.items():
             if isinstance(value, torch.Tensor):
@@ -687,8 +659,6 @@ class PPOTrainer:
                              response_masks=None):
         """(log-probs [B, L-1], logits or None, values [B, L-1], masks [B, L-1]) in ``mini_batch_size`` chunks:
         log-probs of the raw logits at each next token, masks 1 on response tokens (times ``response_masks``)."""
-        from fastppo.kernels import token_logprobs
-
         size = self.config.mini_batch_size
         logprobs, logits_out, values, masks = [], [], [], []
         model.eval()
@@ -717,9 +687,6 @@ class PPOTrainer:
     def compute_rewards(self, scores, logprobs, ref_logprobs, masks):
         """(rewards, non-score rewards, KL) per token: −β·KL everywhere and the score on each row's last
         masked-in token (fastppo.train.per_token_rewards)."""
-        from fastppo.kernels import kl_penalty
-        from fastppo.train import per_token_rewards
-
         estimator = {"kl": "k1"}.get(self.config.kl_penalty, self.config.kl_penalty)
         if estimator == "full":
             raise SettingsError("compute_rewards: kl_penalty='full' needs the whole distributions; step() computes "
@@ -734,8 +701,6 @@ class PPOTrainer:
 
     def compute_advantages(self, values, rewards, mask):
         """(masked values, whitened advantages, returns) by GAE (fastppo.train.compute_advantages)."""
-        from fastppo.train import compute_advantages
-
         mask = mask.bool()
         values, rewards = values * mask, rewards * mask
         advantages, returns = compute_advantages(rewards, values, mask, self.config.gamma, self.config.lam,
@@ -744,10 +709,6 @@ class PPOTrainer:
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
         """(policy loss, vf_coef × value loss, stats) as legacy TRL returns them (fastppo.train.ppo_losses)."""
-        from fastppo.kernels import token_logprobs
-        from fastppo.metrics import STAT
-        from fastppo.train import ppo_losses
-
         mask = mask.bool()
         entropy = token_logprobs(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device),
                                  return_entropy=True)[1]
@@ -786,8 +747,6 @@ class PPOTrainer:
     def record_step_stats(self, kl_coef: float, **data) -> dict:
         """The step's statistics from its pieces (``masks``, ``kls``, ``logprobs``, ``ref_logprobs``,
         ``non_score_reward``, ``scores``, ``queries``, ``responses``, ``train_stats``), as legacy TRL's."""
-        from fastppo.kernels import masked_mean
-
         mask = data.pop("masks")
         kl_sum = (data.pop("kls") * mask).sum(-1)
         mean_kl = kl_sum.mean()

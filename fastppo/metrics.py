@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -136,13 +137,15 @@ class MetricsLogger:
         os.makedirs(config.output_dir, exist_ok=True)
         self.path = os.path.join(config.output_dir, "metrics.jsonl")
         self.file = None  # opened at the first line: a run that fails before it leaves no empty file behind
+        # TRL names a run exp_name__seed__time; a run_name the user set is kept
+        self.run_name = config.run_name or f"{config.exp_name}__{config.seed}__{int(time.time())}"
         targets = {t.lower() for t in config.report_to}
         everything = "all" in targets
         if everything or "tensorboard" in targets:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(os.path.join(config.output_dir, "runs", config.run_name or "fastppo"))
+                self.tb = SummaryWriter(os.path.join(config.output_dir, "runs", self.run_name))
             except ImportError:
                 if not everything:
                     log("report_to tensorboard: tensorboard is not installed; skipping it")
@@ -150,7 +153,7 @@ class MetricsLogger:
             try:
                 import wandb
 
-                self.wandb = wandb.init(name=config.run_name, project=getattr(config, "project", None) or "fastppo",
+                self.wandb = wandb.init(name=self.run_name, project=getattr(config, "project", None) or "fastppo",
                                         config=config.to_dict())
             except ImportError:
                 if not everything:

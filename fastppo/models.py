@@ -19,12 +19,13 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          PreTrainedModel)
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.utils import cached_file, is_peft_available
 
-from fastppo.errors import SettingsError
-from fastppo.kernels import fused_token_logprobs
+from fastppo.errors import LoadError, SettingsError, SettingsTypeError
+from fastppo.kernels import fused_ppo_policy_loss, fused_token_logprobs
 
 VALUE_HEAD_PREFIX = "v_head."
 VALUE_HEAD_FILE = "v_head.safetensors"  # where a PEFT policy's value head goes (the weights file holds the adapter)
@@ -93,7 +94,7 @@ def _check_device_map(model: nn.Module) -> bool:
         return False
     places = {str(d) for d in device_map.values()}
     if "disk" in places or ("cpu" in places and len(places) > 1):
-        raise ValueError("the model is offloaded to the CPU or disk (hf_device_map: "
+        raise SettingsError("the model is offloaded to the CPU or disk (hf_device_map: "
                          f"{sorted(places)}): offloading is not supported for value-head models")
     return True
 
@@ -128,10 +129,10 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         super().__init__()
         unknown = sorted(set(kwargs) - set(self.supported_args))
         if unknown:
-            raise TypeError(f"AutoModelForCausalLMWithValueHead got unexpected keyword arguments {unknown}; the "
+            raise SettingsTypeError(f"AutoModelForCausalLMWithValueHead got unexpected keyword arguments {unknown}; the "
                             f"value head takes {list(self.supported_args)}")
         if not has_lm_head(pretrained_model):
-            raise ValueError(f"{type(pretrained_model).__name__} does not have a language model head (none of "
+            raise SettingsError(f"{type(pretrained_model).__name__} does not have a language model head (none of "
                              f"{self.lm_head_namings}): wrap a causal LM (AutoModelForCausalLM), not a bare "
                              "base model (AutoModel)")
         self.pretrained_model = pretrained_model
@@ -152,7 +153,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         N(0, ``v_head_initializer_range`` (0.2)) and zeroes the bias."""
         strategy = kwargs.get("v_head_init_strategy")
         if strategy not in V_HEAD_INIT_STRATEGIES:
-            raise ValueError(f"v_head_init_strategy={strategy!r}: expected one of {list(V_HEAD_INIT_STRATEGIES)}")
+            raise SettingsError(f"v_head_init_strategy={strategy!r}: expected one of {list(V_HEAD_INIT_STRATEGIES)}")
         if strategy == "normal":
             with torch.no_grad():
                 self.v_head.summary.weight.normal_(mean=0.0, std=kwargs.get("v_head_initializer_range", 0.2))
@@ -186,7 +187,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         reward_adapter = kwargs.pop("reward_adapter", None)
         reward_adapter_name = kwargs.pop("reward_adapter_name", "reward_adapter")
         if reward_adapter is not None and not isinstance(reward_adapter, str):
-            raise ValueError("reward_adapter should be a local path or Hub id of a reward-modeling adapter, but is "
+            raise SettingsError("reward_adapter should be a local path or Hub id of a reward-modeling adapter, but is "
                              f"{type(reward_adapter).__name__}")
         _check_peft_config(peft_config)
         head_kwargs, lm_kwargs = cls._split_kwargs(kwargs)
@@ -203,7 +204,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
                               "for loading, and a model object is already loaded", stacklevel=2)
             lm, head_state = source, source.state_dict()  # a head attached to it is read back, as legacy TRL
         else:
-            raise ValueError("pretrained_model_name_or_path should be a path, a Hub id or a transformers "
+            raise SettingsError("pretrained_model_name_or_path should be a path, a Hub id or a transformers "
                              f"PreTrainedModel (or a PEFT model around one), but is {type(source).__name__}")
         if peft_config is not None and not hasattr(lm, "disable_adapter"):
             lm = _get_peft_model(lm, peft_config)
@@ -221,7 +222,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         """Legacy TRL's reward adapter: a PEFT sequence-classification adapter loaded frozen beside the policy's
         on the same base, with its score head as ``self.score`` (frozen, in the LM's dtype)."""
         if not self.is_peft_model:
-            raise ValueError("reward_adapter can only be used with a PEFT model: pass peft_config, or a PeftModel")
+            raise SettingsError("reward_adapter can only be used with a PEFT model: pass peft_config, or a PeftModel")
         self.pretrained_model.load_adapter(adapter, name, is_trainable=False)
         self.pretrained_model.train()
         weight, bias = _score_head(adapter, token)
@@ -237,7 +238,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         ``score`` head on the last hidden states, then the policy's adapter back on (the LM is left in eval
         mode, as legacy TRL leaves it)."""
         if not self.supports_rm_adapter:
-            raise ValueError("this model has no reward adapter: load it with from_pretrained(..., reward_adapter=)")
+            raise SettingsError("this model has no reward adapter: load it with from_pretrained(..., reward_adapter=)")
         self.pretrained_model.set_adapter(self.rm_adapter_name)
         self.pretrained_model.eval()
         try:
@@ -353,12 +354,12 @@ def _score_head(adapter: str, token) -> tuple[torch.Tensor, torch.Tensor | None]
         if file is not None:
             break
     else:
-        raise ValueError(f"reward_adapter: no adapter_model.bin or adapter_model.safetensors in {adapter!r}")
+        raise SettingsError(f"reward_adapter: no adapter_model.bin or adapter_model.safetensors in {adapter!r}")
     state = load_file(file) if file.endswith(".safetensors") else torch.load(file, map_location="cpu",
                                                                               weights_only=True)
     score = {k.rsplit(".", 1)[-1]: v for k, v in state.items() if "score" in k}
     if "weight" not in score:
-        raise ValueError(f"reward_adapter: the adapter in {adapter!r} holds no score head (a SEQ_CLS adapter saves "
+        raise SettingsError(f"reward_adapter: the adapter in {adapter!r} holds no score head (a SEQ_CLS adapter saves "
                          "one)")
     return score["weight"], score.get("bias")
 
@@ -367,11 +368,11 @@ def _check_peft_config(peft_config) -> None:
     if peft_config is None:
         return
     if not is_peft_available():
-        raise ValueError("peft_config: the peft package is not installed (pip install peft)")
+        raise SettingsError("peft_config: the peft package is not installed (pip install peft)")
     from peft import PeftConfig  # optional dependency: imported only when asked for
 
     if not isinstance(peft_config, PeftConfig):  # ValueError, as legacy TRL raises (callers catch it)
-        raise ValueError(f"peft_config should be a peft.PeftConfig, but is {type(peft_config).__name__}")
+        raise SettingsError(f"peft_config should be a peft.PeftConfig, but is {type(peft_config).__name__}")
 
 
 def _get_peft_model(model: nn.Module, peft_config) -> nn.Module:
@@ -383,7 +384,7 @@ def _get_peft_model(model: nn.Module, peft_config) -> nn.Module:
 def _check_not_prompt_learning(model: nn.Module) -> None:
     config = getattr(model, "active_peft_config", None)
     if getattr(config, "is_prompt_learning", False):
-        raise ValueError(f"peft_config: {type(config).__name__} (prompt learning) is not supported for PPO training")
+        raise SettingsError(f"peft_config: {type(config).__name__} (prompt learning) is not supported for PPO training")
 
 
 def _hub_kwargs(lm_kwargs: dict) -> dict:
@@ -454,7 +455,7 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
     with a ``{layer}`` placeholder (e.g. "transformer.h.{layer}") where the built-in ones do not fit.
     """
     if is_deepspeed_zero3_enabled():
-        raise ValueError("DeepSpeed ZeRO-3 is enabled, and create_reference_model cannot copy partitioned "
+        raise SettingsError("DeepSpeed ZeRO-3 is enabled, and create_reference_model cannot copy partitioned "
                          "parameters: load the reference model with from_pretrained instead")
     shared = [] if num_shared_layers is None else _shared_parameter_names(model, num_shared_layers, pattern)
     ref = copy.deepcopy(model)
@@ -474,9 +475,9 @@ def _shared_parameter_names(model: nn.Module, num_shared_layers: int, pattern: s
     if first is not None:
         return names[:first]
     if pattern is not None:  # legacy TRL warns and freezes the whole model here, leaving nothing to train
-        raise ValueError(f"pattern={pattern!r}: no parameter name contains {markers[0]!r} "
+        raise SettingsError(f"pattern={pattern!r}: no parameter name contains {markers[0]!r} "
                          f"(num_shared_layers={num_shared_layers}); check it for a typo")
-    raise ValueError(f"num_shared_layers={num_shared_layers}: layer pattern could not be matched: no parameter "
+    raise SettingsError(f"num_shared_layers={num_shared_layers}: layer pattern could not be matched: no parameter "
                      f"name contains any of {markers} (the model has fewer layers, or names them otherwise: "
                      "pass pattern=, e.g. 'transformer.h.{layer}')")
 
@@ -499,7 +500,7 @@ def lm_of(model: nn.Module) -> nn.Module:
 def lm_head_of(model: nn.Module) -> nn.Module:
     head = causal_lm_of(model).get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
-        raise ValueError(f"{type(model).__name__} has no linear output embedding (LM head)")
+        raise SettingsError(f"{type(model).__name__} has no linear output embedding (LM head)")
     return head
 
 
@@ -508,7 +509,7 @@ def backbone_and_head(seq_cls_model: nn.Module) -> tuple[nn.Module, nn.Module]:
     backbone = getattr(seq_cls_model, seq_cls_model.base_model_prefix, None)
     head = getattr(seq_cls_model, "score", None) or getattr(seq_cls_model, "classifier", None)
     if backbone is None or head is None:
-        raise ValueError(f"{type(seq_cls_model).__name__}: cannot find its body and 'score' head")
+        raise SettingsError(f"{type(seq_cls_model).__name__}: cannot find its body and 'score' head")
     return backbone, head
 
 
@@ -673,8 +674,6 @@ class PolicyAndValue(nn.Module):
 def fused_policy_loss(model, hidden, layout: Layout, temperature: float, old_logprobs, advantages, mask, cliprange,
                       entropy_coef):
     """``fused_ppo_policy_loss`` on the layout's real tokens: the gradient is formed in the forward."""
-    from fastppo.kernels import fused_ppo_policy_loss
-
     head = lm_head_of(model)
     bias = getattr(head, "bias", None)
     return fused_ppo_policy_loss(
@@ -739,19 +738,17 @@ def check_lm_head(model: nn.Module, vocab_size: int, device) -> None:
         got = layout.scatter(token_logprobs_from_hidden(
             model, decoder_hidden(model, layout).index_select(0, layout.gather), layout.targets, 1.0, False))
     if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
-        raise ValueError(
+        raise SettingsError(
             f"{type(causal_lm_of(model)).__name__}: log-probs from the last hidden state and the LM head do not "
             "match the model's logits (logit scaling or soft-capping?); fastppo's fused path cannot train it"
         )
 
 
 def load_error(what: str, path: str, e: Exception) -> Exception:
-    return OSError(f"could not load the {what} from {path!r}: {e}")
+    return LoadError(f"could not load the {what} from {path!r}: {e}")
 
 
 def load_tokenizer(path: str, model_args, log: Callable[[str], None]):
-    from transformers import AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision,
                                                   trust_remote_code=model_args.trust_remote_code)
@@ -792,8 +789,6 @@ def pretrained_kwargs(model_args, frozen: bool = False, bf16: bool = False) -> d
 
 def load_causal_lm(path: str, model_args, what: str, value_head: bool = False, frozen: bool = False,
                    bf16: bool = False) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
     loader = AutoModelForCausalLMWithValueHead if value_head else AutoModelForCausalLM
     try:
         return loader.from_pretrained(path, **pretrained_kwargs(model_args, frozen, bf16))
@@ -805,8 +800,6 @@ def load_seq_cls(path: str, model_args, tokenizer, what: str, fresh_head_ok: boo
                  bf16: bool = False) -> nn.Module:
     """An AutoModelForSequenceClassification with one label. A checkpoint without a trained scalar head
     (a causal LM, say) gets a random one from transformers: refused unless ``fresh_head_ok``."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
     try:
         saved = AutoConfig.from_pretrained(path, revision=model_args.model_revision,
                                            trust_remote_code=model_args.trust_remote_code)
@@ -824,7 +817,7 @@ def load_seq_cls(path: str, model_args, tokenizer, what: str, fresh_head_ok: boo
     head_names = {n for n, m in model.named_modules() if m is head}
     fresh = [k for k in info.get("missing_keys", ()) if any(k.startswith(h + ".") for h in head_names)]
     if fresh and not fresh_head_ok:
-        raise ValueError(
+        raise SettingsError(
             f"the {what} at {path!r} has no trained scalar head ({', '.join(sorted(fresh))} missing from the "
             "checkpoint: it is not a sequence-classification model), so its output would be noise; pass a trained "
             "one, or --allow_untrained_heads to train on it anyway"
@@ -898,7 +891,7 @@ def apply_peft(policy: nn.Module, peft_config, model_args) -> nn.Module:
             use_rslora=getattr(model_args, "use_rslora", False),
         )
     elif "lm_head" in (getattr(peft_config, "target_modules", None) or ()):
-        raise ValueError("peft_config: target_modules may not include lm_head: log-probs are computed from the LM "
+        raise SettingsError("peft_config: target_modules may not include lm_head: log-probs are computed from the LM "
                          "head weight directly, so an adapter on it would be ignored")
     if isinstance(policy, AutoModelForCausalLMWithValueHead):
         policy.pretrained_model = get_peft_model(policy.pretrained_model, peft_config)
@@ -995,7 +988,7 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
         loaded.add("policy")
     ref_model = bound.get("ref_model")
     if ref_model is not None and ref_model is model:
-        raise ValueError("model and ref_model are the same object: pass a copy, or None for a frozen copy")
+        raise SettingsError("model and ref_model are the same object: pass a copy, or None for a frozen copy")
     if isinstance(ref_model, str):
         ref_model = load_causal_lm(ref_model, model_args, "reference model", frozen=True, bf16=bf16)
         loaded.add("reference model")
@@ -1046,8 +1039,6 @@ def check_positions(model_or_path, config, model_args, longest_prompt: int, what
     """Prompt + response must fit the model's positions, checked from its config (the policy's before any
     weight loads, the other models' once built): a learned-position model (GPT-2) would crash inside
     generation or scoring, a RoPE one silently run past its limit."""
-    from transformers import AutoConfig
-
     if isinstance(model_or_path, nn.Module):
         inner = getattr(model_or_path, "pretrained_model", model_or_path)
         model_config = getattr(inner, "config", None) or causal_lm_of(model_or_path).config
@@ -1086,7 +1077,7 @@ def check_packing(model: nn.Module, device, what: str = "policy") -> None:
         packed = body(input_ids=torch.cat([a, b])[None], use_cache=False,
                       position_ids=torch.cat([torch.arange(5), torch.arange(4)]).to(device)[None]).last_hidden_state[0]
     if not torch.allclose(torch.cat(alone).float(), packed.float(), atol=1e-3, rtol=1e-3):
-        raise ValueError(
+        raise SettingsError(
             f"padding_free: the {what} ({type(model).__name__} with attn_implementation="
             f"{body.config._attn_implementation!r}) lets packed rows attend to each other; use "
             "flash_attention_2, sdpa or eager on a transformers version that reads packed positions, or drop "

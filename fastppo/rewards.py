@@ -16,11 +16,18 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
 from collections.abc import Callable
 
 import torch
+import torch.nn as nn
 
-from fastppo.errors import SettingsError
+from fastppo.dist import all_reduce
+from fastppo.errors import SettingsError, SettingsTypeError
+from fastppo.models import backbone_and_head
+
+# The reward function the embedded default trains on (and any run given no reward model or function).
+DEFAULT_REWARD_FN = "fastppo.rewards:positive_words"
 
 # A toy sentiment lexicon: the embedded default's task is TRL's classic
 # "make GPT-2 write positive movie reviews", with a word count in place of a
@@ -69,10 +76,10 @@ def load_reward_fn(spec: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward_fn {spec!r}: cannot import module {module_name!r}: {e}") from e
+        raise SettingsError(f"reward_fn {spec!r}: cannot import module {module_name!r}: {e}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"reward_fn {spec!r}: module {module_name!r} has no function {fn_name!r}")
+        raise SettingsError(f"reward_fn {spec!r}: module {module_name!r} has no function {fn_name!r}")
     return fn
 
 
@@ -113,16 +120,16 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     try:
         scores = torch.as_tensor(out if isinstance(out, torch.Tensor) else list(out), dtype=torch.float32)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"reward_fn {name!r} must return a list of floats or a tensor, got {type(out).__name__}") from e
+        raise SettingsTypeError(f"reward_fn {name!r} must return a list of floats or a tensor, got {type(out).__name__}") from e
     scores = scores.reshape(-1) if scores.dim() > 1 and scores.numel() == len(completions) else scores
     if scores.dim() != 1 or scores.shape[0] != len(completions):
-        raise ValueError(
+        raise SettingsError(
             f"reward_fn {name!r} returned {tuple(scores.shape)} scores for {len(completions)} completions; "
             "expected one float per completion"
         )
     bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
     if bad:
-        raise ValueError(
+        raise SettingsError(
             f"reward_fn {name!r} returned non-finite scores at rows {bad[:8]} (e.g. {scores[bad[0]].item()}) for "
             f"completion {completions[bad[0]]!r}; refusing to update on them"
         )
@@ -132,8 +139,6 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
 def reward_model_scores(reward_model, rollout, chunk: int, packed: bool = False) -> torch.Tensor:
     """[B] score of a sequence-classification model, read at each row's last real token (the stop token
     when there is one); its head runs on those B hidden states only."""
-    from fastppo.models import backbone_and_head
-
     backbone, head = backbone_and_head(reward_model)
     scores = []
     with torch.inference_mode():
@@ -150,12 +155,6 @@ def reward_model_scores(reward_model, rollout, chunk: int, packed: bool = False)
 def resolve_reward(reward, config) -> tuple[Callable | None, str | None, str | None]:
     """(reward function, its name, reward model path) from the trainer's ``reward_model`` argument
     (a model: all None here; a function; ``"module:function"``; a path) or the config."""
-    import os
-
-    import torch.nn as nn
-
-    from fastppo.embedded import DEFAULT_REWARD_FN
-
     if isinstance(reward, nn.Module):
         return None, None, None
     if callable(reward):
@@ -211,8 +210,6 @@ class RunningMoments:
         self.mean, self.var, self.std, self.count = 0.0, 1.0, 1.0, 1e-24
 
     def update(self, xs: torch.Tensor) -> None:
-        from fastppo.dist import all_reduce
-
         xs = xs.double()
         sums = torch.stack([xs.sum(), torch.tensor(float(xs.numel()), dtype=torch.float64, device=xs.device)])
         all_reduce(sums)

@@ -38,6 +38,7 @@ from fastppo.config import PPOConfig, Sizes
 from fastppo.kernels import (clipped_surrogate, fused_full_kl, gae, kl_penalty, masked_mean, masked_var, masked_whiten,
                              truncate_at_stop)
 from fastppo.metrics import STAT, STAT_NAMES, UpdateResult
+from fastppo.models import gathered, lm_head_of, make_layout
 
 # ============================================================================ 1. rollout
 
@@ -77,8 +78,6 @@ class Rollout:
 
     def layout(self, rows: Sequence[int] | None = None, packed: bool = False):
         """The model layout of ``rows`` (default: all): see ``fastppo.models.Layout``."""
-        from fastppo.models import make_layout
-
         if rows is None:
             return make_layout(self.query_responses, self.context_length, list(self.query_lengths),
                                list(self.response_lengths), packed)
@@ -179,8 +178,6 @@ def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float,
             t1 = time.perf_counter()
             ref_logp, ref_state = reference(layout, temperature, with_hidden=full)
             if full:
-                from fastppo.models import gathered, lm_head_of
-
                 ref_hidden, ref_head = ref_state
                 head = lm_head_of(actor_critic.policy)
                 bias, ref_bias = getattr(head, "bias", None), getattr(ref_head, "bias", None)
@@ -434,7 +431,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     return UpdateResult(stats, skipped, steps, epochs_run)
 
 
-if __name__ == "__main__":  # python -m fastppo.train: the command line (fastppo.cli)
-    from fastppo.cli import main
+if __name__ == "__main__":  # python -m fastppo.train: the command line, run as a program (not imported: the
+    import runpy            # algorithm does not depend on its command line)
 
-    main()
+    runpy.run_module("fastppo.cli", run_name="__main__", alter_sys=True)

@@ -10,21 +10,37 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import load_file
+from transformers import TrainerControl, TrainerState, get_scheduler
+from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+from transformers.utils import logging as hf_logging
 
 from fastppo import checkpoint as C
 from fastppo import dist as fdist
-from fastppo.config import PPOConfig, Sizes, derive_sizes, every
-from fastppo.data import load_prompts
-from fastppo.errors import SettingsError
-from fastppo.generation import stop_ids_of
-from fastppo.rewards import call_reward_fn, check_reward_fn_columns, resolve_reward, reward_fn_columns, reward_model_scores
+from fastppo import models as M
+from fastppo.checks import check_settings
+from fastppo.config import ModelConfig, PPOConfig, Sizes, derive_sizes, every
+from fastppo.data import left_pad, load_prompts, prompt_batches
+from fastppo.embedded import embedded_model_path
+from fastppo.errors import SettingsError, SettingsTypeError
+from fastppo.generation import sample_responses, stop_ids_of
+from fastppo.metrics import MetricsLogger, gather_metrics, objective_sums, plot_curves, print_samples
+from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
+from fastppo.rewards import (RewardFunctionError, RunningMoments, call_reward_fn, check_reward_fn_columns,
+                             resolve_reward, reward_fn_columns, reward_model_scores, transform_scores)
+from fastppo.zero import ZeRO, deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.train import (AdaptiveKLController, FixedKLController, Rollout, Targets, apply_eos_penalties,
                            compute_advantages, contains_stop, eos_count, make_rollout, per_token_rewards,
                            ppo_update, score_rollout)
@@ -57,28 +73,14 @@ class PPOTrainer:
 
     ``loop=False`` builds the trainer without a prompt set or an output directory, for a caller that
     drives ``update()`` with its own samples (the legacy API, ``fastppo.legacy``).
-
-    Given a legacy TRL (<= 0.11) config or legacy arguments, ``PPOTrainer(...)`` returns the legacy
-    API's trainer (``fastppo.legacy.PPOTrainer``).
     """
-
-    def __new__(cls, *args, **kwargs):
-        from fastppo import legacy
-
-        if cls is PPOTrainer and legacy.is_legacy_call(args, kwargs):
-            return legacy.PPOTrainer(*args, **kwargs)
-        return super().__new__(cls)
 
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
                  optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None, loop: bool = True):
-        from fastppo import models as M
-        from fastppo.checks import check_settings
-        from fastppo.cli import ModelConfig
-
         config = PPOConfig(output_dir=None) if args is None else args
         if not isinstance(config, PPOConfig):
-            raise TypeError(f"args must be a fastppo.PPOConfig (TRL 0.26's fields; for legacy TRL's config use "
+            raise SettingsTypeError(f"args must be a fastppo.PPOConfig (TRL 0.26's fields; for legacy TRL's config use "
                             f"fastppo.legacy.PPOConfig), got {type(config).__name__}")
         self.args = self.config = config
         self.model_args = model_args = ModelConfig() if model_args is None else model_args
@@ -91,10 +93,7 @@ class PPOTrainer:
             None if model is not None else config.sft_model_path or model_args.model_name_or_path)
         self.embedded = model is None and policy_path is None
         if self.embedded:
-            from fastppo.embedded import embedded_model_path
-
             policy_path = embedded_model_path()
-        from fastppo.zero import deepspeed_request
 
         ds_request = deepspeed_request(config)  # DeepSpeed asked for (--deepspeed, --zero_stage, accelerate launch)
         self.dist = fdist.setup_distributed(config.ddp_timeout, config.use_cpu, need_group=ds_request is not None)
@@ -116,7 +115,7 @@ class PPOTrainer:
         # --- reward, tokenizer and data first: bad input fails here, before any model is loaded
         reward = reward_model
         if reward is not None and not isinstance(reward, (nn.Module, str)) and not callable(reward):
-            raise TypeError(f"reward_model must be a model, a function or a path, got {type(reward).__name__}")
+            raise SettingsTypeError(f"reward_model must be a model, a function or a path, got {type(reward).__name__}")
         self.reward_fn, self.reward_fn_name, reward_path = resolve_reward(reward, config) if loop else (None,) * 3
         tokenizer = processing_class
         if isinstance(tokenizer, str):
@@ -125,7 +124,7 @@ class PPOTrainer:
             tokenizer_path = model_args.model_name_or_path or policy_path or getattr(
                 getattr(model, "config", None), "_name_or_path", None)
             if not tokenizer_path:
-                raise ValueError("processing_class (the tokenizer) is required when model is an object")
+                raise SettingsError("processing_class (the tokenizer) is required when model is an object")
             tokenizer = M.load_tokenizer(tokenizer_path, model_args, self.log)
         M.ensure_pad_token(tokenizer, self.log)
         self.processing_class = self.tokenizer = tokenizer
@@ -133,7 +132,7 @@ class PPOTrainer:
         vocab = len(tokenizer)
         for token in self.stop_ids:
             if not 0 <= token < vocab:
-                raise ValueError(f"stop_token_id {token} is outside the tokenizer's vocabulary (0..{vocab - 1}): "
+                raise SettingsError(f"stop_token_id {token} is outside the tokenizer's vocabulary (0..{vocab - 1}): "
                                  "responses would never stop")
         self.prompts = self.prompt_rows = self.eval_prompts = self.eval_rows = self._resume_path = self.ds_config = None
         if loop:
@@ -146,8 +145,6 @@ class PPOTrainer:
                         check_reward_fn_columns(self.reward_fn, self.reward_fn_name, rows, what)
             self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
             if ds_request is not None:
-                from fastppo.zero import resolve_deepspeed_config
-
                 self.ds_config, ds_notes = resolve_deepspeed_config(ds_request, config, self.sizes)
                 for note in ds_notes:
                     self.log(note)
@@ -187,7 +184,6 @@ class PPOTrainer:
         optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)
         self.optimizer = optimizer or self._adamw()
         if self.ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
-            from fastppo.zero import ZeRO
 
             self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, self.reward_model],
                              self.device, self.log, ds_request[1])
@@ -196,18 +192,13 @@ class PPOTrainer:
         self.lr_scheduler = lr_scheduler if lr_scheduler is not None or not loop else self._scheduler()
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
                        else FixedKLController(config.kl_coef))
-        from fastppo.rewards import RunningMoments
 
         self.moments = RunningMoments() if config.use_score_scaling else None
         torch.manual_seed(config.seed + self.dist.rank * 100003)  # each process samples different responses
         self.shuffle = torch.Generator().manual_seed(config.seed + self.dist.rank)
         if loop:
-            from fastppo.data import prompt_batches
-
             self._batches = prompt_batches(len(self.prompts), self.sizes.local_batch_size, self.dist.rank,
                                            self.dist.world_size, config.seed)
-        from transformers import TrainerControl
-        from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
         # transformers' handler, as TRL's trainer uses it: callback classes are instantiated, the default flow
         # callback decides should_save/should_training_stop from save_steps and max_steps
@@ -232,8 +223,6 @@ class PPOTrainer:
 
     def _scheduler(self):
         """transformers' scheduler over the PPO iterations (stepped once each), with the linear warmup asked for."""
-        from transformers import get_scheduler
-
         config, total = self.config, self.sizes.num_total_batches
         warmup = config.warmup_steps if config.warmup_steps >= 1 else (config.warmup_steps or getattr(config, "warmup_ratio", 0.0)) * total
         return get_scheduler(config.lr_scheduler_type, self.optimizer, num_warmup_steps=math.ceil(warmup),
@@ -242,9 +231,6 @@ class PPOTrainer:
     # ------------------------------------------------------------------ setup helpers
 
     def _setup_console(self) -> None:
-        from rich.console import Console
-        from transformers.utils import logging as hf_logging
-
         self.console = Console(stderr=False)
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
@@ -268,9 +254,6 @@ class PPOTrainer:
 
         ``temperature``: sample at this one instead of the config's (the near-greedy sample table);
         ``rows``: the dataset rows of ``prompt_ids`` (their columns go to a reward function)."""
-        from fastppo.data import left_pad
-        from fastppo.generation import sample_responses
-
         config, tok = self.config, self.tokenizer
         t0 = time.perf_counter()
         if prompt_ids is None:
@@ -316,10 +299,8 @@ class PPOTrainer:
 
         Generated under a forked random state, so showing samples never changes what training draws.
         Every process runs it (generation and frozen models are collectives under ZeRO-3)."""
-        from fastppo.metrics import print_samples
-
         if self.eval_prompts is None:
-            raise ValueError("generate_completions needs an eval_dataset (PPOTrainer(eval_dataset=...))")
+            raise SettingsError("generate_completions needs an eval_dataset (PPOTrainer(eval_dataset=...))")
         chunk = self.config.per_device_eval_batch_size
         starts = range(0, chunk if sampling else len(self.eval_prompts), chunk)
         prompts, completions, scores = [], [], []
@@ -339,8 +320,6 @@ class PPOTrainer:
         return prompts, completions, scores
 
     def _lm(self):
-        from fastppo.models import lm_of
-
         return lm_of(self.policy)
 
     def decode(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> tuple[list[str], list[str]]:
@@ -362,7 +341,6 @@ class PPOTrainer:
                                        config.kl_estimator, config.local_rollout_forward_batch_size,
                                        config.padding_free, seconds)
         t_forward = time.perf_counter()
-        from fastppo.rewards import transform_scores
 
         final_scores = transform_scores(scores, config.use_score_scaling, config.use_score_norm, config.score_clip,
                                         self.moments)
@@ -387,8 +365,6 @@ class PPOTrainer:
 
     def _end_iteration(self, rollout: Rollout, out: dict, logged_scores, eos) -> dict:
         """6. the iteration's metrics (one all-reduce), the β update, the schedule, the counters."""
-        from fastppo.metrics import gather_metrics, objective_sums
-
         objective = objective_sums(out["experience"].kl, out["experience"].logprobs, out["targets"].non_score_reward,
                                    rollout.response_mask, logged_scores, eos)
         metrics = gather_metrics(objective, out["result"], self.sizes.world_size)
@@ -461,8 +437,6 @@ class PPOTrainer:
             raise
 
     def _train(self):
-        from fastppo.metrics import MetricsLogger, plot_curves, print_samples
-
         config, sizes, state = self.config, self.sizes, self.state
         first = self._start_output()
         self.log(f"{sizes.num_total_batches} iterations × {sizes.batch_size} episodes on {sizes.world_size} "
@@ -474,8 +448,6 @@ class PPOTrainer:
         stack.callback(logger.close)
         stop = stack.enter_context(_StopSignals(self.log))
         if self.dist.is_main and not config.disable_tqdm:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
             progress = Progress(TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                 console=self.console, transient=False)
             task = progress.add_task("train", total=sizes.num_total_batches * sizes.batch_size,
@@ -550,8 +522,6 @@ class PPOTrainer:
         self.model = self.actor_critic
         fdist.barrier()
         if self.dist.initialized_here:
-            import torch.distributed as dist
-
             if self.zero is not None:  # DeepSpeed's hooks and buffers, while every rank is alive
                 self.zero.destroy()
             dist.destroy_process_group()
@@ -594,7 +564,6 @@ class PPOTrainer:
         existing = C.run_files(config.output_dir)
         if spec is not None:
             path = C.resolve_checkpoint(spec, config.output_dir, log=self.log if log_notes else lambda _: None)
-            from fastppo.zero import zero_stage_of
 
             notes = C.check_compatible(path, config, self.dist.world_size, zero_stage_of(self.ds_config),
                                        self.model_args)
@@ -669,8 +638,6 @@ class PPOTrainer:
         return path
 
     def _load_checkpoint(self, path: str) -> None:
-        from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
-
         state = torch.load(os.path.join(path, C.STATE_FILE), map_location="cpu", weights_only=False)
         policy = self.policy
         lm = lm_of(policy)
@@ -679,7 +646,6 @@ class PPOTrainer:
         else:
             if is_peft(policy):
                 from peft import set_peft_model_state_dict
-                from safetensors.torch import load_file
 
                 set_peft_model_state_dict(lm, load_file(os.path.join(path, "adapter_model.safetensors")))
             else:
@@ -713,12 +679,10 @@ class PPOTrainer:
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Policy (+ value head on its trunk), tokenizer and a separate value model (``value_model/``)."""
-        from fastppo.checkpoint import save_model_files
-
         states = (None, None) if self.zero is None else \
             self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)  # ZeRO-3: every rank calls
         if self.dist.is_main:
-            save_model_files(output_dir or self.config.output_dir, self.policy, self.value_model, self.tokenizer,
+            C.save_model_files(output_dir or self.config.output_dir, self.policy, self.value_model, self.tokenizer,
                              self.config, self.model_args, *states)
 
 
@@ -734,9 +698,6 @@ class _StopSignals:
         self.previous = {}
 
     def __enter__(self):
-        import signal
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
                 number = getattr(signal, name)
@@ -744,8 +705,6 @@ class _StopSignals:
         return self
 
     def _handle(self, number, frame):
-        import signal
-
         if self.flag and number == signal.SIGINT:
             raise KeyboardInterrupt
         self.flag = True
@@ -755,16 +714,12 @@ class _StopSignals:
         """Whether any process got a signal (one small all-reduce per iteration, so all stop together)."""
         flag = torch.tensor([float(self.flag)])
         if fdist.is_distributed():
-            import torch.distributed as dist
-
             backend = dist.get_backend()
             flag = flag.to("cuda") if backend == "nccl" else flag
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def __exit__(self, *exc):
-        import signal
-
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         return False
@@ -773,8 +728,6 @@ class _StopSignals:
 def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool, config: PPOConfig):
     """transformers' TrainerState with TRL's ``episode`` counter (TRL's OnlineTrainerState); logging and save
     intervals as TRL sets them (a value in (0, 1) is a fraction of all iterations)."""
-    from transformers import TrainerState
-
     state = TrainerState(is_local_process_zero=is_main, is_world_process_zero=is_main)
     state.episode = 0
     state.max_steps = sizes.num_total_batches
@@ -807,22 +760,21 @@ def fill_derived_sizes(config: PPOConfig, sizes: Sizes) -> None:
 
 
 def main_guard(run: Callable, config: Callable[[], PPOConfig | None] = lambda: None):
-    """Run ``run``; bad input becomes a one-line error and exit 2, a collective that timed out (a frozen
-    or dead process) a line naming this rank and --ddp_timeout, and exit 1."""
-    from fastppo.rewards import RewardFunctionError
-
+    """Run ``run`` (the command line's whole job). A usage error (``SettingsError``: a setting, path or input
+    that cannot work, its message saying what to do) is one line and exit 2; a collective that timed out (a
+    frozen or dead process) a line naming this rank and --ddp_timeout, and exit 1. Everything else, a
+    user's reward function raising included (its message names the function), keeps its traceback: it is a
+    bug to report or a failure to read, not bad input."""
     try:
         return run()
-    except (ValueError, TypeError, OSError, RewardFunctionError) as e:  # bad input: the message says it all
+    except SettingsError as e:
         print(f"fastppo.train: error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
     except RuntimeError as e:
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+        if isinstance(e, RewardFunctionError) or ("timed out" not in str(e).lower() and "timeout" not in str(e).lower()):
             raise
         rank = os.environ.get("RANK", "0")
         timeout = config().ddp_timeout if config() is not None else "?"
         print(f"fastppo.train: error: rank {rank}: a collective did not complete within --ddp_timeout {timeout} s; "
               f"another process is frozen or dead ({str(e).splitlines()[0]})", file=sys.stderr)
         raise SystemExit(1) from e
-
-

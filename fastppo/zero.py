@@ -38,11 +38,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fastppo import dist as fdist
 from fastppo.config import PPOConfig, Sizes
-from fastppo.errors import SettingsError, require
+from fastppo.errors import MissingPathError, SettingsError, require
+from fastppo.models import causal_lm_of, lm_head_of
 
 # ============================================================================ what the run asks for
 
@@ -213,7 +215,7 @@ def resolve_deepspeed_config(request: tuple[dict, str, list[str]], config: PPOCo
             except (TypeError, ValueError):
                 same = False
             if not same:
-                raise ValueError(f"{source} sets {key}={given!r}, but {why}, i.e. {key}={value!r}; set it to \"auto\" "
+                raise SettingsError(f"{source} sets {key}={given!r}, but {why}, i.e. {key}={value!r}; set it to \"auto\" "
                                  "(or leave it out), or change fastppo's flags to match")
         cfg[key] = value
     for precision in ("bf16", "fp16"):
@@ -227,7 +229,7 @@ def resolve_deepspeed_config(request: tuple[dict, str, list[str]], config: PPOCo
     unknown = [path for path in _auto_paths(cfg)
                if not (path.startswith("zero_optimization.") and path.split(".", 1)[1] in HIDDEN_SIZED)]
     if unknown:
-        raise ValueError(f"{source}: fastppo cannot fill \"auto\" for {', '.join(unknown)}; give values")
+        raise SettingsError(f"{source}: fastppo cannot fill \"auto\" for {', '.join(unknown)}; give values")
     return cfg, notes
 
 
@@ -252,7 +254,7 @@ def import_deepspeed(device: torch.device):
 
     name = get_accelerator().device_name()
     if name != device.type:
-        raise ValueError(f"DeepSpeed runs on its {name!r} accelerator but fastppo on {device.type!r}: set "
+        raise SettingsError(f"DeepSpeed runs on its {name!r} accelerator but fastppo on {device.type!r}: set "
                          f"DS_ACCELERATOR={device.type}")
     if not hasattr(deepspeed.DeepSpeedEngine, "managed_gradient_accumulation"):
         raise ImportError(f"deepspeed {deepspeed.__version__} has no managed_gradient_accumulation; fastppo needs a "
@@ -269,8 +271,6 @@ class ZeRO:
 
     def __init__(self, actor_critic: nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict,
                  frozen: list[nn.Module | None], device: torch.device, log: Callable[[str], None], source: str = ""):
-        from fastppo.models import causal_lm_of, lm_head_of
-
         deepspeed = import_deepspeed(device)
         self.deepspeed = deepspeed
         cfg = copy.deepcopy(ds_config)
@@ -279,12 +279,11 @@ class ZeRO:
         for key, fill in HIDDEN_SIZED.items():
             if zero.get(key) == "auto":
                 if hidden is None:
-                    raise ValueError(f"zero_optimization.{key} \"auto\": the policy's config has no hidden_size")
+                    raise SettingsError(f"zero_optimization.{key} \"auto\": the policy's config has no hidden_size")
                 zero[key] = fill(hidden)
         self.config = cfg
         self.stage = int(zero["stage"])
         if "LOCAL_RANK" not in os.environ:  # one process without a launcher: the variables DeepSpeed insists on
-            import torch.distributed as dist
 
             for name, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_RANK", 0)):
                 os.environ.setdefault(name, str(value))
@@ -389,7 +388,7 @@ class ZeRO:
         path, _ = self.engine.load_checkpoint(os.path.join(checkpoint_dir, ENGINE_DIR), tag=tag,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {os.path.join(checkpoint_dir, ENGINE_DIR)!r}")
+            raise MissingPathError(f"no DeepSpeed checkpoint {tag!r} in {os.path.join(checkpoint_dir, ENGINE_DIR)!r}")
 
     def destroy(self) -> None:
         for engine in [self.engine, *self.frozen_engines]:

@@ -306,3 +306,39 @@ def test_legacy_log_stats_on_one_rank_fails_in_bounded_time_naming_the_call(tmp_
     assert result.returncode != 0
     assert "log_stats() must be called on every process" in result.stderr
     assert "rank 0 waited 5 s" in result.stderr
+
+
+# ---------------------------------------------------------------------------- the command line's error contract
+
+
+def test_main_guard_turns_only_usage_errors_into_exit_2():
+    from fastppo.errors import MissingPathError, SettingsError, SettingsTypeError
+    from fastppo.rewards import RewardFunctionError
+    from fastppo.trainer import main_guard
+
+    def raising(error):
+        def run():
+            raise error
+        return run
+
+    for usage in (SettingsError("bad flag"), SettingsTypeError("bad type"), MissingPathError("no such dir")):
+        with pytest.raises(SystemExit) as exit_info:
+            main_guard(raising(usage))
+        assert exit_info.value.code == 2
+    # a bug in fastppo, or a failure that is not the user's input, keeps its traceback
+    for bug in (ValueError("shape mismatch deep inside"), TypeError("NoneType"), KeyError("k"),
+                RewardFunctionError("reward_fn 'm:f' raised TimeoutError: the API timed out")):
+        with pytest.raises(type(bug)):
+            main_guard(raising(bug))
+
+
+def test_a_reward_function_error_names_the_function_and_keeps_its_traceback(tmp_path, model_dir):
+    (tmp_path / "my_rewards.py").write_text("def flaky(completions, **kw):\n    return 1 / 0\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FASTPPO_CACHE": os.path.dirname(model_dir), "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-m", "fastppo.train", "--reward_fn", "my_rewards:flaky",
+                             "--output_dir", str(tmp_path / "out"), "--total_episodes", "16", "--disable_tqdm", "true"],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and 'my_rewards.py", line 2, in flaky' in result.stderr
+    assert "reward_fn 'my_rewards:flaky' raised ZeroDivisionError" in result.stderr

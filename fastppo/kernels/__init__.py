@@ -6,6 +6,7 @@ ppo_loss) share one private core, ``_lmhead``. Dispatch (``_common.use_triton``)
 CUDA tensors take the kernel, CPU tensors the reference, and
 ``TRITON_INTERPRET=1`` runs the Triton kernels on CPU tensors.
 """
+from fastppo.kernels._common import check_temperature
 from fastppo.kernels.gae import gae, gae_reference
 from fastppo.kernels.kl import (
     KL_ESTIMATORS,
@@ -28,6 +29,7 @@ from fastppo.kernels.stats import masked_mean, masked_var, masked_whiten
 __all__ = [
     "KL_ESTIMATORS",
     "PPOPolicyLossOutput",
+    "check_temperature",
     "clipped_surrogate",
     "extension_backend",
     "fused_full_kl",
