@@ -3,9 +3,9 @@
     python bench/profile_update.py                 # SmolLM2-135M-Instruct, issue 11's settings
     python bench/profile_update.py --variant fastppo-fast --model embedded
 
-Runs ``trl_baseline.run_fastppo`` for two iterations and profiles the second iteration's update
-(``PPOTrainer._optimize``: scoring, rewards, GAE and the PPO epochs), printing the top operators by
-self CPU time (on a GPU, by self CUDA time).
+Runs ``trl_baseline.run_fastppo`` for two iterations and profiles the second iteration's steps 2-6
+(``fastppo.train.ppo_iteration`` after its rollout: scoring, rewards, GAE, the PPO epochs and the metrics),
+printing the top operators by self CPU time (on a GPU, by self CUDA time).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import trl_baseline as B  # noqa: E402
-from fastppo import train as T  # noqa: E402
+from fastppo import trainer as T  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -32,21 +32,22 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, default=30, help="operators to print")
     args = p.parse_args(argv)
 
-    original, calls = T.PPOTrainer._optimize, []
+    original, calls = T.ppo_iteration, []
     cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
 
-    def profiled(self, *a, **k):
+    def profiled(learner, config, sizes, collect, skip_masked=False):
         calls.append(None)
-        if len(calls) != 2:  # the first update warms up
-            return original(self, *a, **k)
+        if len(calls) != 2:  # the first iteration warms up
+            return original(learner, config, sizes, collect, skip_masked)
+        batch = collect()  # step 1 (generation) runs outside the profile
         with torch.profiler.profile(activities=activities) as prof:
-            out = original(self, *a, **k)
+            out = original(learner, config, sizes, lambda: batch, skip_masked)
         print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                         row_limit=args.rows))
         return out
 
-    T.PPOTrainer._optimize = profiled
+    T.ppo_iteration = profiled  # the name the trainer calls
     base = B.SMOLLM2_CASE if args.model == "smollm2" else B.E2EConfig()
     cfg = dataclasses.replace(base, iterations=1, warmup_iterations=1)
     with tempfile.TemporaryDirectory() as out:

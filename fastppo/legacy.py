@@ -38,7 +38,7 @@ from fastppo.kernels import check_temperature, kl_penalty, masked_mean, token_lo
 from fastppo.metrics import STAT, MetricsLogger, legacy_stats, stats_means
 from fastppo.models import (AutoModelForCausalLMWithValueHead, causal_lm_of, create_reference_model, embedding_rows,
                             is_peft, lm_of, position_limit)
-from fastppo.train import assemble, compute_advantages, per_token_rewards, ppo_losses
+from fastppo.train import IterationResult, assemble, compute_advantages, per_token_rewards, ppo_losses
 from fastppo.trainer import PPOTrainer as CoreTrainer
 
 
@@ -266,14 +266,14 @@ def check_step_inputs(queries, responses, scores, response_masks, n: int, device
 
 
 
-def legacy_step_stats(metrics: dict, out: dict, rollout, vf_coef: float) -> dict:
+def legacy_step_stats(result: IterationResult, vf_coef: float) -> dict:
     """``step()``'s return value: legacy TRL's stats keys (arrays included) beside TRL 0.26's names."""
-    experience, targets, scores = out["experience"], out["targets"], out["final_scores"]
+    rollout, experience, targets, scores = result.batch.rollout, result.experience, result.targets, result.scores
     mask = rollout.response_mask
     query_lengths = rollout.attention_mask[:, : rollout.context_length].sum(1).float().cpu()
     response_lengths = rollout.lengths.float().cpu()
     extra = dict(
-        vf_coef=vf_coef, kl_coef=out["kl_coef"], learning_rate=out["lr"],
+        vf_coef=vf_coef, kl_coef=result.kl_coef, learning_rate=result.lr,
         mean_non_score_reward=masked_mean(targets.non_score_reward, mask).item(),
         mean_scores=scores.mean().item(), std_scores=scores.std().item() if scores.numel() > 1 else float("nan"),
         arrays={
@@ -287,15 +287,15 @@ def legacy_step_stats(metrics: dict, out: dict, rollout, vf_coef: float) -> dict
             "tokens/responses_len_mean": response_lengths.mean().item(),
             "tokens/responses_len_std": response_lengths.std().item() if len(response_lengths) > 1 else 0.0,
             "tokens/responses_dist": response_lengths.numpy(),
-            "time/ppo/forward_pass": out["phases"]["forward"],
-            "time/ppo/compute_rewards": out["phases"]["rewards"],
-            "time/ppo/optimize_step": out["seconds"]["update"],
+            "time/ppo/forward_pass": result.phases["forward"],
+            "time/ppo/compute_rewards": result.phases["rewards"],
+            "time/ppo/optimize_step": result.seconds["update"],
         },
     )
     start = time.perf_counter()
-    stats = legacy_stats(metrics, stats_means(out["result"]), extra)
+    stats = legacy_stats(result.metrics, stats_means(result.update), extra)
     stats["time/ppo/calc_stats"] = time.perf_counter() - start
-    stats["time/ppo/total"] = out["seconds"]["scoring"] + out["seconds"]["update"] + stats["time/ppo/calc_stats"]
+    stats["time/ppo/total"] = result.seconds["scoring"] + result.seconds["update"] + stats["time/ppo/calc_stats"]
     return stats
 
 
@@ -614,9 +614,9 @@ class PPOTrainer:
                            None if user_mask is None else user_mask.to(core.device))
         if not bool(rollout.response_mask.any(1).all()):
             raise SettingsError("step: every response needs at least one token to train on (check response_masks)")
-        metrics, out = core.update(rollout, scores, skip_masked=response_masks is not None)
+        result = core.update(rollout, scores, skip_masked=response_masks is not None)
         self.current_step += 1
-        return legacy_step_stats(metrics, out, rollout, self.config.vf_coef)
+        return legacy_step_stats(result, self.config.vf_coef)
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Sequence[str] = ("query", "response")):
         """The step's scalar stats and env/reward_* to the loggers, samples to samples.jsonl. Every process

@@ -29,16 +29,18 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 
 from fastppo import dist as fdist
 from fastppo.config import PPOConfig, Sizes
 from fastppo.kernels import (clipped_surrogate, fused_full_kl, gae, kl_penalty, masked_mean, masked_var, masked_whiten,
                              truncate_at_stop)
-from fastppo.metrics import STAT, STAT_NAMES, UpdateResult
+from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, gather_metrics, objective_sums
 from fastppo.models import gathered, lm_head_of, make_layout
+from fastppo.rewards import transform_scores
 
 # ============================================================================ 1. rollout
 
@@ -429,6 +431,103 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
         optimizer.found_inf = None
     steps = epochs_run * sizes.num_mini_batches - skipped
     return UpdateResult(stats, skipped, steps, epochs_run)
+
+
+# ============================================================================ 6. one iteration, steps 1-6 in order
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Step 1's output: the samples, their scores r(x, y), texts and timing (``PPOTrainer.rollout()``)."""
+
+    rollout: Rollout
+    scores: torch.Tensor  # [B] after the missing-eos penalty (TRL's objective/scores)
+    eos_count: torch.Tensor  # eos tokens among the real response tokens (TRL's val/num_eos_tokens)
+    prompts: list[str] | None = None
+    completions: list[str] | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Learner:
+    """What an iteration reads and updates, built once by the trainer. ``model`` is what the update calls
+    (``actor_critic`` itself, or DDP's or DeepSpeed's wrapper around it)."""
+
+    actor_critic: nn.Module
+    model: nn.Module
+    reference: object  # fastppo.models.Reference
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: object | None
+    kl_ctl: FixedKLController | AdaptiveKLController
+    moments: object | None  # fastppo.rewards.RunningMoments under use_score_scaling
+    shuffle: torch.Generator
+    autocast: Callable
+    log: Callable[[str], None]
+    zero: object | None = None  # fastppo.zero.ZeRO
+
+
+@dataclass(frozen=True)
+class IterationResult:
+    """What one iteration made: its samples, what the update was made of, TRL's metrics, and timing."""
+
+    batch: RolloutBatch
+    experience: Experience
+    targets: Targets
+    update: UpdateResult
+    scores: torch.Tensor  # [B] the scores the rewards used (after use_score_scaling/norm/clip)
+    metrics: dict[str, float]  # TRL 0.26's names, over every process
+    kl_coef: float  # β of this iteration (before the adaptive controller's update)
+    lr: float  # the learning rate of this iteration's update
+    seconds: dict[str, float]  # step 1's phases, scoring (and its models' forwards), update
+    phases: dict[str, float]  # scoring's two parts: "forward" (step 2) and "rewards" (steps 3-4)
+
+
+def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Callable[[], RolloutBatch],
+                  skip_masked: bool = False) -> IterationResult:
+    """One PPO iteration. ``collect`` is step 1 (the trainer samples and scores; the legacy ``step()`` hands
+    over the caller's samples). ``skip_masked``: GAE bootstraps across positions a caller masked out."""
+    # 1. rollout: prompts, responses y ~ π_θ_old, cut at the stop token, scored r(x, y)
+    batch = collect()
+    rollout = batch.rollout
+    # 2. scoring: log π_θ_old and V (one forward of the trained module), log π_ref, per-token KL
+    t0 = time.perf_counter()
+    learner.actor_critic.eval()
+    scoring_seconds = {}
+    with learner.autocast():
+        experience = score_rollout(learner.actor_critic, learner.reference, rollout, config.temperature,
+                                   config.kl_estimator, config.local_rollout_forward_batch_size, config.padding_free,
+                                   scoring_seconds)
+    t_forward = time.perf_counter()
+    # 3. rewards: R_t = −β·KL_t, + the (transformed) score on the last trained token
+    scores = transform_scores(batch.scores, config.use_score_scaling, config.use_score_norm, config.score_clip,
+                              learner.moments)
+    kl_coef = learner.kl_ctl.value
+    rewards, non_score_reward = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index,
+                                                  kl_coef)
+    # 4. advantages and returns (GAE)
+    advantages, returns = compute_advantages(rewards, experience.values, rollout.response_mask, config.gamma,
+                                             config.lam, config.whiten_rewards, skip_masked)
+    targets = Targets(rewards, non_score_reward, advantages, returns)
+    t1 = time.perf_counter()
+    # 5. PPO update, at this iteration's learning rate
+    lr = learner.optimizer.param_groups[0]["lr"]
+    update = ppo_update(learner.model, learner.optimizer, rollout, experience, targets, config, sizes,
+                        learner.shuffle, learner.autocast, learner.log, zero=learner.zero)
+    t2 = time.perf_counter()
+    # 6. metrics (one all-reduce), then β and the learning-rate schedule move on
+    objective = objective_sums(experience.kl, experience.logprobs, non_score_reward, rollout.response_mask,
+                               batch.scores, batch.eos_count)
+    metrics = gather_metrics(objective, update, sizes.world_size)
+    if metrics["train/skipped_steps"]:
+        learner.log(f"{metrics['train/skipped_steps']:g} optimizer step(s) skipped for a non-finite loss or gradient "
+                    "(weights and optimizer state unchanged by them)")
+    learner.kl_ctl.update(metrics["objective/kl"], sizes.batch_size)
+    if learner.lr_scheduler is not None:
+        learner.lr_scheduler.step()
+    seconds = {**batch.seconds, "scoring": t1 - t0, "update": t2 - t1,
+               **{f"scoring/{k}": v for k, v in scoring_seconds.items()}}
+    return IterationResult(batch, experience, targets, update, scores, metrics, kl_coef, lr, seconds,
+                           {"forward": t_forward - t0, "rewards": t1 - t_forward})
 
 
 if __name__ == "__main__":  # python -m fastppo.train: the command line, run as a program (not imported: the

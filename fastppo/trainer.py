@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,26 +35,13 @@ from fastppo.data import left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import sample_responses, stop_ids_of
-from fastppo.metrics import MetricsLogger, gather_metrics, objective_sums, plot_curves, print_samples
+from fastppo.metrics import MetricsLogger, plot_curves, print_samples
 from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
 from fastppo.rewards import (RewardFunctionError, RunningMoments, call_reward_fn, check_reward_fn_columns,
-                             resolve_reward, reward_fn_columns, reward_model_scores, transform_scores)
+                             resolve_reward, reward_fn_columns, reward_model_scores)
 from fastppo.zero import ZeRO, deepspeed_request, resolve_deepspeed_config, zero_stage_of
-from fastppo.train import (AdaptiveKLController, FixedKLController, Rollout, Targets, apply_eos_penalties,
-                           compute_advantages, contains_stop, eos_count, make_rollout, per_token_rewards,
-                           ppo_update, score_rollout)
-
-
-@dataclass
-class RolloutBatch:
-    """What ``PPOTrainer.rollout()`` returns: the samples, their scores r(x, y), texts and timing."""
-
-    rollout: Rollout
-    scores: torch.Tensor  # [B] after the missing-eos penalty (TRL's objective/scores)
-    eos_count: torch.Tensor
-    prompts: list[str] | None
-    completions: list[str] | None
-    seconds: dict[str, float]
+from fastppo.train import (AdaptiveKLController, FixedKLController, IterationResult, Learner, Rollout, RolloutBatch,
+                           apply_eos_penalties, contains_stop, eos_count, make_rollout, ppo_iteration)
 
 
 class PPOTrainer:
@@ -327,65 +313,26 @@ class PPOTrainer:
         return (self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True),
                 self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
 
-    # ------------------------------------------------------------------ 2-5. scoring, rewards, GAE, update
+    # ------------------------------------------------------------------ one iteration (fastppo.train.ppo_iteration)
 
-    def _optimize(self, rollout: Rollout, scores: torch.Tensor, skip_masked: bool = False) -> dict:
-        """Steps 2-5 on one rollout batch; returns what the iteration's metrics are made of."""
-        config = self.config
-        t0 = time.perf_counter()
-        # 2. scoring: log π_θ_old and V (one forward of the trained module), log π_ref, per-token KL
-        self.actor_critic.eval()
-        with self.autocast():
-            seconds = {}
-            experience = score_rollout(self.actor_critic, self.reference, rollout, config.temperature,
-                                       config.kl_estimator, config.local_rollout_forward_batch_size,
-                                       config.padding_free, seconds)
-        t_forward = time.perf_counter()
+    @property
+    def learner(self) -> Learner:
+        return Learner(self.actor_critic, self.model, self.reference, self.optimizer, self.lr_scheduler, self.kl_ctl,
+                       self.moments, self.shuffle, self.autocast, self.log, self.zero)
 
-        final_scores = transform_scores(scores, config.use_score_scaling, config.use_score_norm, config.score_clip,
-                                        self.moments)
-        # 3. rewards: R_t = −β·KL_t, + score on the last trained token
-        kl_coef = self.kl_ctl.value
-        rewards, non_score_reward = per_token_rewards(experience.kl, final_scores, rollout.response_mask,
-                                                      rollout.score_index, kl_coef)
-        # 4. advantages and returns (GAE)
-        advantages, returns = compute_advantages(rewards, experience.values, rollout.response_mask, config.gamma,
-                                                 config.lam, config.whiten_rewards, skip_masked)
-        targets = Targets(rewards, non_score_reward, advantages, returns)
-        t1 = time.perf_counter()
-        # 5. PPO update, at the learning rate of this iteration
-        lr = self.optimizer.param_groups[0]["lr"]
-        result = ppo_update(self.model, self.optimizer, rollout, experience, targets, config, self.sizes,
-                            self.shuffle, self.autocast, self.log, zero=self.zero)
-        t2 = time.perf_counter()
-        return dict(experience=experience, targets=targets, result=result, kl_coef=kl_coef, lr=lr,
-                    final_scores=final_scores, phases={"forward": t_forward - t0, "rewards": t1 - t_forward},
-                    seconds={"scoring": t1 - t0, "update": t2 - t1,
-                                                        **{f"scoring/{k}": v for k, v in seconds.items()}})
-
-    def _end_iteration(self, rollout: Rollout, out: dict, logged_scores, eos) -> dict:
-        """6. the iteration's metrics (one all-reduce), the β update, the schedule, the counters."""
-        objective = objective_sums(out["experience"].kl, out["experience"].logprobs, out["targets"].non_score_reward,
-                                   rollout.response_mask, logged_scores, eos)
-        metrics = gather_metrics(objective, out["result"], self.sizes.world_size)
-        if metrics["train/skipped_steps"]:
-            self.log(f"{metrics['train/skipped_steps']:g} optimizer step(s) skipped for a non-finite loss or gradient "
-                     "(weights and optimizer state unchanged by them)")
-        self.kl_ctl.update(metrics["objective/kl"], self.sizes.batch_size)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+    def iteration(self, collect: Callable[[], RolloutBatch] | None = None, skip_masked: bool = False
+                  ) -> IterationResult:
+        """Steps 1-6 (``fastppo.train.ppo_iteration``), then the counters. Step 1 is ``collect``: by default
+        ``rollout()`` (the next prompts); a caller with its own samples hands them over (``update()``)."""
+        result = ppo_iteration(self.learner, self.config, self.sizes, collect or self.rollout, skip_masked)
         self.state.global_step += 1
         self.state.episode += self.sizes.batch_size
-        return metrics
+        return result
 
-    def update(self, rollout: Rollout, scores: torch.Tensor, logged_scores: torch.Tensor | None = None,
-               eos: torch.Tensor | None = None, skip_masked: bool = False) -> tuple[dict, dict]:
-        """Steps 2-6 on one rollout (the train() loop's samples, or a caller's own: the legacy ``step()``):
-        (the iteration's metrics, what they were made of)."""
-        out = self._optimize(rollout, scores, skip_masked)
-        logged = out["final_scores"] if logged_scores is None else logged_scores
-        eos = eos_count(rollout, self.tokenizer.eos_token_id) if eos is None else eos
-        return self._end_iteration(rollout, out, logged, eos), out
+    def update(self, rollout: Rollout, scores: torch.Tensor, skip_masked: bool = False) -> IterationResult:
+        """Steps 2-6 on a caller's own samples and scores (the legacy ``step()``)."""
+        batch = RolloutBatch(rollout, scores, eos_count(rollout, self.tokenizer.eos_token_id))
+        return self.iteration(lambda: batch, skip_masked)
 
     # ------------------------------------------------------------------ the TRL 0.26 loop
 
@@ -460,19 +407,19 @@ class PPOTrainer:
         with stack:
             for update in range(first, sizes.num_total_batches + 1):
                 self.control = self.callback_handler.on_step_begin(config, state, self.control)
-                # 1. rollout, then 2-5. scoring, rewards, GAE, update
-                batch = self.rollout()
-                metrics, out = self.update(batch.rollout, batch.scores, batch.scores, batch.eos_count)
-                # 6. metrics, samples, callbacks, checkpoints
+                result = self.iteration()  # steps 1-6: rollout, scoring, rewards, GAE, update, metrics
+                batch = result.batch
+                # then what a run shows: metrics, samples, callbacks, checkpoints
                 state.epoch = state.episode / max(len(self.prompts), 1)
-                metrics.update({
+                metrics = {
+                    **result.metrics,
                     "eps": (state.episode - start_episode) / (time.perf_counter() - start),
-                    "lr": out["lr"],
+                    "lr": result.lr,
                     "episode": state.episode,
-                    **{f"time/{k}": v for k, v in {**batch.seconds, **out["seconds"]}.items()},
-                })
+                    **{f"time/{k}": v for k, v in result.seconds.items()},
+                }
                 if config.adaptive_kl:
-                    metrics["kl_coef"] = out["kl_coef"]
+                    metrics["kl_coef"] = result.kl_coef
                 if progress is not None:
                     progress.update(task, completed=state.episode)
                 self._log_state(metrics)  # every iteration, as TRL's loop calls self.log
