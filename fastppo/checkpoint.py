@@ -26,10 +26,14 @@ import random
 import re
 import shutil
 
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
-from fastppo.errors import SettingsError, MissingPathError, LoadError
 from fastppo.config import PPOConfig
+from fastppo.errors import LoadError, MissingPathError, SettingsError
+from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
@@ -91,8 +95,6 @@ def config_as_json(config: PPOConfig, model_args=None) -> dict:
 
 
 def rng_state(shuffle: torch.Generator) -> dict:
-    import numpy as np
-
     state = {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(), "python": random.getstate(),
              "numpy": np.random.get_state()}
     if torch.cuda.is_available():
@@ -101,14 +103,59 @@ def rng_state(shuffle: torch.Generator) -> dict:
 
 
 def set_rng_state(state: dict, shuffle: torch.Generator) -> None:
-    import numpy as np
-
     torch.set_rng_state(state["torch"])
     shuffle.set_state(state["shuffle"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def training_state(optimizer, lr_scheduler, kl_ctl, moments, state, zero, tag: str) -> dict:
+    """``trainer_state.pt``'s contents: everything but the weights and RNG states a run needs to continue.
+    Under DeepSpeed its engine checkpoint (``deepspeed/<tag>``) holds each rank's optimizer partition."""
+    return {
+        "optimizer": optimizer.state_dict() if zero is None else None,
+        "deepspeed": None if zero is None else {"zero_stage": zero.stage, "tag": tag},
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        "kl_coef": kl_ctl.value,
+        "moments": moments.state_dict() if moments is not None else None,
+        "global_step": state.global_step, "episode": state.episode, "log_history": state.log_history,
+        "prompt_batches_drawn": state.global_step,
+    }
+
+
+def restore_training_state(path: str, policy, value_model, optimizer, lr_scheduler, kl_ctl, moments, state, zero,
+                           shuffle: torch.Generator, rank: int) -> int:
+    """A checkpoint back into a built trainer's parts (weights, optimizer, schedule, β, score moments, counters,
+    this rank's RNG states), exactly. Returns how many prompt batches the run had drawn (the caller replays
+    its sampler that far)."""
+    saved = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
+    lm = lm_of(policy)
+    if zero is not None:  # the engine's checkpoint: weights (fp32 partitions) and optimizer state, exactly
+        zero.load(path, saved["deepspeed"]["tag"])
+    else:
+        if is_peft(policy):
+            from peft import set_peft_model_state_dict  # optional dependency: a PEFT policy has it
+
+            set_peft_model_state_dict(lm, load_file(os.path.join(path, "adapter_model.safetensors")))
+        else:
+            load_weights(lm, path)
+        if isinstance(policy, AutoModelForCausalLMWithValueHead):
+            policy.v_head.load_state_dict(read_value_head(path))
+        if value_model is not None:
+            load_weights(value_model, os.path.join(path, "value_model"))
+        optimizer.load_state_dict(saved["optimizer"])
+    if lr_scheduler is not None and saved["lr_scheduler"] is not None:
+        lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    kl_ctl.value = saved["kl_coef"]
+    if moments is not None and saved["moments"] is not None:
+        moments.load_state_dict(saved["moments"])
+    state.global_step, state.episode = saved["global_step"], saved["episode"]
+    state.log_history = list(saved["log_history"])
+    set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), map_location="cpu", weights_only=False),
+                  shuffle)
+    return saved["prompt_batches_drawn"]
 
 
 def save_checkpoint(output_dir: str, step: int, rank: int, world_size: int, write_models, trainer_state: dict,
@@ -201,8 +248,6 @@ def unreadable(path: str) -> str | None:
     weights file), or None. Cheap: torch files are memory-mapped, safetensors files have their header and
     sizes checked, nothing is read into memory. Saves are atomic, so this only finds damage done after
     (a partial copy, a full disk, a bad sync)."""
-    from safetensors import safe_open
-
     for root, _, files in os.walk(path):
         for name in sorted(files):
             file = os.path.join(root, name)
@@ -335,8 +380,6 @@ NOTED = frozenset(
 
 def load_weights(model, path: str) -> None:
     """Weights of a ``save_pretrained`` directory into an existing model, strictly (tied copies excepted)."""
-    from safetensors.torch import load_file
-
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors") and f != "v_head.safetensors")
     if not files:
         raise MissingPathError(f"no *.safetensors weights in {path!r}")

@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from safetensors.torch import load_file
 from transformers import TrainerControl, TrainerState, get_scheduler
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from transformers.utils import logging as hf_logging
@@ -36,7 +35,7 @@ from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import sample_responses, stop_ids_of
 from fastppo.metrics import MetricsLogger, plot_curves, print_samples
-from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
+from fastppo.models import lm_of
 from fastppo.rewards import (RewardFunctionError, RunningMoments, call_reward_fn, check_reward_fn_columns,
                              resolve_reward, reward_fn_columns, reward_model_scores)
 from fastppo.zero import ZeRO, deepspeed_request, resolve_deepspeed_config, zero_stage_of
@@ -556,16 +555,8 @@ class PPOTrainer:
         """``checkpoint-<iteration>`` with everything needed to continue exactly (see ``fastppo.checkpoint``)."""
         config, state = self.config, self.state
         tag = f"global_step{state.global_step}"
-        trainer_state = {
-            # under DeepSpeed its engine checkpoint (deepspeed/<tag>) holds each rank's optimizer partition
-            "optimizer": self.optimizer.state_dict() if self.zero is None else None,
-            "deepspeed": None if self.zero is None else {"zero_stage": self.zero.stage, "tag": tag},
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "kl_coef": self.kl_ctl.value,
-            "moments": self.moments.state_dict() if self.moments is not None else None,
-            "global_step": state.global_step, "episode": state.episode, "log_history": state.log_history,
-            "prompt_batches_drawn": state.global_step,
-        }
+        trainer_state = C.training_state(self.optimizer, self.lr_scheduler, self.kl_ctl, self.moments, state,
+                                         self.zero, tag)
         states = [None, None]  # whole weights gathered under ZeRO-3 (rank 0)
 
         def every_rank(tmp):
@@ -585,35 +576,11 @@ class PPOTrainer:
         return path
 
     def _load_checkpoint(self, path: str) -> None:
-        state = torch.load(os.path.join(path, C.STATE_FILE), map_location="cpu", weights_only=False)
-        policy = self.policy
-        lm = lm_of(policy)
-        if self.zero is not None:  # the engine's checkpoint: weights (fp32 partitions) and optimizer state, exactly
-            self.zero.load(path, state["deepspeed"]["tag"])
-        else:
-            if is_peft(policy):
-                from peft import set_peft_model_state_dict
-
-                set_peft_model_state_dict(lm, load_file(os.path.join(path, "adapter_model.safetensors")))
-            else:
-                C.load_weights(lm, path)
-            if isinstance(policy, AutoModelForCausalLMWithValueHead):
-                policy.v_head.load_state_dict(read_value_head(path))
-            if self.value_model is not None:
-                C.load_weights(self.value_model, os.path.join(path, "value_model"))
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.kl_ctl.value = state["kl_coef"]
-        if self.moments is not None and state["moments"] is not None:
-            self.moments.load_state_dict(state["moments"])
-        self.state.global_step, self.state.episode = state["global_step"], state["episode"]
-        self.state.log_history = list(state["log_history"])
-        for _ in range(state["prompt_batches_drawn"]):  # the prompt order is a function of the seed: replay it
+        drawn = C.restore_training_state(path, self.policy, self.value_model, self.optimizer, self.lr_scheduler,
+                                         self.kl_ctl, self.moments, self.state, self.zero, self.shuffle, self.dist.rank)
+        for _ in range(drawn):  # the prompt order is a function of the seed: replay it
             next(self._batches)
-        rng = torch.load(os.path.join(path, f"rng_state_{self.dist.rank}.pt"), map_location="cpu", weights_only=False)
-        C.set_rng_state(rng, self.shuffle)
-        self.log(f"resumed from {path} (iteration {state['global_step']}, episode {state['episode']})")
+        self.log(f"resumed from {path} (iteration {self.state.global_step}, episode {self.state.episode})")
 
     def _log_state(self, metrics: dict) -> None:
         """transformers' ``Trainer.log``: the entry joins ``log_history`` and callbacks get a copy (one that
