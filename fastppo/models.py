@@ -14,6 +14,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -25,7 +26,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.utils import cached_file, is_peft_available
 
 from fastppo.errors import LoadError, SettingsError, SettingsTypeError
-from fastppo.kernels import fused_ppo_policy_loss, fused_token_logprobs
+from fastppo.kernels import PPOPolicyLossOutput, fused_ppo_policy_loss, fused_token_logprobs
 
 VALUE_HEAD_PREFIX = "v_head."
 VALUE_HEAD_FILE = "v_head.safetensors"  # where a PEFT policy's value head goes (the weights file holds the adapter)
@@ -630,6 +631,16 @@ def decoder_hidden(model: nn.Module, layout: Layout) -> torch.Tensor:
 # ============================================================================ the two forwards of PPO
 
 
+class ActorCriticOutput(NamedTuple):
+    """``PolicyAndValue.forward``'s output: [b, T] grids, 0 off the real response tokens."""
+
+    logprobs: torch.Tensor  # log π(y_t) (with the fused loss: its values, the gradient being in policy_loss.loss)
+    entropy: torch.Tensor | None  # H of π(·|s_t), when asked for (always with the fused loss)
+    values: torch.Tensor  # V(s_t), fp32
+    hidden: torch.Tensor | None  # [n, H] the last hidden states of the real response tokens, when asked for
+    policy_loss: PPOPolicyLossOutput | None  # fused_ppo_policy_loss's output, when it ran
+
+
 class PolicyAndValue(nn.Module):
     """What DDP wraps: one forward gives the policy's log-probs (and entropy) of the real response
     tokens and the value of every response state, so every trained parameter, the LM head included,
@@ -637,9 +648,8 @@ class PolicyAndValue(nn.Module):
 
     ``value_model=None``: the policy is an ``AutoModelForCausalLMWithValueHead`` and the values come
     from its ``v_head`` on the same hidden states as the log-probs (one trunk, one forward).
-    Outputs are [b, T] grids (0 off the real tokens), or with ``policy_loss`` (a dict of
-    ``fused_ppo_policy_loss``'s arguments as [b, T] grids) the fused loss's output in place of the
-    log-probs and entropy.
+    ``policy_loss`` (a dict of ``fused_ppo_policy_loss``'s arguments as [b, T] grids) runs the fused loss
+    from the hidden states; its output comes back beside the grids (``ActorCriticOutput``).
     """
 
     def __init__(self, policy: nn.Module, value_model: nn.Module | None):
@@ -650,16 +660,17 @@ class PolicyAndValue(nn.Module):
         self.value_model = value_model
 
     def forward(self, layout: Layout, temperature: float, return_entropy: bool = False, return_hidden: bool = False,
-                policy_loss: dict | None = None):
+                policy_loss: dict | None = None) -> ActorCriticOutput:
         hidden = decoder_hidden(self.policy, layout).index_select(0, layout.gather)  # [n, H]
+        fused = None
         if policy_loss is None:
             out = token_logprobs_from_hidden(self.policy, hidden, layout.targets, temperature, return_entropy)
             logprobs, entropy = out if return_entropy else (out, None)
-            logprobs = layout.scatter(logprobs)
-            entropy = None if entropy is None else layout.scatter(entropy)
         else:
-            logprobs = fused_policy_loss(self.policy, hidden, layout, temperature, **policy_loss)
-            entropy = None
+            fused = fused_policy_loss(self.policy, hidden, layout, temperature, **policy_loss)
+            logprobs, entropy = fused.logprobs, fused.entropy
+        logprobs = layout.scatter(logprobs)
+        entropy = None if entropy is None else layout.scatter(entropy)
         if self.value_model is None:
             values = self.policy.v_head(hidden).float()
         else:
@@ -668,7 +679,7 @@ class PolicyAndValue(nn.Module):
                                     position_ids=layout.position_ids, use_cache=False).last_hidden_state
             values = head(value_hidden.reshape(-1, value_hidden.shape[-1]).index_select(0, layout.gather))
             values = values.squeeze(-1).float()
-        return logprobs, entropy, layout.scatter(values), (hidden if return_hidden else None)
+        return ActorCriticOutput(logprobs, entropy, layout.scatter(values), hidden if return_hidden else None, fused)
 
 
 def fused_policy_loss(model, hidden, layout: Layout, temperature: float, old_logprobs, advantages, mask, cliprange,

@@ -176,7 +176,8 @@ def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float,
         for i in range(0, rollout.query_responses.shape[0], chunk):
             layout = rollout.layout(range(i, min(i + chunk, rollout.query_responses.shape[0])), packed)
             t0 = time.perf_counter()
-            logp, _, value, hidden = actor_critic(layout, temperature, return_hidden=full)
+            out = actor_critic(layout, temperature, return_hidden=full)
+            logp, value, hidden = out.logprobs, out.values, out.hidden
             t1 = time.perf_counter()
             ref_logp, ref_state = reference(layout, temperature, with_hidden=full)
             if full:
@@ -381,16 +382,11 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 ctx = model.no_sync() if ddp_accumulates else contextlib.nullcontext()
                 with ctx:
                     with autocast():
-                        new_logprobs, entropy, new_values, _ = model(layout, config.temperature, return_entropy=True,
-                                                                     policy_loss=policy_loss)
-                    fused_out = None
-                    if fused:
-                        fused_out = new_logprobs
-                        new_logprobs, entropy = layout.scatter(fused_out.logprobs), layout.scatter(fused_out.entropy)
+                        out = model(layout, config.temperature, return_entropy=True, policy_loss=policy_loss)
                     loss, stats[:, epoch, mb, k] = ppo_losses(
-                        new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask,
+                        out.logprobs, out.values, out.entropy, old_logprobs, old_values, advantages, returns, mask,
                         config.cliprange, config.cliprange_value, config.vf_coef, config.entropy_coef,
-                        config.ratio_threshold, fused_out,
+                        config.ratio_threshold, out.policy_loss,
                     )
                     finite = finite * torch.isfinite(loss.detach())
                     if zero is not None:

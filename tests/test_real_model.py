@@ -80,7 +80,7 @@ def assert_first_ratio_is_one(trainer) -> None:
     # up to 3e-5 in log-prob on this 30-layer model
     for rows, tolerance in ((torch.randperm(n).tolist(), 1e-5), (torch.randperm(n)[: n // 2].tolist(), 1e-4)):
         with torch.no_grad():
-            new_logprobs, _, _, _ = trainer.actor_critic(rollout.layout(rows), config.temperature, return_entropy=True)
+            new_logprobs = trainer.actor_critic(rollout.layout(rows), config.temperature, return_entropy=True).logprobs
         mask = rollout.response_mask[rows]
         ratio = torch.exp(new_logprobs - experience.logprobs[rows])[mask]
         assert ratio.numel() > 0 and (ratio - 1).abs().max().item() < tolerance, (rows, (ratio - 1).abs().max())
@@ -347,7 +347,7 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, smoll
     assert (advantages[rows, eos_cols] != 0).all() and advantages[pad].abs().max().item() == 0.0
     assert masked_mean(advantages, r.response_mask).abs().item() < 1e-5  # whitened over real tokens only
     trainer.actor_critic.train()
-    new_logprobs, entropy, new_values, _ = trainer.actor_critic(r.layout(), cfg.temperature, return_entropy=True)
+    new_logprobs, entropy, new_values, _, _ = trainer.actor_critic(r.layout(), cfg.temperature, return_entropy=True)
     loss, stats = ppo_losses(new_logprobs, new_values, entropy, experience.logprobs, experience.values, advantages,
                              returns, r.response_mask, cfg.cliprange, cfg.cliprange_value, cfg.vf_coef,
                              cfg.entropy_coef, cfg.ratio_threshold)
