@@ -136,6 +136,25 @@ def settings(**kwargs):
     return dict(args=config, model_args=ModelConfig(**model), train_dataset=dataset)
 
 
+# The tests' small run on the embedded preset, a few seconds on a CPU: 4 × 2 = 8 episodes per iteration,
+# 6-token responses, 2 PPO epochs, two iterations, no sample tables, no progress bar, no checkpoint before
+# the end, a metrics row per iteration.
+SMALL_RUN = dict(
+    per_device_train_batch_size=4, gradient_accumulation_steps=2, num_ppo_epochs=2, response_length=6,
+    total_episodes=16, num_sample_generations=0, disable_tqdm=True, local_rollout_forward_batch_size=8,
+    save_steps=10**6, logging_steps=1,
+)
+
+
+def small_config(tmp_path, **overrides):
+    """``settings`` of the embedded preset with ``SMALL_RUN`` into ``tmp_path / "out"``, ``overrides`` on top:
+    a PPOConfig, or PPOTrainer's keywords when they name model or dataset flags. The one small-config
+    builder: a test module with other defaults binds them (``functools.partial(small_config, ...)``)."""
+    from fastppo.cli import EMBEDDED_PRESET
+
+    return settings(**{**EMBEDDED_PRESET, **SMALL_RUN, "output_dir": str(tmp_path / "out"), **overrides})
+
+
 def make_trainer(config_or_kwargs, **kwargs):
     """PPOTrainer(args=config) or PPOTrainer(**settings(...)'s keywords), with ``kwargs`` added."""
     from fastppo.trainer import PPOTrainer

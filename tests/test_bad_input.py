@@ -1,5 +1,8 @@
 """Bad input: a clear error naming the setting, before anything loads; nothing silently wrong.
 
+One file per concern: the command line's flags, then the library's settings, models, data and reward
+functions (``PPOTrainer``), a frozen rank, and the kernels' arguments.
+
 Command-line cases run the real entry point (``python -m fastppo.train``) in a subprocess and assert the
 exit code, that the message names the flag, and that no traceback is printed. "Before anything loads"
 is proved with a model directory whose config and tokenizer are real but whose weights file is garbage:
@@ -7,6 +10,7 @@ a run that got as far as loading weights would fail with a load error instead of
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -16,10 +20,11 @@ import sys
 import pytest
 import torch
 
-from fastppo import PPOConfig, PPOTrainer
-from fastppo.cli import EMBEDDED_PRESET
+from fastppo import PPOTrainer
+from fastppo.rewards import RewardFunctionError
+from helpers import make_trainer, small_config
 
-pytestmark = pytest.mark.usefixtures("reference_path")
+pytestmark = pytest.mark.usefixtures("reference_path", "model_dir")  # model_dir: the embedded model, built once
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +95,21 @@ def test_bad_setting_is_refused_before_loading(tmp_path, unloadable, flags, frag
 
 
 @pytest.mark.slow
-def test_a_bad_setting_in_a_subprocess_exits_2_without_traceback(tmp_path, unloadable):
-    assert_refused(cli(["--model_name_or_path", unloadable, "--max_grad_norm", "-1"], tmp_path),
-                   "max_grad_norm must be >= 0")
+@pytest.mark.parametrize("model, flags, fragment", [
+    ("unloadable", ["--max_grad_norm", "-1"], "max_grad_norm must be >= 0"),
+    ("embedded default", ["--response_length", "0"], "response_length must be an integer >= 1"),
+])
+def test_a_bad_setting_in_a_subprocess_exits_2_without_traceback(tmp_path, request, model, flags, fragment):
+    model_flags = ["--model_name_or_path", request.getfixturevalue("unloadable")] if model == "unloadable" else []
+    assert_refused(cli([*model_flags, *flags], tmp_path), fragment)
+
+
+def test_an_abbreviated_flag_is_refused_naming_the_flag(capsys):
+    from fastppo.cli import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--learning_rat", "3"])  # no abbreviation, a close match named
+    assert e.value.code == 2 and "--learning_rate" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -151,16 +168,54 @@ def test_trl_fields_without_a_meaning_are_accepted_and_logged(tmp_path, model_di
     assert fp16.returncode == 2 and "fp16 mixed precision is not supported" in fp16.stderr
 
 
-# ---------------------------------------------------------------------------- models and rewards
+# ---------------------------------------------------------------------------- the library: settings, models, rewards
 
 
-def tiny(tmp_path, **overrides) -> PPOConfig:
-    base = {**EMBEDDED_PRESET, **dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_ppo_epochs=1, response_length=6, total_episodes=8, num_sample_generations=0, disable_tqdm=True,
-        save_steps=10**6)}
-    base.update(overrides)
-    return PPOConfig(**base)
+tiny = functools.partial(small_config, num_ppo_epochs=1, total_episodes=8)  # one iteration of one epoch
+
+
+def train(config) -> PPOTrainer:
+    trainer = make_trainer(config)
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(response_length=0), "response_length must be an integer >= 1"),
+        (dict(kl_estimator="k9"), "unknown kl_estimator 'k9'"),
+        (dict(per_device_train_batch_size=3, gradient_accumulation_steps=1, num_mini_batches=2),
+         "divisible by num_mini_batches"),
+        (dict(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2),
+         "whole number of per_device_train_batch_size micro-batches"),
+        (dict(stop_token="eos", stop_token_id=[3]), "mutually exclusive"),
+        (dict(reward_fn="no_colon"), "module:function"),
+        (dict(reward_fn="fastppo.rewards:nope"), "has no function 'nope'"),
+        (dict(temperature=0.0), "temperature must be a finite number > 0"),
+        (dict(optim="adafactor"), "optim 'adafactor' is not supported"),
+    ],
+)
+def test_bad_settings_fail_fast(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        train(tiny(tmp_path, **overrides))
+
+
+def test_missing_model_path_fails_fast(tmp_path):
+    with pytest.raises(FileNotFoundError, match="sft_model_path"):
+        train(tiny(tmp_path, sft_model_path=str(tmp_path / "no-such-model")))
+
+
+def test_dataset_without_text_column_lists_its_columns(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "a", "label": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"no column 'prompt'.*\['text', 'label'\]"):
+        train(tiny(tmp_path, dataset_name=str(data)))
+
+
+def test_missing_dataset_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such.jsonl"):
+        train(tiny(tmp_path, dataset_name=str(tmp_path / "no-such.jsonl")))
 
 
 def test_a_causal_lm_as_reward_model_is_refused(tmp_path, model_dir):
@@ -174,18 +229,19 @@ def test_a_causal_lm_as_reward_model_is_refused(tmp_path, model_dir):
     assert trainer.reward_model is not None
 
 
-@pytest.mark.parametrize("body, fragment", [
-    ("sys.exit(0)", r"called sys\.exit\(0\)"),
-    ("sys.exit(3)", r"called sys\.exit\(3\)"),
+@pytest.mark.parametrize("body, error, message", [
+    ("raise RuntimeError('kaboom')", RuntimeError, "'bad_rewards:fn' raised RuntimeError: kaboom"),
+    ("return [float('nan')] * len(completions)", ValueError, "'bad_rewards:fn' returned non-finite"),
+    ("return [1.0]", ValueError, "'bad_rewards:fn' returned \\(1,\\) scores for 8 completions"),
+    ("sys.exit(0)", RewardFunctionError, r"called sys\.exit\(0\)"),  # an error, not a successful exit
+    ("sys.exit(3)", RewardFunctionError, r"called sys\.exit\(3\)"),
 ])
-def test_reward_function_that_exits_is_an_error_not_a_success(tmp_path, model_dir, monkeypatch, body, fragment):
-    module = f"exiting_reward_{abs(hash(body))}"
+def test_bad_reward_fn_is_a_clear_error_and_no_update(tmp_path, monkeypatch, body, error, message):
+    module = f"bad_rewards_{abs(hash(body))}"  # a fresh module per case (sys.modules caches by name)
     (tmp_path / f"{module}.py").write_text(f"import sys\ndef fn(prompts, completions):\n    {body}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from fastppo.rewards import RewardFunctionError
-
-    with pytest.raises(RewardFunctionError, match=fragment):
-        PPOTrainer(args=tiny(tmp_path, reward_fn=f"{module}:fn")).train()
+    with pytest.raises(error, match=message.replace("bad_rewards", module)):
+        train(tiny(tmp_path, reward_fn=f"{module}:fn"))
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 

@@ -3,11 +3,11 @@ same tokens as transformers' generate), packed rows equal padded rows, padding c
 policy loss trains like the unfused one, and the update loop never waits for the device."""
 from __future__ import annotations
 
+import functools
 
 import pytest
 import torch
 
-from fastppo.cli import EMBEDDED_PRESET
 from fastppo.config import PPOConfig, derive_sizes
 from fastppo.data import left_pad
 from fastppo.generation import sample_responses
@@ -15,16 +15,12 @@ from fastppo.trainer import PPOTrainer
 from fastppo.train import Targets, compute_advantages, micro_batches, per_token_rewards, ppo_update, \
     score_rollout
 
+from helpers import small_config
+
 pytestmark = pytest.mark.usefixtures("reference_path")
 
 
-def config(tmp_path, **overrides) -> PPOConfig:
-    base = {**EMBEDDED_PRESET, **dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_ppo_epochs=2, response_length=8, total_episodes=16, num_sample_generations=0, disable_tqdm=True,
-        local_rollout_forward_batch_size=8, stop_token="eos")}
-    base.update(overrides)
-    return PPOConfig(**base)
+config = functools.partial(small_config, response_length=8, stop_token="eos")
 
 
 PROMPTS = ["the movie was", "i think the plot is", "overall the cast", "the ending felt very", "honestly",
@@ -257,7 +253,7 @@ def test_update_loop_never_waits_for_the_device(tmp_path, model_dir, monkeypatch
 
 
 @pytest.mark.parametrize("optimizer_fused", [True, False])
-def test_non_finite_steps_are_skipped_on_the_device_or_host(tmp_path, model_dir, optimizer_fused):
+def test_non_finite_steps_are_skipped_on_the_device_or_host(tmp_path, model_dir, optimizer_fused, capsys):
     trainer, batch = scored(tmp_path)
     rollout = batch.rollout
     experience = score_rollout(trainer.actor_critic, trainer.reference, rollout, 1.0, "k1", 8)
@@ -271,6 +267,9 @@ def test_non_finite_steps_are_skipped_on_the_device_or_host(tmp_path, model_dir,
     assert float(result.skipped_steps) == 2 and float(result.optimizer_steps) == 0
     for k, v in module.state_dict().items():
         assert torch.equal(v, before[k]), k
+    if not optimizer_fused:  # skipped on the host: said, and AdamW's moments never saw the NaN gradients
+        assert "step skipped" in capsys.readouterr().out
+        assert not optimizer.state
     for state in optimizer.state.values():  # fused: the moments exist but never moved
         assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
 

@@ -2,6 +2,7 @@
 generate()/step()/log_stats() loop, the value head on the policy's trunk, and the CLI as a thin wrapper."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -11,10 +12,9 @@ import sys
 import pytest
 import torch
 
-from fastppo import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+from fastppo import AutoModelForCausalLMWithValueHead, PPOTrainer
 from fastppo import legacy
-from fastppo.cli import EMBEDDED_PRESET
-from helpers import cli_trainer
+from helpers import cli_trainer, small_config
 from fastppo.rewards import POSITIVE_WORDS
 from helpers import digest
 
@@ -25,13 +25,7 @@ def positive_count(prompts, completions, **kwargs):
     return [float(sum(w in POSITIVE_WORDS for w in c.split())) for c in completions]
 
 
-def small(tmp_path, **overrides) -> PPOConfig:
-    base = {**EMBEDDED_PRESET, **dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_ppo_epochs=2, response_length=6, total_episodes=32, num_sample_generations=0, disable_tqdm=True,
-        local_rollout_forward_batch_size=8, save_steps=10**6, logging_steps=1)}
-    base.update(overrides)
-    return PPOConfig(**base)
+small = functools.partial(small_config, total_episodes=32)  # four iterations
 
 
 # ---------------------------------------------------------------------------- TRL 0.26's constructor
