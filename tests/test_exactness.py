@@ -135,7 +135,7 @@ def test_packed_rows_equal_padded_rows_forward_and_gradients(tmp_path, model_dir
     outputs = {}
     for packed in (False, True):
         module.zero_grad()
-        logp, ent, values, _ = module(rollout.layout(None, packed), 0.9, return_entropy=True)
+        logp, ent, values, _, _ = module(rollout.layout(None, packed), 0.9, return_entropy=True)
         mask = rollout.response_mask
         ((logp * mask).sum() + 0.3 * (ent * mask).sum() + (values * mask).square().sum()).backward()
         grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}

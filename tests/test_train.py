@@ -166,7 +166,7 @@ def test_first_ratio_is_one(tmp_path, model_dir):
     module = trainer.actor_critic
     module.train()
     rows = torch.tensor([5, 2, 7, 0])
-    new_logprobs, _, new_values, _ = module(rollout.layout(rows.tolist()), config.temperature, return_entropy=True)
+    new_logprobs, _, new_values, _, _ = module(rollout.layout(rows.tolist()), config.temperature, return_entropy=True)
     torch.testing.assert_close(new_logprobs, experience.logprobs[rows], atol=1e-6, rtol=0)
     ratio = torch.exp(new_logprobs - experience.logprobs[rows])
     assert (ratio - 1).abs().max().item() < 1e-5

@@ -220,6 +220,7 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, model
     path, eos = pad_is_eos_model(model_dir, tmp_path)
     seen = {}
     from fastppo import generation
+    from fastppo import trainer as trainer_module
 
     sample = generation.sample_responses
 
@@ -232,7 +233,7 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, model
             out[row, at + 1:] = pad_id  # what the sampler writes after a stop: pad, which is eos here
         return out
 
-    monkeypatch.setattr(generation, "sample_responses", with_stops)
+    monkeypatch.setattr(trainer_module, "sample_responses", with_stops)  # the name the trainer calls
 
     def reward(completions, completion_ids, **kwargs):
         seen["ids"] = completion_ids
