@@ -13,6 +13,10 @@ import shutil
 import tempfile
 from importlib import resources
 
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
 from fastppo.rewards import DEFAULT_REWARD_FN, NEGATIVE_WORDS, POSITIVE_WORDS  # noqa: F401  (re-exported)
 
 EMBEDDED_VERSION = 1  # bump when the vocabulary or the architecture changes
@@ -45,9 +49,6 @@ def vocabulary() -> list[str]:
 
 def build_tokenizer():
     """A word-level ``PreTrainedTokenizerFast`` over ``vocabulary()``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {w: i for i, w in enumerate(vocabulary())}
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -58,9 +59,6 @@ def build_tokenizer():
 
 def build_model(tokenizer, seed: int = 0):
     """A randomly initialised 2-layer Llama with hidden size 64 (~60k parameters)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from rich.table import Table
 
 from fastppo.dist import all_reduce
 
@@ -216,8 +217,6 @@ def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> N
 
 def print_samples(console, prompts, completions, scores, update: int, path: str | None, n: int = 6) -> None:
     """A rich table of sample completions, also appended to ``path`` (samples.jsonl; None: printed only)."""
-    from rich.table import Table
-
     table = Table(title=f"samples at iteration {update}", show_lines=False)
     table.add_column("query", overflow="fold")
     table.add_column("response", overflow="fold")

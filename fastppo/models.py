@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import json
 import os
 import warnings
@@ -788,8 +789,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def pretrained_kwargs(model_args, frozen: bool = False, bf16: bool = False) -> dict:
     """Keyword arguments of every from_pretrained call. Weights in ``--dtype`` when given; else fp32 for
     the trained models and, under bf16, bf16 for the frozen ones (they only run forwards in bf16)."""
-    import importlib.util
-
     dtype = DTYPES[model_args.dtype] if model_args.dtype else (torch.bfloat16 if frozen and bf16 else torch.float32)
     kwargs = dict(attn_implementation=model_args.attn_implementation or "sdpa", dtype=dtype,
                   revision=model_args.model_revision, trust_remote_code=model_args.trust_remote_code)
