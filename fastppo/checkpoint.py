@@ -132,6 +132,10 @@ def restore_training_state(path: str, policy, value_model, optimizer, lr_schedul
     its sampler that far)."""
     saved = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
     lm = lm_of(policy)
+    if zero is None and not is_peft(policy):  # every part checked before any is written
+        check_weights_fit(lm, path)
+        if value_model is not None:
+            check_weights_fit(value_model, os.path.join(path, "value_model"))
     if zero is not None:  # the engine's checkpoint: weights (fp32 partitions) and optimizer state, exactly
         zero.load(path, saved["deepspeed"]["tag"])
     else:
@@ -378,21 +382,43 @@ NOTED = frozenset(
      "mini_batch_size", "total_episodes", "zero_stage", "dataset_num_proc", "gradient_checkpointing", "num_threads"}
 
 
-def load_weights(model, path: str) -> None:
-    """Weights of a ``save_pretrained`` directory into an existing model, strictly (tied copies excepted)."""
+def _weight_files(path: str) -> list[str]:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors") and f != "v_head.safetensors")
     if not files:
         raise MissingPathError(f"no *.safetensors weights in {path!r}")
-    state = {}
-    for name in files:
-        state.update(load_file(os.path.join(path, name)))
-    state = {k: v for k, v in state.items() if not k.startswith("v_head.")}  # the trunk's value head: loaded apart
-    result = model.load_state_dict(state, strict=False)
+    return [os.path.join(path, f) for f in files]
+
+
+def check_weights_fit(model, path: str) -> None:
+    """Before anything is loaded: the names and shapes of a ``save_pretrained`` directory's weights (read from
+    the files' headers) are the model's, tied copies excepted. A resume into a model of another shape is
+    refused here, with the model untouched, instead of failing halfway through overwriting it."""
+    shapes = {}
+    for file in _weight_files(path):
+        with safe_open(file, "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if not k.startswith("v_head.")})
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tied = _tied_names(model)
-    missing = [k for k in result.missing_keys if k not in tied]
-    if missing or result.unexpected_keys:
-        raise SettingsError(f"weights in {path!r} do not fit the model: missing {missing[:5]}, unexpected "
-                         f"{result.unexpected_keys[:5]}")
+    missing = [k for k in own if k not in shapes and k not in tied]
+    unexpected = [k for k in shapes if k not in own]
+    wrong = [f"{k}: saved {shapes[k]}, model {own[k]}" for k in shapes if k in own and shapes[k] != own[k]]
+    if missing or unexpected or wrong:
+        raise SettingsError(f"the weights in {path!r} do not fit the {type(model).__name__} given: "
+                            + "; ".join(part for part in (f"shapes differ ({', '.join(wrong[:3])})" if wrong else "",
+                                                         f"missing {missing[:5]}" if missing else "",
+                                                         f"unexpected {unexpected[:5]}" if unexpected else "") if part)
+                            + "; resume with the model the checkpoint was made with")
+
+
+def load_weights(model, path: str) -> None:
+    """Weights of a ``save_pretrained`` directory into an existing model, strictly (tied copies excepted);
+    checked to fit before any tensor is written."""
+    check_weights_fit(model, path)
+    state = {}
+    for file in _weight_files(path):
+        state.update(load_file(file))
+    state = {k: v for k, v in state.items() if not k.startswith("v_head.")}  # the trunk's value head: loaded apart
+    model.load_state_dict(state, strict=False)
 
 
 def _tied_names(model) -> set[str]:
@@ -417,6 +443,19 @@ def run_files(output_dir: str) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     return sorted(name for name in os.listdir(output_dir) if RUN_FILES.match(name))
+
+
+# Files only a fastppo run writes: a directory without any of them is not one, whatever else it holds.
+RUN_MARKERS = re.compile(r"^(checkpoint-\d+|latest|metrics\.jsonl|samples\.jsonl|fastppo_config\.json|trainer_state\.json)$")
+
+
+def foreign_files(output_dir: str) -> list[str]:
+    """Model or tokenizer files in ``output_dir`` that no fastppo run wrote (a directory without fastppo's own
+    files: the user's checkpoint, say). fastppo never deletes or overwrites those."""
+    names = run_files(output_dir)
+    if any(RUN_MARKERS.match(name) for name in names):
+        return []
+    return [name for name in names if name not in ("runs", "curves.png")]
 
 
 def remove_run_files(output_dir: str) -> None:

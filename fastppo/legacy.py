@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import numbers
 import os
 import random
 import sys
@@ -344,10 +345,9 @@ def _is_exact(kwargs: dict) -> bool:
 
 def legacy_generate(trainer, query_tensor, length_sampler, batch_size: int, return_prompt: bool,
                     generate_ref_response: bool, remove_padding: bool, kwargs: dict):
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise SettingsError(f"generate: batch_size must be an integer >= 1, got {batch_size!r}")
-    if "max_new_tokens" in kwargs and (not isinstance(kwargs["max_new_tokens"], int) or kwargs["max_new_tokens"] < 1):
-        raise SettingsError(f"generate: max_new_tokens must be an integer >= 1, got {kwargs['max_new_tokens']!r}")
+    batch_size = positive_int(batch_size, "generate: batch_size")
+    if "max_new_tokens" in kwargs:  # numpy integers too: TRL's LengthSampler draws them
+        kwargs = {**kwargs, "max_new_tokens": positive_int(kwargs["max_new_tokens"], "generate: max_new_tokens")}
     if kwargs.get("do_sample", True) and "temperature" in kwargs:
         try:  # sampling divides the logits by it: the kernels' range, one message
             check_temperature(kwargs["temperature"])
@@ -370,10 +370,17 @@ def legacy_generate(trainer, query_tensor, length_sampler, batch_size: int, retu
             chunk = queries[i : i + batch_size]
             step_kwargs = dict(kwargs)
             if length_sampler is not None:
-                step_kwargs["max_new_tokens"] = int(length_sampler())
+                step_kwargs["max_new_tokens"] = positive_int(length_sampler(), "generate: the length_sampler's draw")
             rows += _generate_chunk(trainer, model, chunk, step_kwargs, return_prompt, remove_padding and not single)
         outputs.append(rows[0].unsqueeze(0) if single else rows)
     return tuple(outputs) if generate_ref_response else outputs[0]
+
+
+def positive_int(value, what: str) -> int:
+    """An integer >= 1 (Python's or NumPy's; not a bool, not a float), as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise SettingsError(f"{what} must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 @torch.no_grad()
@@ -594,6 +601,10 @@ class PPOTrainer:
         core = self._core
         scores = check_step_inputs(queries, responses, scores, response_masks, self.config.batch_size, core.device)
         rows = embedding_rows(self.model)
+        smallest = min(int(t.min()) for t in [*queries, *responses] if t.numel())
+        if smallest < 0:  # -100 (a label's ignore index) or -1 padding is not a token
+            raise SettingsError(f"step: token id {smallest} in queries or responses: pass the tokens only (strip "
+                                "padding and -100 labels; response_masks marks tokens not to train on)")
         largest = max(int(t.max()) for t in [*queries, *responses] if t.numel())
         if largest >= rows:
             raise SettingsError(f"step: token id {largest} is past the model's {rows} embedding rows (a token the "

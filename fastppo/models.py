@@ -769,18 +769,24 @@ def load_tokenizer(path: str, model_args, log: Callable[[str], None]):
     return tokenizer
 
 
-def ensure_pad_token(tokenizer, log: Callable[[str], None]) -> None:
-    """A tokenizer without a pad token gets one (eos reused, else a new '<pad>'), and we say so."""
+def ensure_pad_token(tokenizer, log: Callable[[str], None], given: bool = False) -> None:
+    """A tokenizer without a pad token pads with its eos token (TRL's scripts do the same), and we say so.
+    Without an eos token either, one fastppo loaded gets a new '<pad>'; one the user passed is refused (a new
+    token would change their tokenizer). Padding is fed to the models as id 0: nothing is resized."""
     if tokenizer.pad_token_id is not None:
         return
     if tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
         log(f"tokenizer has no pad token: using its eos token {tokenizer.eos_token!r} "
             f"(id {tokenizer.eos_token_id}) for padding")
+    elif given:
+        raise SettingsError("processing_class has no pad token and no eos token: give it one "
+                            "(tokenizer.add_special_tokens({'pad_token': '[PAD]'}); padding is fed to the models as "
+                            "id 0, so no embedding needs to grow)")
     else:
         tokenizer.add_special_tokens({"pad_token": "<pad>"})
-        log(f"tokenizer has no pad or eos token: added pad token '<pad>' (id {tokenizer.pad_token_id}); "
-            "model embeddings are resized to match")
+        log(f"tokenizer has no pad or eos token: added pad token '<pad>' (id {tokenizer.pad_token_id}); padding "
+            "is fed to the models as id 0, so no embedding is resized")
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": "auto"}
@@ -845,7 +851,12 @@ def _labels_message(what: str, labels: int, where: str) -> str:
 def check_scalar_head(model: nn.Module, what: str) -> None:
     """A reward or value model object must output one number per position: a 2-label classifier's
     logits are not a reward (and would be read as [B, 2] scores)."""
-    _, head = backbone_and_head(model)
+    try:
+        _, head = backbone_and_head(model)
+    except SettingsError:
+        raise SettingsError(f"the {what} ({type(model).__name__}) is not a sequence-classification model (no 'score' "
+                            "or 'classifier' head): pass an AutoModelForSequenceClassification with num_labels=1, or "
+                            "its path") from None
     rows = head.weight.shape[0] if hasattr(head, "weight") else getattr(head, "out_features", 1)
     if rows != 1:
         raise SettingsError(_labels_message(what, rows, f"({type(model).__name__})"))
@@ -991,6 +1002,12 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
                             "the value-head model alone)")
     if isinstance(model, nn.Module):
         policy = model
+        if bound.get("peft_config") is not None and is_peft(model) and not isinstance(model,
+                                                                                  AutoModelForCausalLMWithValueHead):
+            # TRL 0.26's rule: a PeftModel given with a peft_config has its adapter merged, then gets the new one
+            log("model is a PeftModel and peft_config is given: its adapter is merged into the base weights "
+                "(merge_and_unload, as TRL does) and peft_config's adapter is trained on top")
+            policy = model.merge_and_unload()
         if shared and not isinstance(policy, AutoModelForCausalLMWithValueHead):
             policy = AutoModelForCausalLMWithValueHead(policy)
     else:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from transformers import TrainerControl, TrainerState, get_scheduler
+from transformers import TrainerCallback, TrainerControl, TrainerState, get_scheduler
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from transformers.utils import logging as hf_logging
 
@@ -103,6 +103,7 @@ class PPOTrainer:
             raise SettingsTypeError(f"reward_model must be a model, a function or a path, got {type(reward).__name__}")
         self.reward_fn, self.reward_fn_name, reward_path = resolve_reward(reward, config) if loop else (None,) * 3
         tokenizer = processing_class
+        given_tokenizer = tokenizer is not None and not isinstance(tokenizer, str)
         if isinstance(tokenizer, str):
             tokenizer = M.load_tokenizer(tokenizer, model_args, self.log)
         if tokenizer is None:
@@ -111,7 +112,7 @@ class PPOTrainer:
             if not tokenizer_path:
                 raise SettingsError("processing_class (the tokenizer) is required when model is an object")
             tokenizer = M.load_tokenizer(tokenizer_path, model_args, self.log)
-        M.ensure_pad_token(tokenizer, self.log)
+        M.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
         self.processing_class = self.tokenizer = tokenizer
         self.stop_ids = stop_ids_of(config, tokenizer)
         vocab = len(tokenizer)
@@ -168,6 +169,8 @@ class PPOTrainer:
         # --- optimizer, schedule, controllers, randomness
         optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)
         self.optimizer = optimizer or self._adamw()
+        if optimizer is not None:
+            check_optimizer_covers(optimizer, self.actor_critic)
         if self.ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
 
             self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, self.reward_model],
@@ -187,6 +190,12 @@ class PPOTrainer:
 
         # transformers' handler, as TRL's trainer uses it: callback classes are instantiated, the default flow
         # callback decides should_save/should_training_stop from save_steps and max_steps
+        for callback in callbacks or []:  # transformers takes instances and classes; anything else fails mid-run
+            if not (isinstance(callback, TrainerCallback) or
+                    (isinstance(callback, type) and issubclass(callback, TrainerCallback))):
+                raise SettingsTypeError(f"callbacks: {callback!r} is not a transformers.TrainerCallback (an instance "
+                                        "or a subclass); wrap a function in a TrainerCallback subclass's on_log/"
+                                        "on_step_end")
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.actor_critic,
                                                 tokenizer, self.optimizer, self.lr_scheduler)
         self.state = _new_state(self.sizes, len(self.prompts) if self.prompts else None, self.dist.is_main, config)
@@ -508,6 +517,12 @@ class PPOTrainer:
             if spec and log_notes:
                 self.log("elastic restart: resuming from the latest checkpoint")
         existing = C.run_files(config.output_dir)
+        foreign = C.foreign_files(config.output_dir)
+        if foreign:  # a model directory no fastppo run wrote (the policy's own source, say): never replaced
+            raise SettingsError(
+                f"--output_dir {config.output_dir!r} holds model files that no fastppo run wrote ({', '.join(foreign[:6])}"
+                f"{', ...' if len(foreign) > 6 else ''}); fastppo would overwrite them (--overwrite_output_dir "
+                "included): use another --output_dir")
         if spec is not None:
             path = C.resolve_checkpoint(spec, config.output_dir, log=self.log if log_notes else lambda _: None)
 
@@ -650,6 +665,20 @@ def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool, config: PPO
     state.save_steps = every(config.save_steps, sizes.num_total_batches)
     state.eval_steps = every(config.eval_steps or config.logging_steps, sizes.num_total_batches)
     return state
+
+
+def check_optimizer_covers(optimizer: torch.optim.Optimizer, actor_critic: nn.Module) -> None:
+    """A user's optimizer must hold every trained parameter (the value model's too): one it lacks would never
+    train, and nothing would say so."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    left = [name for name, p in actor_critic.named_parameters() if p.requires_grad and id(p) not in held]
+    if left:
+        parts = sorted({name.split(".")[0] for name in left})
+        raise SettingsError(
+            f"optimizers: the optimizer given does not hold {len(left)} trained parameter(s) ({', '.join(parts)}: "
+            f"{left[0]}, ...), which would never be updated; build it over the policy's and the value model's "
+            "parameters (pass value_model= the object you give it), or pass optimizers=(None, None) for fastppo's "
+            "AdamW over both")
 
 
 def fill_derived_sizes(config: PPOConfig, sizes: Sizes) -> None:

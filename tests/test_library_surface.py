@@ -342,3 +342,100 @@ def test_a_reward_function_error_names_the_function_and_keeps_its_traceback(tmp_
     assert result.returncode == 1
     assert "Traceback" in result.stderr and 'my_rewards.py", line 2, in flaky' in result.stderr
     assert "reward_fn 'my_rewards:flaky' raised ZeroDivisionError" in result.stderr
+
+
+# ---------------------------------------------------------------------------- found by the sweep (tests/library_sweep.py)
+
+
+def test_a_given_tokenizer_without_pad_or_eos_is_refused_not_changed(tmp_path, model_dir):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    with pytest.raises(ValueError, match="processing_class has no pad token and no eos token"):
+        PPOTrainer(args=config(tmp_path), processing_class=tokenizer, model=AutoModelForCausalLM.from_pretrained(model_dir))
+    assert len(tokenizer) == 3 and tokenizer.pad_token is None
+
+
+def test_a_causal_lm_as_value_model_is_refused_by_name(tmp_path, model_dir):
+    with pytest.raises(ValueError, match=r"the value model \(LlamaForCausalLM\) is not a sequence-classification"):
+        PPOTrainer(args=config(tmp_path), value_model=AutoModelForCausalLM.from_pretrained(model_dir),
+                   reward_model=length_reward)
+
+
+def test_a_peft_model_with_a_peft_config_is_merged_then_adapted_as_trl_does(tmp_path, model_dir):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft_model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    trainer = PPOTrainer(args=config(tmp_path), model=peft_model, reward_model=length_reward,
+                         peft_config=LoraConfig(r=4, target_modules=["v_proj"]))
+    lm = trainer.policy.get_base_model()
+    q = lm.model.layers[0].self_attn.q_proj
+    assert not hasattr(q, "base_layer") and torch.equal(q.weight, merged.model.layers[0].self_attn.q_proj.weight)
+    assert hasattr(lm.model.layers[0].self_attn.v_proj, "lora_A")  # the new adapter, where peft_config says
+
+
+def test_a_users_optimizer_must_hold_every_trained_parameter(tmp_path, model_dir):
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match=r"optimizer given does not hold \d+ trained parameter\(s\) \(value_model"):
+        PPOTrainer(args=config(tmp_path), model=policy, reward_model=length_reward,
+                   optimizers=(torch.optim.AdamW(policy.parameters()), None))
+    value = scalar_model(model_dir)
+    PPOTrainer(args=config(tmp_path), model=policy, value_model=value, reward_model=length_reward,
+               optimizers=(torch.optim.AdamW([*policy.parameters(), *value.parameters()]), None))
+
+
+def test_a_callback_must_be_a_trainer_callback(tmp_path, model_dir):
+    with pytest.raises(TypeError, match="callbacks: <function .* is not a transformers.TrainerCallback"):
+        PPOTrainer(args=config(tmp_path), callbacks=[lambda *a: None])
+
+
+def test_a_model_directory_no_fastppo_run_wrote_is_never_overwritten(tmp_path, model_dir):
+    import shutil
+
+    own = tmp_path / "my-model"
+    shutil.copytree(model_dir, own)
+    before = sorted(os.listdir(own))
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="holds model files that no fastppo run wrote"):
+            PPOTrainer(args=config(tmp_path, name="my-model", sft_model_path=str(own), overwrite_output_dir=overwrite))
+    assert sorted(os.listdir(own)) == before
+
+
+def test_resuming_into_a_model_of_another_shape_is_refused_before_touching_it(tmp_path, model_dir):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class SaveOne(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = control.should_save = state.global_step == 1
+
+    PPOTrainer(args=config(tmp_path), callbacks=[SaveOne()]).train()
+    saved = AutoModelForCausalLM.from_pretrained(model_dir).config.to_dict()
+    other = LlamaForCausalLM(LlamaConfig(**{**saved, "intermediate_size": saved["intermediate_size"] * 2}))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    trainer = PPOTrainer(args=config(tmp_path, resume_from_checkpoint="latest"), model=other,
+                         reward_model=length_reward)
+    with pytest.raises(ValueError, match=r"do not fit the LlamaForCausalLM given: shapes differ \(model\.layers"):
+        trainer.train()
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())  # not a tensor written
+
+
+def test_legacy_step_and_generate_refuse_what_is_not_a_token_count(model_dir):
+    import numpy as np
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(model_dir)
+    trainer = legacy.PPOTrainer(legacy.PPOConfig(batch_size=2, mini_batch_size=2), model, None, tokenizer)
+    queries = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    with pytest.raises(ValueError, match=r"step: token id -100 in queries or responses"):
+        trainer.step(queries, [torch.tensor([10, 11, -100]), torch.tensor([12])], [1.0, 0.0])
+    with pytest.raises(ValueError, match="the length_sampler's draw must be an integer >= 1, got 0"):
+        trainer.generate(queries, length_sampler=lambda: 0, return_prompt=False)
+    out = trainer.generate(queries, max_new_tokens=np.int64(3), return_prompt=False)  # TRL's LengthSampler's type
+    assert all(1 <= len(r) <= 3 for r in out)
