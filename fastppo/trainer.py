@@ -172,7 +172,6 @@ class PPOTrainer:
         if optimizer is not None:
             check_optimizer_covers(optimizer, self.actor_critic)
         if self.ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
-
             self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, self.reward_model],
                              self.device, self.log, ds_request[1])
             self.model = self.zero.engine

@@ -284,7 +284,6 @@ class ZeRO:
         self.config = cfg
         self.stage = int(zero["stage"])
         if "LOCAL_RANK" not in os.environ:  # one process without a launcher: the variables DeepSpeed insists on
-
             for name, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_RANK", 0)):
                 os.environ.setdefault(name, str(value))
         self.engine, self.ds_optimizer, _, _ = deepspeed.initialize(model=actor_critic, optimizer=optimizer,
