@@ -721,8 +721,7 @@ class PPOTrainer:
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
         """(policy loss, vf_coef × value loss, stats) as legacy TRL returns them (fastppo.train.ppo_losses)."""
         mask = mask.bool()
-        entropy = token_logprobs(logits, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device),
-                                 return_entropy=True)[1]
+        entropy = token_logprobs(logits, None, outputs=("entropy",)).entropy
         if entropy.dim() < mask.dim():  # logits without a vocabulary axis (TRL's own tests pass such): per row
             entropy = entropy.reshape(*entropy.shape, *[1] * (mask.dim() - entropy.dim())).expand(mask.shape)
         c = self.config

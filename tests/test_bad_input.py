@@ -327,8 +327,26 @@ def test_kernel_api_refuses_ambiguous_arguments():
     with pytest.raises(ValueError, match="temperature must be in"):
         token_logprobs(logits * 50, index, temperature=1e-30)  # logits / T overflows fp32: NaN log-probs
     hidden, weight = torch.randn(3, 5), torch.randn(11, 5)
-    with pytest.raises(TypeError, match="bias has dtype torch.float64 but hidden has torch.float32"):
-        fused_token_logprobs(hidden, weight, index, bias=torch.randn(11, dtype=torch.float64))
+    with pytest.raises(TypeError, match="compute_dtype must be one of"):
+        fused_token_logprobs(hidden, weight, index, compute_dtype=torch.int32)
+    with pytest.raises(TypeError, match="takes from 2 to 3 positional arguments"):
+        token_logprobs(logits, index, 1.0, torch.ones(3, dtype=torch.bool))  # TRL's row_mask is not an option here
+    with pytest.raises(ValueError, match="log_sum_sq_probs need the vocabulary pass of the fused LM head"):
+        token_logprobs(logits, index, outputs=("logprobs", "log_sum_sq_probs"))
+    with pytest.raises(ValueError, match="outputs must name one or more of"):
+        fused_token_logprobs(hidden, weight, index, outputs=("log_probs",))  # TRL's spelling: ours is logprobs
+    with pytest.raises(ValueError, match="not both"):
+        fused_token_logprobs(hidden, weight, index, outputs=("entropy",), return_entropy=True)
+    with pytest.raises(ValueError, match="index is required for the logprobs and is_top1 outputs"):
+        fused_token_logprobs(hidden, weight, None, outputs=("entropy", "is_top1"))
+    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+        fused_token_logprobs(hidden, weight, index, softcap=0.0)
+    with pytest.raises(ValueError, match="logit_scale must be a finite number > 0"):
+        fused_token_logprobs(hidden, weight, index, logit_scale=-1.0)
+    with pytest.raises(TypeError, match="ignore_index must be an int or None"):
+        fused_token_logprobs(hidden, weight, index, ignore_index=-100.0)
+    with pytest.raises(ValueError, match=r"index values must lie in \[0, 11\), got min -5"):
+        fused_token_logprobs(hidden, weight, torch.tensor([0, -5, -100]))  # -100 is ignored, -5 is not
     with pytest.raises(ValueError, match="stop_ids .* do not fit in int64"):
         truncate_at_stop(torch.randint(0, 5, (2, 4)), [2**64], 0)
     with pytest.raises(ValueError, match="pad_id must be a token id"):

@@ -40,7 +40,7 @@ def make_case(lead, hdim, vocab, dtype, device, *, bias, temperature, masked_fra
     hidden, weight, b = lm_head_inputs(lead, hdim, vocab, torch.float64, "cpu", bias=bias, generator=g)
     index = torch.randint(0, vocab, lead, generator=g)
     logp64 = fused_token_logprobs_reference(hidden.to(dtype).double(), weight.to(dtype).double(), index,
-                                            temperature, None if b is None else b.to(dtype).double())
+                                            temperature, bias=None if b is None else b.to(dtype).double())
     bands = torch.tensor([0.55, 0.9, 1.0, 1.1, 1.45])  # below, inside and above [0.75, 1.25]
     ratio = bands[torch.randint(0, 5, lead, generator=g)] * (1 + 0.05 * torch.rand(lead, generator=g))
     adv = torch.randn(lead, dtype=torch.float64, generator=g) + 0.3 * torch.sign(torch.randn(lead, generator=g))

@@ -16,6 +16,8 @@ from fastppo.kernels.kl import (
     kl_penalty_reference,
 )
 from fastppo.kernels.logprobs import (
+    OUTPUTS,
+    TokenStats,
     fused_token_logprobs,
     fused_token_logprobs_reference,
     token_logprobs,
@@ -28,7 +30,9 @@ from fastppo.kernels.stats import masked_mean, masked_var, masked_whiten
 
 __all__ = [
     "KL_ESTIMATORS",
+    "OUTPUTS",
     "PPOPolicyLossOutput",
+    "TokenStats",
     "check_temperature",
     "clipped_surrogate",
     "extension_backend",

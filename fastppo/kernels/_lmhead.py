@@ -41,6 +41,14 @@ Gradients of L = g·logprob + g_H·H with respect to z_j (times 1/T for x = T·z
 
     ∂L/∂z_j = g (δ_ij − p_j) − g_H p_j (log p_j + H)                            (L5)
 
+Final-logit soft-capping (Gemma 2/3) and a logit scale s (Cohere, Granite,
+Falcon-H1, ...) transform the raw logits x before the temperature, in TRL's
+order: z = c·tanh(s·x / c) / T. With cap_in = s/c and cap_out = c/T:
+
+    z = cap_out·tanh(cap_in·x),   ∂z/∂x = cap_in·cap_out·(1 − tanh²(cap_in·x))  (L7)
+
+Without a cap, z = s·x / T is a temperature of T/s, and the kernels take it as one.
+
 The vocabulary-chunked backward, for any loss of the logits x = h·Wᵀ + b
 given ∂L/∂x chunk by chunk (``dlogits_fn``), for each chunk c of C columns:
 
@@ -160,6 +168,18 @@ if HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(ACC_DTYPE)[None, :]
         return tl.where(col_mask[None, :], acc / temperature, float("-inf"))
+
+    @triton.jit
+    def tanh(x):
+        """tanh from one exp (Triton has no portable tanh); exact ±1 at ±inf, odd by construction."""
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def softcap_logits(x, col_mask, cap_in, cap_out):
+        """z = cap_out·tanh(cap_in·x) by (L7) on a [BLOCK_N, BLOCK_V] tile of raw logits; −inf on masked columns."""
+        return tl.where(col_mask[None, :], cap_out * tanh(cap_in * x), float("-inf"))
 
     @triton.jit
     def elementwise_tile(x_ptr, stride_xn, n_cols, temperature, ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -288,8 +308,8 @@ def bwd_chunk_cols(n_rows: int, vocab: int, device: torch.device) -> int:
 # --------------------------------------------------------------------------- launchers (host side of the core)
 
 
-def check_lm_head_args(hidden, weight, bias, prefix: str = "") -> None:
-    """hidden [..., H], weight [V, H] of hidden's dtype, bias [V]: errors name ``prefix + name``."""
+def check_lm_head_args(hidden, weight, bias, prefix: str = "", same_dtype: bool = True) -> None:
+    """hidden [..., H], weight [V, H] (hidden's dtype if ``same_dtype``), bias [V]: errors name ``prefix + name``."""
     h_name, w_name, b_name = (prefix + n for n in ("hidden", "weight", "bias"))
     check_tensor(h_name, hidden, min_ndim=1, dtypes=FLOAT_DTYPES)
     check_tensor(w_name, weight, ndim=2, dtypes=FLOAT_DTYPES)
@@ -303,11 +323,11 @@ def check_lm_head_args(hidden, weight, bias, prefix: str = "") -> None:
             f"{h_name} has last dimension {hidden.shape[-1]} but {w_name} has shape {tuple(weight.shape)} = [V, H]; "
             f"{h_name}'s last dimension must equal H"
         )
-    if weight.dtype != hidden.dtype:
+    if same_dtype and weight.dtype != hidden.dtype:
         raise TypeError(f"{w_name} has dtype {weight.dtype} but {h_name} has {hidden.dtype}; they must match")
     if bias is not None and bias.shape[0] != vocab:
         raise ValueError(f"{b_name} has shape {tuple(bias.shape)} but must be [V] = [{vocab}] to match {w_name}")
-    if bias is not None and bias.dtype != hidden.dtype:
+    if same_dtype and bias is not None and bias.dtype != hidden.dtype:
         raise TypeError(f"{b_name} has dtype {bias.dtype} but {h_name} has {hidden.dtype}; they must match")
     check_same_device(**{h_name: hidden, w_name: weight, b_name: bias})
 
@@ -316,10 +336,15 @@ class SoftmaxStats(NamedTuple):
     lse: torch.Tensor  # [N]
     entropy: torch.Tensor | None  # [N], from t
     mean: torch.Tensor | None  # [N], E_p[w] from a
+    log_sum_sq: torch.Tensor | None = None  # [N], log Σ_j p_j² from q
 
 
-def merge_splits(m_part, s_part, t_part=None, a_part=None) -> SoftmaxStats:
-    """Combine [splits, N] states of disjoint vocabulary slices by (L3)/(L4): a few [splits, N] ops, no sync."""
+def merge_splits(m_part, s_part, t_part=None, a_part=None, q_part=None) -> SoftmaxStats:
+    """Combine [splits, N] states of disjoint vocabulary slices by (L3)/(L4): a few [splits, N] ops, no sync.
+
+    ``q_part`` is Σ e^{2(z − m)} per split (rescaled by α² when the max moves):
+    log Σ p² = log q − 2 log s.
+    """
     m = m_part.amax(0)
     m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     alpha = torch.exp(m_part - m_ref)
@@ -331,7 +356,10 @@ def merge_splits(m_part, s_part, t_part=None, a_part=None) -> SoftmaxStats:
         entropy = log_s - (alpha * (t_part + shift)).sum(0) / s
     if a_part is not None:
         mean = (alpha * a_part).sum(0) / s
-    return SoftmaxStats(m_ref + log_s, entropy, mean)
+    log_sum_sq = None
+    if q_part is not None:
+        log_sum_sq = torch.log((alpha * alpha * q_part).sum(0)) - 2 * log_s
+    return SoftmaxStats(m_ref + log_s, entropy, mean, log_sum_sq)
 
 
 # torch.mm(..., out_dtype=torch.float32) (aten::mm.dtype) keeps 16-bit operands and
@@ -457,3 +485,12 @@ def lm_head_logits_reference(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     acc = acc_dtype(hidden.dtype)
     logits = hidden.to(acc) @ weight.to(acc).t()
     return logits if bias is None else logits + bias.to(acc)
+
+
+def cap_logits_reference(logits: torch.Tensor, softcap: float | None, logit_scale: float = 1.0) -> torch.Tensor:
+    """(L7) before the temperature: softcap·tanh(logit_scale·logits / softcap), or logit_scale·logits without a cap."""
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits

@@ -32,18 +32,51 @@ tensors take).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, check_index_range, check_same_device
-from fastppo.kernels._common import check_bool, check_temperature, check_tensor, launch, tile_choice, tl, triton, use_triton
+from fastppo.kernels._common import check_bool, check_float, check_temperature, check_tensor, launch, tile_choice, tl
+from fastppo.kernels._common import triton, use_triton
 from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, INTERPRETER_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype
 from fastppo.kernels._lmhead import check_lm_head_args, dot_precision, dot_upcast, lm_head_logits_reference
-from fastppo.kernels._lmhead import merge_splits, row_tile, softmax_dlogits_tile, split_plan, tl_dtype
-from fastppo.kernels._lmhead import vocab_chunked_backward
+from fastppo.kernels._lmhead import cap_logits_reference, merge_splits, row_tile, softmax_dlogits_tile, split_plan
+from fastppo.kernels._lmhead import tl_dtype, vocab_chunked_backward
 
 if HAS_TRITON:
     from fastppo.kernels._lmhead import elementwise_tile, logits_tile, online_update, row_pick, row_softmax
-    from fastppo.kernels._lmhead import softmax_dlogits, split_program, store_dlogits
+    from fastppo.kernels._lmhead import softcap_logits, softmax_dlogits, split_program, store_dlogits, tanh
+
+# What a call can ask for, in the order ``TokenStats`` holds them. The first two are differentiable;
+# the last three are statistics of the same pass (TRL 1.x's fused LM head returns them too).
+OUTPUTS = ("logprobs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+DIFFERENTIABLE_OUTPUTS = OUTPUTS[:2]
+
+
+class TokenStats(NamedTuple):
+    """Per-token statistics of softmax(z), z the (capped, scaled) logits over the temperature; None where not asked.
+
+    ``logprobs`` log p_i of the target i (L1); ``entropy`` H (L2); ``log_sum_sq_probs`` log Σ_j p_j²;
+    ``mean_logits`` Σ_j z_j / V; ``is_top1`` whether i is the first argmax of z. Rows whose index is
+    ``ignore_index`` hold 0 (False) in every field and pass no gradient.
+    """
+
+    logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+
+
+class HeadMath(NamedTuple):
+    """The logit transform a kernel applies, (L7): z = cap_out·tanh(cap_in·x) with a cap, else z = x / temperature."""
+
+    temperature: float  # T / logit_scale without a cap; 1.0 with one (the cap carries T)
+    cap_in: float
+    cap_out: float
+    has_softcap: bool
 
 # --------------------------------------------------------------------------- kernels
 
@@ -75,12 +108,16 @@ if HAS_TRITON:
         dx_ptr, stride_dxn,  # gradient out, same shape; may alias x
         idx_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,  # [N]
         col_offset,  # vocabulary id of column 0 of x (chunked backward)
-        n_cols, temperature,
-        HAS_G_LOGP: tl.constexpr, HAS_G_ENT: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
+        n_cols, temperature, cap_in, cap_out,
+        HAS_G_LOGP: tl.constexpr, HAS_G_ENT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC_DTYPE: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):
-        # Elementwise given the per-row lse and H saved by the forward, (L5)/T;
-        # grid (rows, column blocks) so every element is read and written once.
+        # Elementwise given the per-row lse and H saved by the forward, (L5)/T (or (L5)·(L7)'s ∂z/∂x with a
+        # cap, where temperature is 1); grid (rows, column blocks) so every element is read and written once.
         row, c, mask, z = elementwise_tile(x_ptr, stride_xn, n_cols, temperature, ACC_DTYPE, BLOCK_V)
+        if HAS_SOFTCAP:
+            capped = tanh(cap_in * z)
+            z = cap_out * capped
         lse = tl.load(lse_ptr + row).to(ACC_DTYPE)
         g_logp = 0.0
         onehot = c < 0
@@ -93,6 +130,8 @@ if HAS_TRITON:
             g_ent = tl.load(g_ent_ptr + row).to(ACC_DTYPE)
             ent = tl.load(ent_ptr + row).to(ACC_DTYPE)
         dz = softmax_dlogits(z, lse, ent, g_logp, g_ent, onehot, HAS_G_LOGP, HAS_G_ENT)
+        if HAS_SOFTCAP:
+            dz = dz * (cap_in * cap_out) * (1.0 - capped * capped)
         store_dlogits(dx_ptr, stride_dxn, row, c, mask, dz, temperature)
 
     @triton.jit
@@ -102,12 +141,16 @@ if HAS_TRITON:
         b_ptr,  # bias [V] (unused unless HAS_BIAS)
         idx_ptr,  # [N]
         m_ptr, s_ptr, t_ptr, pick_ptr,  # per-split states [splits, N]
-        N, V, H, temperature, tiles_per_split,
-        HAS_BIAS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, ACC_DTYPE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        q_ptr, zsum_ptr, before_ptr,  # per-split extra statistics [splits, N] (each only when asked)
+        N, V, H, temperature, cap_in, cap_out, tiles_per_split,
+        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+        COMPUTE_SUM_SQ: tl.constexpr, COMPUTE_SUM_Z: tl.constexpr, COMPUTE_TOP1: tl.constexpr,
+        ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
-        # The states (L3) of BLOCK_N rows over one vocabulary split, for the host merge.
+        # The states (L3) of BLOCK_N rows over one vocabulary split, for the host merge, and the extra
+        # statistics of the same tiles: q = Σ e^{2(z − m)} (rescaled by α²), Σ z, and the max of z over the
+        # columns before the target (the target is the first argmax iff it beats that and ties the max).
         rows, row_mask, v_begin, v_end = split_program(N, V, tiles_per_split, BLOCK_N, BLOCK_V)
         idx = tl.load(idx_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
 
@@ -115,12 +158,24 @@ if HAS_TRITON:
         s = tl.zeros([BLOCK_N], ACC_DTYPE)
         t = tl.zeros([BLOCK_N], ACC_DTYPE)
         pick = tl.zeros([BLOCK_N], ACC_DTYPE)
+        q = tl.zeros([BLOCK_N], ACC_DTYPE)
+        zsum = tl.zeros([BLOCK_N], ACC_DTYPE)
+        before = tl.full([BLOCK_N], float("-inf"), ACC_DTYPE)
         for v0 in range(v_begin, v_end, BLOCK_V):
             cols = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
+            col_mask = cols < v_end
             z = logits_tile(h_ptr, stride_hn, stride_hh, w_ptr, stride_wv, stride_wh, b_ptr,
-                            rows, cols, row_mask, cols < v_end, H, temperature,
+                            rows, cols, row_mask, col_mask, H, temperature,
                             HAS_BIAS, ACC_DTYPE, DOT_PRECISION, DOT_UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
-            m, s, t, _, _ = online_update(m, s, t, z, 1, COMPUTE_ENTROPY)
+            if HAS_SOFTCAP:
+                z = softcap_logits(z, col_mask, cap_in, cap_out)
+            m, s, t, alpha, e = online_update(m, s, t, z, 1, COMPUTE_ENTROPY)
+            if COMPUTE_SUM_SQ:
+                q = alpha * alpha * q + tl.sum(e * e, 1)
+            if COMPUTE_SUM_Z:
+                zsum += tl.sum(tl.where(col_mask[None, :], z, 0.0), 1)
+            if COMPUTE_TOP1:
+                before = tl.maximum(before, tl.max(tl.where(cols[None, :] < idx[:, None], z, float("-inf")), 1))
             # The target logit sits in exactly one tile of one split.
             pick += tl.sum(tl.where(cols[None, :] == idx[:, None], z, 0.0), 1)
         out = tl.program_id(1) * N + rows
@@ -129,6 +184,12 @@ if HAS_TRITON:
         tl.store(pick_ptr + out, pick, mask=row_mask)
         if COMPUTE_ENTROPY:
             tl.store(t_ptr + out, t, mask=row_mask)
+        if COMPUTE_SUM_SQ:
+            tl.store(q_ptr + out, q, mask=row_mask)
+        if COMPUTE_SUM_Z:
+            tl.store(zsum_ptr + out, zsum, mask=row_mask)
+        if COMPUTE_TOP1:
+            tl.store(before_ptr + out, before, mask=row_mask)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -169,8 +230,8 @@ def _launch_token_logprobs_fwd(x2d: torch.Tensor, index: torch.Tensor, temperatu
     return logp, lse, ent
 
 
-def _launch_softmax_dlogits(x2d, dx2d, index, lse, ent, g_logp, g_ent, temperature, col_offset=0):
-    """dx2d ← ∂L/∂x2d by (L5)/T. x2d may be a column chunk starting at ``col_offset``."""
+def _launch_softmax_dlogits(x2d, dx2d, index, lse, ent, g_logp, g_ent, head: HeadMath, col_offset=0):
+    """dx2d ← ∂L/∂x2d by (L5)/T, or (L5)·(L7)'s ∂z/∂x with a cap; x2d may be a column chunk from ``col_offset``."""
     n_rows, n_cols = x2d.shape
     if n_rows == 0 or n_cols == 0:
         return dx2d
@@ -178,44 +239,56 @@ def _launch_softmax_dlogits(x2d, dx2d, index, lse, ent, g_logp, g_ent, temperatu
     launch(_softmax_dlogits_kernel, (n_rows, triton.cdiv(n_cols, tile.block_v)), x2d.device,
            x2d, x2d.stride(0), dx2d, dx2d.stride(0), index, lse,
            ent if ent is not None else lse, g_logp if g_logp is not None else lse,
-           g_ent if g_ent is not None else lse, col_offset, n_cols, temperature,
-           HAS_G_LOGP=g_logp is not None, HAS_G_ENT=g_ent is not None,
+           g_ent if g_ent is not None else lse, col_offset, n_cols, head.temperature, head.cap_in, head.cap_out,
+           HAS_G_LOGP=g_logp is not None, HAS_G_ENT=g_ent is not None, HAS_SOFTCAP=head.has_softcap,
            ACC_DTYPE=tl_dtype(acc_dtype(x2d.dtype)), BLOCK_V=tile.block_v, num_warps=tile.num_warps)
     return dx2d
 
 
-def _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, temperature, compute_entropy):
+def _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, head: HeadMath, wants):
+    """(logp, lse, entropy, log_sum_sq_probs, mean_logits, is_top1) [N], each of the last four None unless wanted."""
+    _, want_entropy, want_sum_sq, want_mean, want_top1 = wants
     n_rows = hidden2d.shape[0]
     vocab, hdim = weight.shape
     acc = acc_dtype(hidden2d.dtype)
     device = hidden2d.device
     if n_rows == 0:
         empty = hidden2d.new_empty(0, dtype=acc)
-        return empty, empty, (empty if compute_entropy else None)
+        return (empty, empty, *(empty if w else None for w in (want_entropy, want_sum_sq, want_mean)),
+                empty.bool() if want_top1 else None)
     tile = _fused_token_logprobs_tile(hidden2d.dtype, device)
     plan = split_plan(n_rows, vocab, tile, device)
     m_part = torch.empty(plan.splits, n_rows, dtype=acc, device=device)
     s_part, pick_part = torch.empty_like(m_part), torch.empty_like(m_part)
-    t_part = torch.empty_like(m_part) if compute_entropy else None
+    t_part, q_part, zsum_part, before_part = (torch.empty_like(m_part) if w else None
+                                              for w in (want_entropy, want_sum_sq, want_mean, want_top1))
     launch(_fused_token_logprobs_fwd_kernel, (plan.row_blocks, plan.splits), device,
            hidden2d, hidden2d.stride(0), hidden2d.stride(1), weight, weight.stride(0), weight.stride(1),
-           bias if bias is not None else weight, index, m_part, s_part, t_part if compute_entropy else s_part,
-           pick_part, n_rows, vocab, hdim, temperature, plan.tiles_per_split,
-           HAS_BIAS=bias is not None, COMPUTE_ENTROPY=compute_entropy, ACC_DTYPE=tl_dtype(acc),
+           bias if bias is not None else weight, index,
+           m_part, s_part, *(p if p is not None else s_part for p in (t_part,)), pick_part,
+           *(p if p is not None else s_part for p in (q_part, zsum_part, before_part)),
+           n_rows, vocab, hdim, head.temperature, head.cap_in, head.cap_out, plan.tiles_per_split,
+           HAS_BIAS=bias is not None, HAS_SOFTCAP=head.has_softcap, COMPUTE_ENTROPY=want_entropy,
+           COMPUTE_SUM_SQ=want_sum_sq, COMPUTE_SUM_Z=want_mean, COMPUTE_TOP1=want_top1, ACC_DTYPE=tl_dtype(acc),
            DOT_PRECISION=dot_precision(hidden2d.dtype, device), DOT_UPCAST=dot_upcast(hidden2d.dtype, acc, device),
            BLOCK_N=tile.block_n, BLOCK_V=tile.block_v, BLOCK_H=tile.block_h,
            num_warps=tile.num_warps, num_stages=tile.num_stages)
-    stats = merge_splits(m_part, s_part, t_part)
+    stats = merge_splits(m_part, s_part, t_part, q_part=q_part)
+    target = pick_part.sum(0)  # the target's z: exactly one split holds it, the others add 0
     valid = (index >= 0) & (index < vocab)
-    logp = torch.where(valid, pick_part.sum(0) - stats.lse, torch.full_like(stats.lse, float("nan")))
-    return logp, stats.lse, stats.entropy
+    logp = torch.where(valid, target - stats.lse, torch.full_like(stats.lse, float("nan")))
+    mean = zsum_part.sum(0) / vocab if want_mean else None
+    top1 = None
+    if want_top1:  # the same z values are compared, so the ties are exact
+        top1 = valid & (target >= m_part.amax(0)) & (target > before_part.amax(0))
+    return logp, stats.lse, stats.entropy, stats.log_sum_sq, mean, top1
 
 
-def _fused_token_logprobs_backward(hidden2d, weight, bias, index, lse, ent, g_logp, g_ent, temperature, needs):
+def _fused_token_logprobs_backward(hidden2d, weight, bias, index, lse, ent, g_logp, g_ent, head, needs):
     def dlogits(v0, v1, x_c):
         # dx in the operand dtype (as autograd of hidden @ W.T would have it); in place when that is x's dtype.
         dx_c = x_c if x_c.dtype == hidden2d.dtype else torch.empty_like(x_c, dtype=hidden2d.dtype)
-        return _launch_softmax_dlogits(x_c, dx_c, index, lse, ent, g_logp, g_ent, temperature, col_offset=v0)
+        return _launch_softmax_dlogits(x_c, dx_c, index, lse, ent, g_logp, g_ent, head, col_offset=v0)
 
     return vocab_chunked_backward(hidden2d, weight, bias, dlogits, needs)
 
@@ -230,7 +303,7 @@ class _TokenLogprobs(torch.autograd.Function):
         ctx.save_for_backward(logits2d, index, lse, ent)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)  # a None grad skips its term in (L5)
-        return (logp, ent) if compute_entropy else logp
+        return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent=None):
@@ -242,22 +315,24 @@ class _TokenLogprobs(torch.autograd.Function):
             logits2d, grad, index, lse, ent,
             None if g_logp is None else g_logp.contiguous(),
             None if g_ent is None else g_ent.contiguous(),
-            ctx.temperature,
+            HeadMath(ctx.temperature, 1.0, 1.0, False),
         )
         return grad, None, None, None
 
 
 class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, index, temperature, compute_entropy):
-        logp, lse, ent = _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, temperature, compute_entropy)
+    def forward(ctx, hidden2d, weight, bias, index, head, wants):
+        logp, lse, ent, sum_sq, mean, top1 = _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, head,
+                                                                              wants)
         ctx.save_for_backward(hidden2d, weight, bias, index, lse, ent)
-        ctx.temperature = temperature
+        ctx.head = head
         ctx.set_materialize_grads(False)
-        return (logp, ent) if compute_entropy else logp
+        ctx.mark_non_differentiable(*(x for x in (sum_sq, mean, top1) if x is not None))
+        return logp, ent, sum_sq, mean, top1
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent=None):
+    def backward(ctx, g_logp, g_ent=None, *_statistics):
         hidden2d, weight, bias, index, lse, ent = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not any(needs):
@@ -266,130 +341,264 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             hidden2d, weight, bias, index, lse, ent,
             None if g_logp is None else g_logp.contiguous(),
             None if g_ent is None else g_ent.contiguous(),
-            ctx.temperature, needs,
+            ctx.head, needs,
         )
         return grad_h, grad_w, grad_b, None, None, None
 
 
 # --------------------------------------------------------------------------- public API
+# Options shared by every entry point.
+
+
+def requested_outputs(outputs, return_entropy, allowed: Sequence[str] = OUTPUTS) -> tuple[bool, ...]:
+    """Which of ``OUTPUTS`` a call computes, as five flags: ``outputs`` names them, else (logprobs[, entropy])."""
+    check_bool("return_entropy", return_entropy)
+    if outputs is None:
+        return (True, return_entropy, False, False, False)
+    if return_entropy:
+        raise ValueError("pass outputs=(...) or return_entropy=True, not both: outputs=('logprobs', 'entropy') "
+                         "asks for both fields")
+    names = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+    unknown = [n for n in names if n not in OUTPUTS]
+    if unknown or not names:
+        raise ValueError(f"outputs must name one or more of {', '.join(OUTPUTS)}; got {outputs!r}")
+    elsewhere = [n for n in names if n not in allowed]
+    if elsewhere:
+        raise ValueError(f"outputs: {', '.join(elsewhere)} need the vocabulary pass of the fused LM head; "
+                         f"token_logprobs computes {' and '.join(allowed)} (use fused_token_logprobs for the others)")
+    return tuple(n in names for n in OUTPUTS)
+
+
+def _needs_index(wants) -> bool:
+    return wants[0] or wants[4]
+
+
+def _prepare_index(index, lead_shape, device, wants, ignore_index):
+    """(index with ignored rows set to 0, the rows kept or None): ignored rows are never read out of range."""
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise TypeError(f"ignore_index must be an int or None, got {type(ignore_index).__name__} {ignore_index!r}")
+    if index is None:
+        if _needs_index(wants):
+            raise ValueError("index is required for the logprobs and is_top1 outputs; only outputs=('entropy',) "
+                             "(or other target-free statistics) may pass index=None")
+        return torch.zeros(lead_shape, dtype=torch.long, device=device), None
+    if ignore_index is None:
+        return index, None
+    keep = index != ignore_index
+    return torch.where(keep, index, torch.zeros((), dtype=index.dtype, device=index.device)), keep
+
+
+def _finish(raw, wants, keep, shape, return_entropy, outputs):
+    """The caller's form of the five raw [N] results: ignored rows zeroed (no gradient through them), shaped."""
+    fields = []
+    for want, x in zip(wants, raw):
+        if not want or x is None:
+            fields.append(None)
+            continue
+        x = x.view(shape)
+        if keep is not None:
+            x = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        fields.append(x)
+    stats = TokenStats(*fields)
+    if outputs is not None:
+        return stats
+    return (stats.logprobs, stats.entropy) if return_entropy else stats.logprobs
+
+
+def head_math(temperature, softcap, logit_scale) -> HeadMath:
+    """Checks ``softcap`` (None or > 0) and ``logit_scale`` (> 0) and folds them with T into (L7)'s constants."""
+    temperature = check_temperature(temperature)
+    logit_scale = check_float("logit_scale", logit_scale, minimum=0.0, exclusive_minimum=True)
+    if softcap is None:
+        return HeadMath(temperature / logit_scale, 1.0, 1.0, False)
+    softcap = check_float("softcap", softcap, minimum=0.0, exclusive_minimum=True)
+    return HeadMath(1.0, logit_scale / softcap, softcap / temperature, True)
+
+
+def compute_dtype_of(hidden: torch.Tensor, compute_dtype) -> torch.dtype:
+    """TRL 1.x's rule: the autocast dtype when autocast is on for hidden's device, else hidden's dtype."""
+    if compute_dtype is not None:
+        if compute_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"compute_dtype must be one of {', '.join(map(str, FLOAT_DTYPES))} or None, "
+                            f"got {compute_dtype!r}")
+        return compute_dtype
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden.dtype
+
+
+# The public functions (their options are checked and shaped by the helpers above).
 
 
 def _check_token_logprobs_args(logits, index, temperature) -> float:
     check_tensor("logits", logits, min_ndim=1, dtypes=FLOAT_DTYPES)
-    check_tensor("index", index, dtypes=INDEX_DTYPES)
     if logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty vocabulary (last) dimension, got shape {tuple(logits.shape)}")
-    if index.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"index has shape {tuple(index.shape)} but must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}"
-        )
-    check_same_device(logits=logits, index=index)
+    if index is not None:
+        check_tensor("index", index, dtypes=INDEX_DTYPES)
+        if index.shape != logits.shape[:-1]:
+            raise ValueError(
+                f"index has shape {tuple(index.shape)} but must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}"
+            )
+        check_same_device(logits=logits, index=index)
     return check_temperature(temperature)
 
 
-def _check_fused_token_logprobs_args(hidden, weight, index, temperature, bias) -> float:
-    check_lm_head_args(hidden, weight, bias)
-    check_tensor("index", index, dtypes=INDEX_DTYPES)
-    if index.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"index has shape {tuple(index.shape)} but must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}"
-        )
-    check_same_device(hidden=hidden, index=index)
-    return check_temperature(temperature)
+def _check_fused_token_logprobs_args(hidden, weight, index, bias, compute_dtype):
+    """Checks the tensors and casts them to the compute dtype: (hidden, weight, bias)."""
+    check_lm_head_args(hidden, weight, bias, same_dtype=False)
+    if index is not None:
+        check_tensor("index", index, dtypes=INDEX_DTYPES)
+        if index.shape != hidden.shape[:-1]:
+            raise ValueError(
+                f"index has shape {tuple(index.shape)} but must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}"
+            )
+        check_same_device(hidden=hidden, index=index)
+    dtype = compute_dtype_of(hidden, compute_dtype)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def token_logprobs(logits, index, temperature=1.0, return_entropy=False):
+def token_logprobs(logits, index, temperature=1.0, *, return_entropy=False, outputs=None, ignore_index=-100):
     """log_softmax(logits / temperature) gathered at ``index``, one pass over V.
 
     Args:
         logits: [..., V] floating tensor (fp16, bf16, fp32 or fp64).
-        index: [...] int32/int64 token ids in [0, V), the shape of ``logits.shape[:-1]``.
-        temperature: float > 0; the distribution is softmax(logits / temperature).
+        index: [...] int32/int64 token ids in [0, V) (or ``ignore_index``), the shape of
+            ``logits.shape[:-1]``; None with ``outputs=("entropy",)``.
+        temperature: float > 0; the distribution is softmax(logits / temperature). Positional, as in
+            TRL's ``selective_log_softmax``; everything after it is keyword-only.
         return_entropy: also return the entropy of that distribution.
+        outputs: instead of ``return_entropy``, the fields to compute among "logprobs" and "entropy"
+            ("entropy" alone needs no index); the result is then a ``TokenStats``.
+        ignore_index: rows whose index equals it (TRL's -100 on prompt and padding positions) get
+            log-prob 0 and entropy 0 and pass no gradient; None turns this off.
 
     Returns:
-        ``logprobs`` [...] (fp32; fp64 for fp64 logits), or ``(logprobs,
-        entropy)`` with ``return_entropy``. Differentiable in ``logits``
+        ``logprobs`` [...] (fp32; fp64 for fp64 logits), or ``(logprobs, entropy)`` with
+        ``return_entropy``, or a ``TokenStats`` with ``outputs``. Differentiable in ``logits``
         through both outputs.
 
     A drop-in for TRL's ``selective_log_softmax(logits / T, index)`` and
-    ``entropy_from_logits(logits / T)``.
+    ``entropy_from_logits(logits / T)``. Soft-capping and logit scales are a model's own
+    forward's business when it returns logits; ``fused_token_logprobs`` applies them from hidden states.
     """
     temperature = _check_token_logprobs_args(logits, index, temperature)
-    check_bool("return_entropy", return_entropy)
+    wants = requested_outputs(outputs, return_entropy, DIFFERENTIABLE_OUTPUTS)
+    safe_index, keep = _prepare_index(index, logits.shape[:-1], logits.device, wants, ignore_index)
     if not use_triton(logits):
-        return token_logprobs_reference(logits, index, temperature, return_entropy)
+        check_index_range(safe_index, logits.shape[-1])
+        raw = _token_stats_reference(logits, safe_index, temperature, wants)
+        return _finish(raw, wants, keep, safe_index.shape, return_entropy, outputs)
     vocab = logits.shape[-1]
     if not logits.is_cuda:  # interpreter: the check is cheap here; on CUDA it would sync
-        check_index_range(index, vocab)
+        check_index_range(safe_index, vocab)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    out = _TokenLogprobs.apply(
-        logits.reshape(-1, vocab), index.reshape(-1).contiguous(), temperature, bool(return_entropy)
+    logp, ent = _TokenLogprobs.apply(
+        logits.reshape(-1, vocab), safe_index.reshape(-1).contiguous(), temperature, wants[1]
     )
-    if return_entropy:
-        return out[0].view(index.shape), out[1].view(index.shape)
-    return out.view(index.shape)
+    return _finish((logp, ent, None, None, None), wants, keep, safe_index.shape, return_entropy, outputs)
 
 
-def fused_token_logprobs(hidden, weight, index, temperature=1.0, bias=None, return_entropy=False):
+def fused_token_logprobs(hidden, weight, index, temperature=1.0, *, bias=None, return_entropy=False, outputs=None,
+                         ignore_index=-100, softcap=None, logit_scale=1.0, compute_dtype=None):
     """``token_logprobs(hidden @ weight.T + bias, index, ...)`` without the [N, V] logits.
 
     Args:
         hidden: [..., H] hidden states (fp16, bf16, fp32 or fp64).
-        weight: [V, H] LM-head weight, same dtype as ``hidden``; any strides
-            (a tied embedding's transposed view is read in place, never copied).
-        index: [...] int32/int64 token ids in [0, V), the shape of ``hidden.shape[:-1]``.
-        temperature: float > 0.
+        weight: [V, H] LM-head weight; any strides (a tied embedding's transposed view is read in
+            place, never copied).
+        index: [...] int32/int64 token ids in [0, V) (or ``ignore_index``), the shape of
+            ``hidden.shape[:-1]``; None when no requested output needs a target.
+        temperature: float > 0, positional as in TRL; every option after it is keyword-only.
         bias: optional [V] LM-head bias.
-        return_entropy: also return the entropy of softmax(logits / temperature).
+        return_entropy: also return the entropy of softmax(z).
+        outputs: instead of ``return_entropy``, the fields of ``TokenStats`` to compute, among
+            ``OUTPUTS``: "logprobs", "entropy" (both differentiable), "log_sum_sq_probs",
+            "mean_logits", "is_top1" (statistics of the same pass, no gradient).
+        ignore_index: rows whose index equals it (default -100, TRL's label padding) hold 0 in every
+            output and pass no gradient; their targets are never read. None turns this off.
+        softcap, logit_scale: the model's final-logit soft-cap (Gemma 2/3) and logit multiplier:
+            z = softcap·tanh(logit_scale·x / softcap) / temperature, x = hidden @ weight.T + bias (L7);
+            without ``softcap``, z = logit_scale·x / temperature.
+        compute_dtype: the dtype hidden, weight and bias are multiplied in; None is TRL 1.x's rule
+            (autocast's dtype when autocast is on for hidden's device, else hidden's dtype). Operands
+            of another dtype are cast first (a weight cast copies [V, H]). Accumulation is fp32
+            (fp64 for fp64) whatever it is, and the logits are never rounded to 16 bits.
 
     Returns:
-        ``logprobs`` [...] fp32 (fp64 for fp64 inputs), or ``(logprobs,
-        entropy)``. Differentiable in ``hidden``, ``weight`` and ``bias``
-        through both outputs (the entropy gradient is not dropped).
+        ``logprobs`` [...] fp32 (fp64 for fp64 operands), or ``(logprobs, entropy)``, or a
+        ``TokenStats`` with ``outputs`` (``is_top1`` bool). Differentiable in ``hidden``, ``weight``
+        and ``bias`` through log-probs and entropy (the entropy gradient is not dropped).
     """
-    temperature = _check_fused_token_logprobs_args(hidden, weight, index, temperature, bias)
-    check_bool("return_entropy", return_entropy)
-    if not use_triton(hidden):
-        return fused_token_logprobs_reference(hidden, weight, index, temperature, bias, return_entropy)
+    hidden, weight, bias = _check_fused_token_logprobs_args(hidden, weight, index, bias, compute_dtype)
+    head = head_math(temperature, softcap, logit_scale)
+    wants = requested_outputs(outputs, return_entropy)
+    safe_index, keep = _prepare_index(index, hidden.shape[:-1], hidden.device, wants, ignore_index)
     vocab, hdim = weight.shape
-    if not hidden.is_cuda:
-        check_index_range(index, vocab)
-    out = _FusedTokenLogprobs.apply(
-        hidden.reshape(-1, hdim), weight, bias, index.reshape(-1).contiguous(), temperature, bool(return_entropy)
-    )
-    if return_entropy:
-        return out[0].view(index.shape), out[1].view(index.shape)
-    return out.view(index.shape)
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtypes above are the ones computed in
+        if not use_triton(hidden):
+            check_index_range(safe_index, vocab)
+            logits = cap_logits_reference(lm_head_logits_reference(hidden, weight, bias), softcap, logit_scale)
+            raw = _token_stats_reference(logits, safe_index, temperature, wants)
+        else:
+            if not hidden.is_cuda:
+                check_index_range(safe_index, vocab)
+            raw = _FusedTokenLogprobs.apply(
+                hidden.reshape(-1, hdim), weight, bias, safe_index.reshape(-1).contiguous(), head, wants
+            )
+    return _finish(raw, wants, keep, safe_index.shape, return_entropy, outputs)
 
 
 # --------------------------------------------------------------------------- references
 
 
-def token_logprobs_reference(logits, index, temperature=1.0, return_entropy=False):
-    """Plain PyTorch ``token_logprobs``: materialised log_softmax, then gather.
+def _token_stats_reference(logits, index, temperature, wants):
+    """The five raw results of ``TokenStats`` from materialised logits, in fp32 (fp64 for fp64 logits).
 
-    Computed in fp32 (fp64 for fp64 logits), never in a wider dtype, so a bf16
-    [N, V] input costs fp32 [N, V] temporaries, not fp64 ones.
+    Never in a wider dtype than that, so a bf16 [N, V] input costs fp32 [N, V]
+    temporaries, not fp64 ones. The statistics are detached, as the kernel's are.
     """
-    temperature = _check_token_logprobs_args(logits, index, temperature)
-    check_bool("return_entropy", return_entropy)
-    check_index_range(index, logits.shape[-1])
+    want_logp, want_entropy, want_sum_sq, want_mean, want_top1 = wants
     z = logits.to(acc_dtype(logits.dtype)) / temperature
     log_p = torch.log_softmax(z, dim=-1)
-    logp = log_p.gather(-1, index.long().unsqueeze(-1)).squeeze(-1)
-    if not return_entropy:
-        return logp
-    p = log_p.exp()
-    # p log p → 0 where p = 0: masking log p (not the product) keeps the
-    # gradient finite at z = −inf as well.
-    ent = -(p * log_p.masked_fill(p == 0, 0.0)).sum(-1)
-    return logp, ent
+    logp = log_p.gather(-1, index.long().unsqueeze(-1)).squeeze(-1) if want_logp else None
+    ent = sum_sq = mean = top1 = None
+    if want_entropy:
+        p = log_p.exp()
+        # p log p → 0 where p = 0: masking log p (not the product) keeps the
+        # gradient finite at z = −inf as well.
+        ent = -(p * log_p.masked_fill(p == 0, 0.0)).sum(-1)
+    if want_sum_sq:
+        sum_sq = torch.logsumexp(2 * log_p.detach(), dim=-1)
+    if want_mean:
+        mean = z.detach().mean(-1)
+    if want_top1:
+        top1 = z.detach().argmax(-1) == index  # argmax: the first maximum, as the kernel counts ties
+    return logp, ent, sum_sq, mean, top1
 
 
-def fused_token_logprobs_reference(hidden, weight, index, temperature=1.0, bias=None, return_entropy=False):
-    """Plain PyTorch ``fused_token_logprobs``: logits = hidden @ weight.T (+ bias) materialised in fp32."""
-    temperature = _check_fused_token_logprobs_args(hidden, weight, index, temperature, bias)
-    check_bool("return_entropy", return_entropy)
-    return token_logprobs_reference(lm_head_logits_reference(hidden, weight, bias), index, temperature, return_entropy)
+def token_logprobs_reference(logits, index, temperature=1.0, *, return_entropy=False, outputs=None, ignore_index=-100):
+    """Plain PyTorch ``token_logprobs`` (same arguments): materialised log_softmax, then gather.
+
+    Also computes the three statistics of ``OUTPUTS`` (the fused kernel's oracle on given logits).
+    """
+    temperature = _check_token_logprobs_args(logits, index, temperature)
+    wants = requested_outputs(outputs, return_entropy)
+    safe_index, keep = _prepare_index(index, logits.shape[:-1], logits.device, wants, ignore_index)
+    check_index_range(safe_index, logits.shape[-1])
+    raw = _token_stats_reference(logits, safe_index, temperature, wants)
+    return _finish(raw, wants, keep, safe_index.shape, return_entropy, outputs)
+
+
+def fused_token_logprobs_reference(hidden, weight, index, temperature=1.0, *, bias=None, return_entropy=False,
+                                   outputs=None, ignore_index=-100, softcap=None, logit_scale=1.0,
+                                   compute_dtype=None):
+    """Plain PyTorch ``fused_token_logprobs`` (same arguments): the logits materialised in fp32 (fp64), then (L7)."""
+    hidden, weight, bias = _check_fused_token_logprobs_args(hidden, weight, index, bias, compute_dtype)
+    head_math(temperature, softcap, logit_scale)  # the same checks
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = cap_logits_reference(lm_head_logits_reference(hidden, weight, bias), softcap, logit_scale)
+        return token_logprobs_reference(logits, index, temperature, return_entropy=return_entropy, outputs=outputs,
+                                        ignore_index=ignore_index)

@@ -346,7 +346,7 @@ def fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advanta
     cliprange, entropy_coef, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction)
     logp, ent = token_logprobs_reference(lm_head_logits_reference(hidden, weight, bias), index, temperature,
-                                         return_entropy=True)
+                                         return_entropy=True, ignore_index=None)
     acc = logp.dtype
     old, adv, real = old_logprobs.detach().to(acc), advantages.detach().to(acc), mask != 0
     pg_losses, ratio, clipped = clipped_surrogate(logp, old, adv, cliprange)
