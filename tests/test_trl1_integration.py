@@ -146,3 +146,18 @@ def test_apply_checks_the_version_refuses_trl_0x_and_undoes(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trl1_dir()), str(ROOT)]), TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok TRLKernelPatch(trl 1.16.0" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+
+
+def test_the_trl1_bench_runs(tmp_path):
+    """bench/trl1_logprobs.py --quick in TRL 1.x's environment: every implementation agrees before it is timed."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trl1_dir()), str(ROOT)]), TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "trl1_logprobs.py"), "--quick", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "| fastppo / TRL |" in proc.stdout
+    import json
+
+    results = json.loads(out.read_text())
+    assert len(results) == 4 and all(set(r["median_s"]) == {"fastppo", "trl 1.16.0"} for r in results)
+    assert all(r["max_abs_err_logp"]["fastppo"] < 1e-5 for r in results)
