@@ -49,19 +49,25 @@ _COMPILE_SCRIPT = textwrap.dedent(
                      temperature="fp32"),
                 dict(COMPUTE_ENTROPY=True, BLOCK_V=row.block_v, **ACC), num_warps=row.num_warps)
         dlogits = C.softmax_dlogits_tile(V, CUDA)
-        for has_g_logp, has_g_ent in ((True, True), (True, False), (False, True)):  # upstream grads may be None
+        # upstream grads may be None; the soft-cap's (L7) factor on and off
+        for has_g_logp, has_g_ent, softcap in ((True, True, False), (True, False, False), (False, True, False),
+                                               (True, True, True)):
             compile(L._softmax_dlogits_kernel,
                     dict(x_ptr=acc, stride_xn="i64", dx_ptr=x, stride_dxn="i64", idx_ptr="*i64", lse_ptr=acc,
                          ent_ptr=acc, g_logp_ptr=acc, g_ent_ptr=acc, col_offset="i32", n_cols="i32",
-                         temperature="fp32"),
-                    dict(HAS_G_LOGP=has_g_logp, HAS_G_ENT=has_g_ent, BLOCK_V=dlogits.block_v, **ACC),
+                         temperature="fp32", cap_in="fp32", cap_out="fp32"),
+                    dict(HAS_G_LOGP=has_g_logp, HAS_G_ENT=has_g_ent, HAS_SOFTCAP=softcap, BLOCK_V=dlogits.block_v,
+                         **ACC),
                     num_warps=dlogits.num_warps)
         tile = L._fused_token_logprobs_tile(dtype, CUDA)
-        compile(L._fused_token_logprobs_fwd_kernel,
-                dict(lm_head("", x), idx_ptr="*i64", m_ptr=acc, s_ptr=acc, t_ptr=acc, pick_ptr=acc, N="i32",
-                     V="i32", H="i32", temperature="fp32", tiles_per_split="i32"),
-                dict(HAS_BIAS=True, COMPUTE_ENTROPY=True, BLOCK_N=tile.block_n, BLOCK_V=tile.block_v,
-                     BLOCK_H=tile.block_h, **dot, **ACC), num_warps=tile.num_warps, num_stages=tile.num_stages)
+        for extras in (False, True):  # the plain forward, and soft-capped with every statistic of the pass
+            compile(L._fused_token_logprobs_fwd_kernel,
+                    dict(lm_head("", x), idx_ptr="*i64", m_ptr=acc, s_ptr=acc, t_ptr=acc, pick_ptr=acc, q_ptr=acc,
+                         zsum_ptr=acc, before_ptr=acc, N="i32", V="i32", H="i32", temperature="fp32",
+                         cap_in="fp32", cap_out="fp32", tiles_per_split="i32"),
+                    dict(HAS_BIAS=True, HAS_SOFTCAP=extras, COMPUTE_ENTROPY=True, COMPUTE_SUM_SQ=extras,
+                         COMPUTE_SUM_Z=extras, COMPUTE_TOP1=extras, BLOCK_N=tile.block_n, BLOCK_V=tile.block_v,
+                         BLOCK_H=tile.block_h, **dot, **ACC), num_warps=tile.num_warps, num_stages=tile.num_stages)
 
         # kl.py: the exact full-vocabulary KL, forward statistics and the backward's dlogits
         tile = K._full_kl_tile(dtype, CUDA)
