@@ -542,6 +542,7 @@ def token_logprobs_from_hidden(model, hidden, targets, temperature: float, retur
             temperature,
             bias=None if bias is None else bias.to(hidden.dtype),
             return_entropy=return_entropy,
+            ignore_index=None,  # the layout gathers real response tokens only: nothing to mask, no extra pass
         )
 
 

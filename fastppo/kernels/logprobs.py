@@ -265,7 +265,7 @@ def _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, head: HeadMa
     launch(_fused_token_logprobs_fwd_kernel, (plan.row_blocks, plan.splits), device,
            hidden2d, hidden2d.stride(0), hidden2d.stride(1), weight, weight.stride(0), weight.stride(1),
            bias if bias is not None else weight, index,
-           m_part, s_part, *(p if p is not None else s_part for p in (t_part,)), pick_part,
+           m_part, s_part, t_part if t_part is not None else s_part, pick_part,
            *(p if p is not None else s_part for p in (q_part, zsum_part, before_part)),
            n_rows, vocab, hdim, head.temperature, head.cap_in, head.cap_out, plan.tiles_per_split,
            HAS_BIAS=bias is not None, HAS_SOFTCAP=head.has_softcap, COMPUTE_ENTROPY=want_entropy,
@@ -431,30 +431,30 @@ def compute_dtype_of(hidden: torch.Tensor, compute_dtype) -> torch.dtype:
 # The public functions (their options are checked and shaped by the helpers above).
 
 
+def _check_index(index, rows_name: str, rows: torch.Tensor) -> None:
+    """``index`` (None allowed here; ``_prepare_index`` decides whether it is needed) of ``rows.shape[:-1]``."""
+    if index is None:
+        return
+    check_tensor("index", index, dtypes=INDEX_DTYPES)
+    if index.shape != rows.shape[:-1]:
+        raise ValueError(
+            f"index has shape {tuple(index.shape)} but must equal {rows_name}.shape[:-1] = {tuple(rows.shape[:-1])}"
+        )
+    check_same_device(**{rows_name: rows, "index": index})
+
+
 def _check_token_logprobs_args(logits, index, temperature) -> float:
     check_tensor("logits", logits, min_ndim=1, dtypes=FLOAT_DTYPES)
     if logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty vocabulary (last) dimension, got shape {tuple(logits.shape)}")
-    if index is not None:
-        check_tensor("index", index, dtypes=INDEX_DTYPES)
-        if index.shape != logits.shape[:-1]:
-            raise ValueError(
-                f"index has shape {tuple(index.shape)} but must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}"
-            )
-        check_same_device(logits=logits, index=index)
+    _check_index(index, "logits", logits)
     return check_temperature(temperature)
 
 
 def _check_fused_token_logprobs_args(hidden, weight, index, bias, compute_dtype):
     """Checks the tensors and casts them to the compute dtype: (hidden, weight, bias)."""
     check_lm_head_args(hidden, weight, bias, same_dtype=False)
-    if index is not None:
-        check_tensor("index", index, dtypes=INDEX_DTYPES)
-        if index.shape != hidden.shape[:-1]:
-            raise ValueError(
-                f"index has shape {tuple(index.shape)} but must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}"
-            )
-        check_same_device(hidden=hidden, index=index)
+    _check_index(index, "hidden", hidden)
     dtype = compute_dtype_of(hidden, compute_dtype)
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
@@ -540,8 +540,7 @@ def fused_token_logprobs(hidden, weight, index, temperature=1.0, *, bias=None, r
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes above are the ones computed in
         if not use_triton(hidden):
             check_index_range(safe_index, vocab)
-            logits = cap_logits_reference(lm_head_logits_reference(hidden, weight, bias), softcap, logit_scale)
-            raw = _token_stats_reference(logits, safe_index, temperature, wants)
+            raw = _lm_head_stats_reference(hidden, weight, bias, safe_index, temperature, softcap, logit_scale, wants)
         else:
             if not hidden.is_cuda:
                 check_index_range(safe_index, vocab)
@@ -579,6 +578,12 @@ def _token_stats_reference(logits, index, temperature, wants):
     return logp, ent, sum_sq, mean, top1
 
 
+def _lm_head_stats_reference(hidden, weight, bias, index, temperature, softcap, logit_scale, wants):
+    """``_token_stats_reference`` of the materialised (L7) logits of an LM head."""
+    logits = cap_logits_reference(lm_head_logits_reference(hidden, weight, bias), softcap, logit_scale)
+    return _token_stats_reference(logits, index, temperature, wants)
+
+
 def token_logprobs_reference(logits, index, temperature=1.0, *, return_entropy=False, outputs=None, ignore_index=-100):
     """Plain PyTorch ``token_logprobs`` (same arguments): materialised log_softmax, then gather.
 
@@ -598,7 +603,9 @@ def fused_token_logprobs_reference(hidden, weight, index, temperature=1.0, *, bi
     """Plain PyTorch ``fused_token_logprobs`` (same arguments): the logits materialised in fp32 (fp64), then (L7)."""
     hidden, weight, bias = _check_fused_token_logprobs_args(hidden, weight, index, bias, compute_dtype)
     head_math(temperature, softcap, logit_scale)  # the same checks
+    wants = requested_outputs(outputs, return_entropy)
+    safe_index, keep = _prepare_index(index, hidden.shape[:-1], hidden.device, wants, ignore_index)
+    check_index_range(safe_index, weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
-        logits = cap_logits_reference(lm_head_logits_reference(hidden, weight, bias), softcap, logit_scale)
-        return token_logprobs_reference(logits, index, temperature, return_entropy=return_entropy, outputs=outputs,
-                                        ignore_index=ignore_index)
+        raw = _lm_head_stats_reference(hidden, weight, bias, safe_index, temperature, softcap, logit_scale, wants)
+    return _finish(raw, wants, keep, safe_index.shape, return_entropy, outputs)
