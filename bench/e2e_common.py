@@ -110,11 +110,34 @@ CHAT_PROMPTS = (
 
 
 def smollm2_dir() -> str:
-    """The converted SmolLM2-135M-Instruct checkpoint (tests/realmodel.py caches it once)."""
+    """The converted SmolLM2-135M-Instruct checkpoint (tests/realmodel.py caches it once); with
+    ``FASTPPO_SMOLLM2_SHAPE`` set, :func:`smollm2_shaped_dir` of that directory instead."""
+    if os.environ.get("FASTPPO_SMOLLM2_SHAPE"):
+        return smollm2_shaped_dir(os.environ["FASTPPO_SMOLLM2_SHAPE"])
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from realmodel import smollm2_path
 
     return smollm2_path()
+
+
+def smollm2_shaped_dir(config_dir: str, seed: int = 0) -> str:
+    """SmolLM2-135M-Instruct's config, tokenizer, chat template and generation_config with seeded random weights,
+    saved once beside ``config_dir``. For a GPU lease, where the 98 MB GGUF file cannot travel (64 MiB): the
+    same shapes, hence the same work per token; responses rarely stop early (random weights seldom emit eos)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    path = f"{config_dir.rstrip(os.sep)}-random-seed{seed}"
+    if not os.path.isdir(path):
+        print(f"note: SmolLM2-135M's shapes with random weights ({path}), not its trained weights", file=sys.stderr)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
+        model.generation_config = GenerationConfig.from_pretrained(config_dir)
+        model.save_pretrained(path + ".tmp")
+        AutoTokenizer.from_pretrained(config_dir).save_pretrained(path + ".tmp")
+        os.rename(path + ".tmp", path)
+    return path
 
 
 def chat_prompts(tokenizer) -> tuple[list[list[int]], int]:

@@ -56,6 +56,9 @@ FASTPPO_VARIANTS = {
     # one network (the value head on the policy's trunk) and packed rows: a different value model, so a
     # different run; same sampler, same losses
     "fastppo-fast": {"shared_value_head": True, "padding_free": True},
+    # the sampler pinned either way (unset, the default: compiled on CUDA, eager on a CPU)
+    "fastppo-eager": {"compiled_decode": False},
+    "fastppo-compiled": {"compiled_decode": True},
 }
 
 
@@ -149,8 +152,9 @@ def compare(cfg: E2EConfig, rounds: int = 1, impls=("fastppo", "trl")) -> dict[s
 
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--impl", choices=(*RUNNERS, "both", "all"), default="both",
-                   help="both: fastppo and TRL; all: every fastppo variant and TRL (interleaved)")
+    p.add_argument("--impl", default="both",
+                   help="both: fastppo and TRL; all: every fastppo variant and TRL; or a comma-separated list of "
+                   f"{', '.join(RUNNERS)} (interleaved)")
     p.add_argument("--rounds", type=int, default=1, help="with --impl both: interleaved rounds")
     p.add_argument("--json", help="write the raw summaries here")
     p.add_argument("--child", choices=tuple(RUNNERS), help=argparse.SUPPRESS)
@@ -170,9 +174,13 @@ def main(argv=None) -> None:
         return
     cfg = E2EConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(E2EConfig)
                        if getattr(args, f.name) is not None})
-    if args.impl in ("trl", "both", "all") and trl_version() is None:
+    impls = {"both": ("fastppo", "trl"), "all": (*FASTPPO_VARIANTS, "trl")}.get(args.impl,
+                                                                                 tuple(args.impl.split(",")))
+    unknown = [i for i in impls if i not in RUNNERS]
+    if unknown:
+        raise SystemExit(f"--impl: unknown {unknown}; choose both, all or from {', '.join(RUNNERS)}")
+    if "trl" in impls and trl_version() is None:
         raise SystemExit("TRL 0.26.x with trl.experimental.ppo is not importable: pip install 'trl==0.26.2'")
-    impls = {"both": ("fastppo", "trl"), "all": (*FASTPPO_VARIANTS, "trl")}.get(args.impl, (args.impl,))
     print(f"config: {cfg.describe()}", flush=True)
     results = compare(cfg, args.rounds, impls)
     print(format_report(results))

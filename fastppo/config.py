@@ -202,6 +202,12 @@ class PPOConfig(TrainingArguments):
         default=True,
         metadata={"help": "fastppo: within a minibatch, micro-batches of rows of similar length (less padding)."},
     )
+    compiled_decode: bool | None = field(
+        default=None,
+        metadata={"help": "fastppo: sample with the decode step torch.compile'd over a static KV cache (CUDA graphs "
+                  "on a GPU; the same tokens as the eager loop for the same seed). Unset: on for a CUDA GPU, off on "
+                  "a CPU, where it does not pay (bench/RESULTS.md). Compiling takes tens of seconds, once."},
+    )
     fused_policy_loss: bool = field(
         default=False,
         metadata={"help": "fastppo: the clipped policy loss with fastppo.kernels.fused_ppo_policy_loss (gradient "

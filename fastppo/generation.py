@@ -17,6 +17,7 @@ sampling, so with the same random state the two draw the same tokens.
 from __future__ import annotations
 
 import inspect
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -24,6 +25,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from fastppo.dist import all_reduce_min
 from fastppo.errors import SettingsError
+from fastppo.static_decode import StaticDecoder
 
 
 def _accepts_logits_to_keep(lm) -> bool:
@@ -37,20 +39,25 @@ def _accepts_logits_to_keep(lm) -> bool:
 
 @torch.no_grad()
 def sample_responses(lm, queries, query_mask, response_length: int, temperature: float,
-                     stop_ids: list[int], pad_id: int, chunk: int, synced: bool = False) -> torch.Tensor:
+                     stop_ids: list[int], pad_id: int, chunk: int, synced: bool = False,
+                     decoder: StaticDecoder | None = None) -> torch.Tensor:
     """[B, T] sampled tokens (T = ``response_length``), ``chunk`` rows at a time; after a row's first stop
     token every position holds ``pad_id``. With no stop ids every row has exactly T tokens.
 
     ``synced``: a chunk's loop ends only when every process's rows have stopped (one all-reduce per token;
     DeepSpeed ZeRO-3 without gathered weights, where each forward is a collective). Every process must
-    then sample the same number of chunks."""
+    then sample the same number of chunks.
+
+    ``decoder``: a ``static_decode.StaticDecoder`` of ``lm``; each token's forward then runs compiled over its
+    static KV cache, and the same random state draws the same tokens."""
     # in training mode with gradient checkpointing transformers silently turns the KV cache off, and a decode
     # loop that feeds one token at a time then forgets the prompt: sample in eval mode, whatever the caller's
     training = lm.training
     lm.eval()
     try:
-        out = [_sample_chunk(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, temperature,
-                             stop_ids, pad_id, synced) for i in range(0, queries.shape[0], chunk)]
+        sample = _sample_chunk if decoder is None else partial(_sample_chunk_static, decoder)
+        out = [sample(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, temperature,
+                      stop_ids, pad_id, synced) for i in range(0, queries.shape[0], chunk)]
     finally:
         lm.train(training)
     return torch.cat(out)
@@ -63,32 +70,65 @@ def _all_stopped(done: torch.Tensor, synced: bool) -> bool:
     return bool(all_reduce_min(done.all().float()))
 
 
+def draw_tokens(logits, temperature: float, done, stops, pad_id: int, synced: bool):
+    """One token per row, y ~ softmax(logits / T) in fp32; a row already ``done`` gets ``pad_id``. Returns
+    (tokens [B], done after them, whether every row has now stopped)."""
+    probs = nn.functional.softmax(logits.float() / temperature, dim=-1)
+    token = torch.multinomial(probs, num_samples=1).squeeze(1)
+    token = torch.where(done, torch.full_like(token, pad_id), token)
+    if stops is None:
+        return token, done, False
+    done = done | torch.isin(token, stops)
+    return token, done, _all_stopped(done, synced)  # one host sync per token: the loop ends once every row stopped
+
+
+def _stop_tensor(stop_ids, like):
+    return torch.tensor(stop_ids, dtype=like.dtype, device=like.device) if stop_ids else None
+
+
 def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: float, stop_ids: list[int],
                   pad_id: int, synced: bool = False) -> torch.Tensor:
     b = queries.shape[0]
-    device = queries.device
-    stops = torch.tensor(stop_ids, dtype=queries.dtype, device=device) if stop_ids else None
+    stops = _stop_tensor(stop_ids, queries)
     keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(lm) else {}
     cache = DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
     mask = query_mask
     positions = (query_mask.cumsum(1) - 1).clamp(min=0)  # a left-padded prompt starts at position 0
     inputs = queries * query_mask  # padding is never attended: fed as id 0 (TRL's), whatever the pad id
-    tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=device)
-    done = torch.zeros(b, dtype=torch.bool, device=device)
+    tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=queries.device)
+    done = torch.zeros(b, dtype=torch.bool, device=queries.device)
     for t in range(response_length):
         logits = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, **keep).logits[:, -1].float()
-        probs = nn.functional.softmax(logits / temperature, dim=-1)
-        token = torch.multinomial(probs, num_samples=1).squeeze(1)
-        token = torch.where(done, torch.full_like(token, pad_id), token)
-        tokens[:, t] = token
-        if stops is not None:
-            done = done | torch.isin(token, stops)
-            if _all_stopped(done, synced):  # one host sync per token: the loop ends once every row stopped
-                break
-        inputs = torch.where(done, 0, token)[:, None]  # a stopped row's input is never read again
+                    use_cache=True, **keep).logits[:, -1]
+        tokens[:, t], done, finished = draw_tokens(logits, temperature, done, stops, pad_id, synced)
+        if finished:
+            break
+        inputs = torch.where(done, 0, tokens[:, t])[:, None]  # a stopped row's input is never read again
         mask = torch.cat([mask, mask.new_ones(b, 1)], 1)
         positions = positions[:, -1:] + 1
+    return tokens
+
+
+def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, response_length: int, temperature: float,
+                         stop_ids: list[int], pad_id: int, synced: bool = False) -> torch.Tensor:
+    """``_sample_chunk`` with the prompt's forward eager into the decoder's static cache and every later token's
+    forward through its compiled step; rows past ``B`` are the bucket's padding and are never sampled."""
+    b, width = queries.shape
+    stops = _stop_tensor(stop_ids, queries)
+    inputs, mask, positions, cache, key = decoder.prepare(queries, query_mask, response_length)
+    tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=queries.device)
+    done = torch.zeros(b, dtype=torch.bool, device=queries.device)
+    logits = lm(input_ids=inputs, attention_mask=mask[:, :width], position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=1).logits[:, -1]
+    for t in range(response_length):
+        tokens[:, t], done, finished = draw_tokens(logits[:b], temperature, done, stops, pad_id, synced)
+        if finished or t + 1 == response_length:
+            break
+        inputs = inputs[:, -1:].clone()  # the padding rows feed their own last input again
+        inputs[:b, 0] = torch.where(done, 0, tokens[:, t])
+        mask[:, width + t] = 1
+        positions = positions[:, -1:] + 1
+        logits = decoder.step_logits(inputs, mask, positions, cache, key)
     return tokens
 
 

@@ -38,6 +38,7 @@ from fastppo.metrics import MetricsLogger, plot_curves, print_samples
 from fastppo.models import lm_of
 from fastppo.rewards import (RewardFunctionError, RunningMoments, call_reward_fn, check_reward_fn_columns,
                              resolve_reward, reward_fn_columns, reward_model_scores)
+from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import ZeRO, deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.train import (AdaptiveKLController, FixedKLController, IterationResult, Learner, Rollout, RolloutBatch,
                            apply_eos_penalties, contains_stop, eos_count, make_rollout, ppo_iteration)
@@ -175,6 +176,9 @@ class PPOTrainer:
             self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, self.reward_model],
                              self.device, self.log, ds_request[1])
             self.model = self.zero.engine
+        self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
+                                                        None if self.zero is None else self.zero.stage)
+        self._static_decoder: StaticDecoder | None = None
         # TRL 0.26 builds the schedule when none is given (Trainer.create_scheduler); a loop=False caller steps its own
         self.lr_scheduler = lr_scheduler if lr_scheduler is not None or not loop else self._scheduler()
         self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
@@ -262,6 +266,7 @@ class PPOTrainer:
                 self._lm(), queries, query_mask, config.response_length,
                 config.temperature if temperature is None else temperature, self.stop_ids,
                 tok.pad_token_id, config.local_rollout_forward_batch_size, **({"synced": True} if synced else {}),
+                decoder=self._decoder(),
             )
         rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
         t1 = time.perf_counter()
@@ -281,6 +286,15 @@ class PPOTrainer:
                                      config.penalty_reward_value)
         seconds = {"generation": t1 - t0, "reward": time.perf_counter() - t1}
         return RolloutBatch(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds)
+
+    def _decoder(self) -> StaticDecoder | None:
+        """The compiled decode step of the policy (``compiled_decode``), built on first use and kept: its compiled
+        graphs and static caches are reused by every later rollout."""
+        if not self._compiled_decode:
+            return None
+        if self._static_decoder is None:
+            self._static_decoder = StaticDecoder(self._lm())
+        return self._static_decoder
 
     # TRL's sample table decodes near-greedily (its generate_completions' temperature)
     SAMPLE_TABLE_TEMPERATURE = 0.01 + 1e-7

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One GPU call for generation and the end-to-end comparison (issue 22's GPU half): the machine's ceilings, the
+# compiled decode's exactness tests on CUDA, generation eager vs compiled vs TRL 0.26, and fastppo (eager and
+# compiled decode) beside TRL 0.26 end to end. Logs and JSON under $OUT; the summary tables last.
+#
+#   bash bench/fetch_wheels.sh       # here, beforehand: datasets, trl 0.26.2, ... into .whl/
+#   device run: bash bench/gpu_decode_session.sh    carry: [".whl", ".gpu-carry"]
+#
+# SmolLM2's GGUF (98 MB) cannot travel (64 MiB a call): .gpu-carry/smollm2-shape holds its config, tokenizer,
+# chat template and generation_config, and the model is built with seeded random weights there
+# (e2e_common.smollm2_shaped_dir): the same shapes and work per token.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false FASTPPO_CACHE=/tmp/fastppo-cache
+export FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/smollm2-shape
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  git rev-parse HEAD 2>/dev/null; date -u; } 2>&1 | tee "$OUT/env.txt"
+
+stage() { local secs=$1; shift; echo "=== $* (at most ${secs}s)"; timeout "$secs" "$@"; echo "=== exit $?"; }
+
+stage 60 python3 bench/machine_limits.py --tokens 1280 --json "$OUT/limits.json" 2>&1 | tee "$OUT/limits.log"
+stage 150 python3 -m pytest tests/test_static_decode.py -q -rfEs -p no:cacheprovider -k "not smollm2" 2>&1 \
+  | tee "$OUT/tests.log"
+stage 200 python3 bench/decode_bench.py --reps 3 --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
+E2E="--model smollm2 --per_device_train_batch_size 16 --gradient_accumulation_steps 1 --num_ppo_epochs 4
+  --learning_rate 3e-6 --temperature 0.7 --stop_on_eos true --missing_eos_penalty 1.0 --iterations 3
+  --warmup_iterations 1 --threads 0 --local_rollout_forward_batch_size 16"
+stage ${E2E_SECONDS:-170} python3 bench/trl_baseline.py $E2E --response_length 53 \
+  --impl fastppo-eager,fastppo-compiled,trl --json "$OUT/e2e53.json" 2>&1 | tee "$OUT/e2e.log"
+
+echo; echo "##### summary"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -2
+tail -4 "$OUT/limits.log"; sed -n '/^NVIDIA\|^cpu (/,$p' "$OUT/decode.log"; sed -n '/^config:/,$p' "$OUT/e2e.log" | tail -30

@@ -1,0 +1,138 @@
+"""The compiled decode: the rollout's sampler with its per-token forward ``torch.compile``d over a static KV cache.
+
+Why: one decode step of a small model is hundreds of small kernels (or, on a CPU, hundreds of Python-level
+module calls) around a few GEMMs that read every weight once. On a GPU the step is launch-bound and CUDA
+graphs over static buffers are the lever (``mode="reduce-overhead"``); on a CPU inductor fuses the
+element-wise work between the GEMMs. Either needs every tensor the step touches to keep its shape from one
+token to the next and from one rollout to the next, hence:
+
+* ``transformers``' ``StaticCache``: keys and values preallocated at ``[batch, heads, cache_len, dim]`` and
+  written in place; its fill level is a tensor, so the position a token goes to is data, not a shape;
+* buckets: the batch is padded to a power of two (its extra rows repeat the last real row, so every row
+  stays finite; their samples are dropped) and the cache length to a multiple of ``cache_bucket``. A
+  rollout whose chunk and prompt width fall in the buckets already seen reuses the compiled step: no
+  recompilation in a steady run (``tests/test_static_decode.py`` sets dynamo's ``error_on_recompile``);
+* one ``StaticCache`` per bucket, kept and ``reset()`` between chunks: fresh buffers would be fresh
+  static addresses, hence a re-recorded CUDA graph each time.
+
+What stays eager, on purpose: the prompt's forward (the prefill: one call per chunk, its width changes
+with every batch) and the token choice. The choice is ``generation.draw_tokens``, the eager sampler's own
+code, run on the real rows only, so a chunk consumes the random stream exactly as the eager sampler does
+and the same state draws the same tokens (the tests check this on the embedded model and on SmolLM2).
+The step's logits differ from the eager loop's only by float rounding (fused kernels, the masked tail of
+the static cache), which moves a draw only if the uniform lands within rounding distance of a
+cumulative-probability boundary.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import types
+
+import torch
+from transformers import StaticCache
+
+from fastppo.errors import SettingsError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BUCKET = 64
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch a chunk of ``rows`` is padded to: the next power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def _decode_step(lm, input_ids, attention_mask, position_ids, cache):
+    # the last position's logits only: [B, V]
+    return lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+              use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+class StaticDecoder:
+    """The decode step of one model, compiled once per (batch bucket, cache length) and reused across rollouts.
+
+    ``mode``: ``torch.compile``'s mode; ``None`` picks ``"reduce-overhead"`` (CUDA graphs) on CUDA and the
+    default inductor mode elsewhere. ``compile_seconds`` holds the time each bucket's first step took
+    (compilation included), and the first is logged once."""
+
+    def __init__(self, lm, *, mode: str | None = None, cache_bucket: int = DEFAULT_CACHE_BUCKET):
+        if cache_bucket < 1:
+            raise SettingsError(f"cache_bucket must be a positive number of positions, got {cache_bucket}")
+        self.lm = lm
+        self.mode = mode
+        self.cache_bucket = cache_bucket
+        self._step = None
+        self._caches: dict[tuple[int, int], StaticCache] = {}
+        self.compile_seconds: dict[tuple[int, int], float] = {}
+
+    def _compiled_step(self, device: torch.device):
+        if self._step is None:
+            mode = self.mode if self.mode is not None else ("reduce-overhead" if device.type == "cuda" else None)
+            # dynamo keeps compiled graphs, and counts recompilations against its limit (8), per code object: a
+            # copy of the step's code per decoder keeps one model's graphs from evicting, or being counted as
+            # recompilations of, another's (several trainers in one process, a policy and a sample-table model)
+            step = types.FunctionType(_decode_step.__code__.replace(), _decode_step.__globals__, "_decode_step")
+            self._step = torch.compile(step, mode=mode, dynamic=False)
+        return self._step
+
+    def _cache(self, rows: int, cache_len: int) -> StaticCache:
+        key = (rows, cache_len)
+        cache = self._caches.get(key)
+        if cache is None:
+            cache = self._caches[key] = StaticCache(config=self.lm.config, max_cache_len=cache_len)
+        else:
+            cache.reset()
+        return cache
+
+    def cache_length(self, width: int, response_length: int) -> int:
+        """The static cache length for prompts ``width`` wide and ``response_length`` new tokens."""
+        return _round_up(width + response_length, self.cache_bucket)
+
+    def step_logits(self, input_ids, attention_mask, position_ids, cache, key) -> torch.Tensor:
+        """One decode step's last-position logits, through the compiled step (timed on a bucket's first call)."""
+        step = self._compiled_step(input_ids.device)
+        if input_ids.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        if key in self.compile_seconds:
+            return step(self.lm, input_ids, attention_mask, position_ids, cache)
+        start = time.perf_counter()
+        logits = step(self.lm, input_ids, attention_mask, position_ids, cache)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        self.compile_seconds[key] = time.perf_counter() - start
+        if len(self.compile_seconds) == 1:
+            logger.info("compiled the decode step (batch %d, cache %d positions) in %.1f s", *key,
+                        self.compile_seconds[key])
+        return logits
+
+    def prepare(self, queries, query_mask, response_length: int):
+        """The chunk padded to its buckets: (input ids [R, W], the static attention mask [R, L] with the prompt's
+        columns filled, position ids [R, W], the reset cache, the bucket key), R = ``batch_bucket(B)``."""
+        b, width = queries.shape
+        rows, cache_len = batch_bucket(b), self.cache_length(width, response_length)
+        extra = rows - b
+        if extra:  # repeat the last real row: finite activations everywhere, outputs dropped
+            queries = torch.cat([queries, queries[-1:].expand(extra, -1)])
+            query_mask = torch.cat([query_mask, query_mask[-1:].expand(extra, -1)])
+        mask = query_mask.new_zeros(rows, cache_len)
+        mask[:, :width] = query_mask
+        positions = (query_mask.cumsum(1) - 1).clamp(min=0)
+        return queries * query_mask, mask, positions, self._cache(rows, cache_len), (rows, cache_len)
+
+
+def compiled_decode_enabled(requested: bool | None, device: torch.device, zero_stage: int | None = None) -> bool:
+    """Whether the rollout samples through a ``StaticDecoder``: ``requested`` (the ``compiled_decode`` setting),
+    or, unset, on for CUDA only. Under ZeRO-3 the policy's weights are gathered into fresh storage for every
+    rollout, so each would recompile: refused when asked for, off when unset."""
+    if zero_stage == 3:
+        if requested:
+            raise SettingsError("compiled_decode: not with DeepSpeed ZeRO-3, whose policy weights are re-gathered "
+                                "into new storage for every rollout (each would compile the decode step again)")
+        return False
+    return device.type == "cuda" if requested is None else bool(requested)

@@ -1,0 +1,120 @@
+"""The compiled static-cache decode (``fastppo.static_decode``): the same tokens as the eager sampler for the same
+random state, the same stop handling, the current weights read after they change, and no recompilation once a
+bucket is compiled. On a CPU the step compiles with inductor (tens of seconds per model, once); on a GPU with
+CUDA graphs. Each test compiles one bucket, so the module stays within a couple of minutes of CI."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fastppo import PPOConfig, PPOTrainer
+from fastppo.errors import SettingsError
+from fastppo.generation import sample_responses
+from fastppo.static_decode import StaticDecoder, batch_bucket, compiled_decode_enabled
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+def left_padded(rows: int, width: int, vocab: int, pads, device, generator):
+    ids = torch.randint(3, vocab, (rows, width), generator=generator).to(device)
+    mask = torch.ones(rows, width, dtype=torch.long, device=device)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return torch.where(mask.bool(), ids, 0), mask
+
+
+def both_samplers(lm, decoder, ids, mask, length, stops, seed, temperature=1.0, chunk=None):
+    out = []
+    for dec in (None, decoder):
+        torch.manual_seed(seed)
+        out.append(sample_responses(lm, ids, mask, length, temperature, stops, 0, chunk or ids.shape[0], decoder=dec))
+    return out
+
+
+def frequent_tokens(lm, ids, mask, k: int = 12) -> list[int]:
+    """The ``k`` tokens the model samples most after these prompts: stop ids that end some rows early, not all."""
+    logits = lm(input_ids=ids, attention_mask=mask).logits[:, -1]
+    return logits.softmax(-1).mean(0).topk(k).indices.tolist()
+
+
+def test_buckets_and_the_default():
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert compiled_decode_enabled(None, torch.device("cpu")) is False
+    assert compiled_decode_enabled(None, torch.device("cuda")) is True
+    assert compiled_decode_enabled(True, torch.device("cpu")) is True
+    assert compiled_decode_enabled(None, torch.device("cuda"), zero_stage=3) is False
+    with pytest.raises(SettingsError, match="compiled_decode.*ZeRO-3"):
+        compiled_decode_enabled(True, torch.device("cuda"), zero_stage=3)
+    with pytest.raises(SettingsError, match="cache_bucket"):
+        StaticDecoder(torch.nn.Linear(1, 1), cache_bucket=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_tokens_as_eager_no_recompile_and_the_current_weights(model_dir, device, caplog):
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    vocab = lm.config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    ids, mask = left_padded(5, 11, vocab, [0, 3, 7, 1, 10], device, gen)  # batch 5: padded to a bucket of 8
+    stops = frequent_tokens(lm, ids, mask)
+    decoder = StaticDecoder(lm)
+    with caplog.at_level(logging.INFO, logger="fastppo.static_decode"):
+        eager, compiled = both_samplers(lm, decoder, ids, mask, 12, stops, seed=1)
+    assert torch.equal(compiled, eager)
+    stopped = torch.isin(eager, torch.tensor(stops, device=device)).any(1)
+    assert stopped.any() and not stopped.all(), "the stop id should end some rows and not others"
+    assert (eager[:, -1] == 0).any()  # a stopped row is padded after its stop token
+    assert list(decoder.compile_seconds) == [(8, 64)]
+
+    # steady state: other prompts, another width and batch inside the same buckets, no stop ids, and weights
+    # changed in place (as the optimizer does): no recompilation, still the eager tokens
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed, rows, width in ((2, 5, 11), (3, 7, 19), (4, 6, 30)):
+            ids, mask = left_padded(rows, width, vocab, range(0, 2 * rows, 2), device, gen)
+            eager, compiled = both_samplers(lm, decoder, ids, mask, 12, stops if seed != 3 else [], seed=seed)
+            assert torch.equal(compiled, eager), (seed, rows, width)
+            with torch.no_grad():
+                for p in lm.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen).to(device) * 0.05)
+        assert (eager != 0).all() or seed != 3
+    assert list(decoder.compile_seconds) == [(8, 64)]
+    assert sum("compiled the decode step" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_tokens_as_eager_on_smollm2_chat_prompts(smollm2, device):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2, padding_side="left")
+    lm = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).to(device)
+    questions = ["Reply with one word: yes or no?", "What is 2+2? Answer with a number only.", "Say hi.",
+                 "Write a long story about the sea."]
+    batch = tokenizer.apply_chat_template([[{"role": "user", "content": q}] for q in questions],
+                                          add_generation_prompt=True, padding=True, return_tensors="pt",
+                                          return_dict=True)
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    eos = tokenizer.eos_token_id
+    decoder = StaticDecoder(lm)
+    for seed in (0, 1):
+        eager, compiled = both_samplers(lm, decoder, ids * mask, mask, 24, [eos], seed=seed, temperature=0.7)
+        assert torch.equal(compiled, eager), seed
+    assert (eager == eos).any(), "a one-word answer should end in eos within 24 tokens"
+
+
+def test_the_trainer_with_compiled_decode_trains_exactly_as_without(tmp_path, model_dir):
+    def train(compiled: bool):
+        args = PPOConfig(output_dir=str(tmp_path / str(compiled)), sft_model_path=model_dir, reward_model_path=None,
+                         compiled_decode=compiled, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                         num_ppo_epochs=1, response_length=8, total_episodes=12, seed=5, save_strategy="no",
+                         report_to=[], num_sample_generations=0, disable_tqdm=True, stop_token="eos")
+        trainer = PPOTrainer(args=args)
+        trainer.train()
+        return trainer
+
+    eager = train(False)
+    assert eager._static_decoder is None
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the first iteration compiles; the later two reuse it
+        compiled = train(True)
+    assert list(compiled._static_decoder.compile_seconds) == [(4, 64)]
+    for (name, a), b in zip(eager.actor_critic.state_dict().items(), compiled.actor_critic.state_dict().values()):
+        assert torch.equal(a, b), name
