@@ -25,9 +25,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 stage() { local secs=$1; shift; echo "=== $* (at most ${secs}s)"; timeout "$secs" "$@"; echo "=== exit $?"; }
 
-stage 150 python3 -c "import fastppo.kernels as k; print('extension', k.extension_backend())" 2>&1 | tee "$OUT/ext.log"
-stage 60 python3 bench/machine_limits.py --tokens 1280 --json "$OUT/limits.json" 2>&1 | tee "$OUT/limits.log"
-stage 100 python3 -m pytest tests/test_static_decode.py -q -rfEs -p no:cacheprovider -k "not smollm2" 2>&1 \
+stage 120 python3 -c "import fastppo.kernels as k; print('extension', k.extension_backend())" 2>&1 | tee "$OUT/ext.log"
+stage 40 python3 bench/machine_limits.py --tokens 1280 --json "$OUT/limits.json" 2>&1 | tee "$OUT/limits.log"
+stage ${TEST_SECONDS:-100} python3 -m pytest tests/test_static_decode.py -q -rfEs -p no:cacheprovider -k "${TEST_K:-not smollm2}" 2>&1 \
   | tee "$OUT/tests.log"
 stage 170 python3 bench/decode_bench.py --reps 3 --batches ${DECODE_BATCHES:-16} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
 E2E="--model smollm2 --per_device_train_batch_size 16 --gradient_accumulation_steps 1 --num_ppo_epochs 4

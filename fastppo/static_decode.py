@@ -48,6 +48,23 @@ def batch_bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+_PROMOTING_LAYERS: dict[type, type] = {}
+
+
+def _promoting_layer_class(base: type) -> type:
+    """``base`` (a static cache layer) storing keys and values in their promoted dtype. Under bf16 autocast a Llama
+    layer's keys come out of the rotary embedding in fp32 while its values are bf16; ``StaticLayer`` allocates both
+    in the keys' dtype and then refuses the values. Upcasting the values is exact, and attention casts both back to
+    what the eager loop's ``DynamicCache`` (which keeps each as it comes) gives it: the same logits, the same tokens."""
+    if base not in _PROMOTING_LAYERS:
+        def update(self, key_states, value_states, *args, **kwargs):
+            dtype = torch.promote_types(key_states.dtype, value_states.dtype)
+            return base.update(self, key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+        _PROMOTING_LAYERS[base] = type(f"Promoting{base.__name__}", (base,), {"update": update})
+    return _PROMOTING_LAYERS[base]
+
+
 def _decode_step(lm, input_ids, attention_mask, position_ids, cache):
     # the last position's logits only: [B, V]
     return lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
@@ -86,6 +103,8 @@ class StaticDecoder:
         cache = self._caches.get(key)
         if cache is None:
             cache = self._caches[key] = StaticCache(config=self.lm.config, max_cache_len=cache_len)
+            for layer in cache.layers:
+                layer.__class__ = _promoting_layer_class(type(layer))
         else:
             cache.reset()
         return cache

@@ -118,3 +118,17 @@ def test_the_trainer_with_compiled_decode_trains_exactly_as_without(tmp_path, mo
     assert list(compiled._static_decoder.compile_seconds) == [(4, 64)]
     for (name, a), b in zip(eager.actor_critic.state_dict().items(), compiled.actor_critic.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_under_bf16_autocast_keys_and_values_of_two_dtypes_are_cached(model_dir, device):
+    # under bf16 autocast a Llama layer's keys leave the rotary embedding in fp32 and its values in bf16: the static
+    # cache must hold both (transformers' StaticLayer alone raises in index_copy_), and the tokens stay the eager ones
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    ids, mask = left_padded(4, 9, lm.config.vocab_size, [0, 2, 5, 8], device, torch.Generator().manual_seed(3))
+    decoder = StaticDecoder(lm)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        eager, compiled = both_samplers(lm, decoder, ids, mask, 10, [], seed=4)
+    assert torch.equal(compiled, eager)
+    (cache,) = decoder._caches.values()
+    assert {cache.layers[0].keys.dtype, cache.layers[0].values.dtype} == {torch.float32}
