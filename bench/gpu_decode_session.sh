@@ -29,12 +29,17 @@ stage 120 python3 -c "import fastppo.kernels as k; print('extension', k.extensio
 stage 40 python3 bench/machine_limits.py --tokens 1280 --json "$OUT/limits.json" 2>&1 | tee "$OUT/limits.log"
 stage ${TEST_SECONDS:-100} python3 -m pytest tests/test_static_decode.py -q -rfEs -p no:cacheprovider -k "${TEST_K:-not smollm2}" 2>&1 \
   | tee "$OUT/tests.log"
-stage 170 python3 bench/decode_bench.py --reps 3 --batches ${DECODE_BATCHES:-16} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
+if [ -n "${KERNEL_TESTS:-}" ]; then  # the kernel suite on CUDA (TRITON_INTERPRET=0): compiled Triton and the C++ op
+  stage "${KERNEL_TESTS}" python3 -m pytest tests/test_masking.py tests/test_lmhead.py tests/test_logprobs.py \
+    tests/test_logprobs_options.py tests/test_kl.py tests/test_ppo_loss.py tests/test_gae.py tests/test_stats.py \
+    tests/test_gpu_compile.py -q -rfE -p no:cacheprovider -n 8 2>&1 | tee "$OUT/kernels.log"
+fi
+stage ${DECODE_SECONDS:-170} python3 bench/decode_bench.py --reps 3 --batches ${DECODE_BATCHES:-16} --lengths ${DECODE_LENGTHS:-24 53} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
 E2E="--model smollm2 --per_device_train_batch_size 16 --gradient_accumulation_steps 1 --num_ppo_epochs 4
   --learning_rate 3e-6 --temperature 0.7 --stop_on_eos true --missing_eos_penalty 1.0 --iterations 3
   --warmup_iterations 1 --threads 0 --local_rollout_forward_batch_size 16"
-stage ${E2E_SECONDS:-170} python3 bench/trl_baseline.py $E2E --response_length 53 \
+[ "${E2E_SECONDS:-170}" = 0 ] || stage ${E2E_SECONDS:-170} python3 bench/trl_baseline.py $E2E --response_length 53 \
   --impl fastppo-eager,fastppo-compiled,trl --json "$OUT/e2e53.json" 2>&1 | tee "$OUT/e2e.log"
 
-echo; echo "##### summary"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -2
+echo; echo "##### summary"; grep -hE "passed|failed|error" "$OUT/tests.log" "$OUT"/kernels.log 2>/dev/null | tail -4
 tail -4 "$OUT/limits.log"; sed -n '/^NVIDIA\|^cpu (/,$p' "$OUT/decode.log"; sed -n '/^config:/,$p' "$OUT/e2e.log" | tail -30
