@@ -23,7 +23,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   git rev-parse HEAD 2>/dev/null; date -u; } 2>&1 | tee "$OUT/env.txt"
 
-stage() { local secs=$1; shift; echo "=== $* (at most ${secs}s)"; timeout "$secs" "$@"; echo "=== exit $?"; }
+stage() { local secs=$1; shift; [ "$secs" = 0 ] && return; echo "=== $* (at most ${secs}s)"; timeout "$secs" "$@"; echo "=== exit $?"; }
 
 stage 120 python3 -c "import fastppo.kernels as k; print('extension', k.extension_backend())" 2>&1 | tee "$OUT/ext.log"
 stage 40 python3 bench/machine_limits.py --tokens 1280 --json "$OUT/limits.json" 2>&1 | tee "$OUT/limits.log"
@@ -38,8 +38,8 @@ stage ${DECODE_SECONDS:-170} python3 bench/decode_bench.py --reps 3 --batches ${
 E2E="--model smollm2 --per_device_train_batch_size 16 --gradient_accumulation_steps 1 --num_ppo_epochs 4
   --learning_rate 3e-6 --temperature 0.7 --stop_on_eos true --missing_eos_penalty 1.0 --iterations 3
   --warmup_iterations 1 --threads 0 --local_rollout_forward_batch_size 16"
-[ "${E2E_SECONDS:-170}" = 0 ] || stage ${E2E_SECONDS:-170} python3 bench/trl_baseline.py $E2E --response_length 53 \
-  --impl fastppo-eager,fastppo-compiled,trl --json "$OUT/e2e53.json" 2>&1 | tee "$OUT/e2e.log"
+stage ${E2E_SECONDS:-170} python3 bench/trl_baseline.py $E2E --response_length ${E2E_LENGTH:-53} \
+  --impl fastppo-eager,fastppo-compiled,trl --json "$OUT/e2e${E2E_LENGTH:-53}.json" 2>&1 | tee "$OUT/e2e.log"
 
 echo; echo "##### summary"; grep -hE "passed|failed|error" "$OUT/tests.log" "$OUT"/kernels.log 2>/dev/null | tail -4
 tail -4 "$OUT/limits.log"; sed -n '/^NVIDIA\|^cpu (/,$p' "$OUT/decode.log"; sed -n '/^config:/,$p' "$OUT/e2e.log" | tail -30

@@ -258,8 +258,10 @@ def test_fused_full_kl_large_magnitude(triton_device):
     assert logit_scale > 1e3
     # fp32 logits of size L carry ~L·6e-8 of rounding each; the KL inherits it.
     torch.testing.assert_close(kl.double(), want.double(), rtol=1e-5, atol=logit_scale * 1e-6)
-    assert_grad_close(d_h, want_h, torch.float32)
-    assert_grad_close(d_w, want_w, torch.float32)
+    # the gradients inherit the same per-logit rounding (through p − q); the interpreter's numpy dot happened to
+    # land within fp32's plain tolerance, the H100's tiled dot did not (5e-4 at logit scale ~1e3)
+    assert_grad_close(d_h, want_h, torch.float32, extra_atol=logit_scale * 1e-6)
+    assert_grad_close(d_w, want_w, torch.float32, extra_atol=logit_scale * 1e-6)
 
 
 def test_fused_full_kl_nonnegative_and_zero_for_identical_models(triton_device):
@@ -272,8 +274,10 @@ def test_fused_full_kl_nonnegative_and_zero_for_identical_models(triton_device):
     kl0 = fused_full_kl(h_same, w_same, h.clone(), w.clone(), 0.8)
     torch.testing.assert_close(kl0, torch.zeros_like(kl0), rtol=0, atol=1e-6)
     kl0.sum().backward()
-    torch.testing.assert_close(h_same.grad, torch.zeros_like(h), rtol=0, atol=1e-6)
-    torch.testing.assert_close(w_same.grad, torch.zeros_like(w), rtol=0, atol=1e-6)
+    # zero up to fp32 rounding: the backward recomputes the policy's logits in its own tiles, so p − q is a few
+    # ulps, not 0 (1.2e-6 in the weight's gradient on an H100)
+    torch.testing.assert_close(h_same.grad, torch.zeros_like(h), rtol=0, atol=1e-5)
+    torch.testing.assert_close(w_same.grad, torch.zeros_like(w), rtol=0, atol=1e-5)
 
 
 def test_fused_full_kl_edge_shapes(triton_device):

@@ -44,7 +44,7 @@ def test_chunked_backward_accumulates_grad_hidden_in_fp32(triton_device):
     with override_tile("lmhead_backward", chunk):  # two chunks on any device
         grad_h, grad_w, grad_b = _lmhead.vocab_chunked_backward(hidden, weight, None, dlogits, (True, True, False))
     assert grad_h.dtype == grad_w.dtype == torch.bfloat16 and grad_b is None
-    torch.testing.assert_close(grad_h.double(), torch.full((n_rows, hdim), 1.375, dtype=torch.float64),
+    torch.testing.assert_close(grad_h.double().cpu(), torch.full((n_rows, hdim), 1.375, dtype=torch.float64),
                                atol=0, rtol=0)
     sign = torch.cat([torch.ones(chunk), -torch.ones(chunk)]).double().to(triton_device)
     assert_close(grad_w, sign[:, None] * hidden.double().sum(0)[None, :], torch.bfloat16)

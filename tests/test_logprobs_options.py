@@ -63,7 +63,7 @@ def test_softcap_and_logit_scale_forward_and_backward(path, monkeypatch, softcap
     g = torch.Generator().manual_seed(7)
     hidden, weight, bias = lm_head_inputs((2, 5), 24, 70, torch.float32, device, bias=True, logit_scale=4.0,
                                           generator=g)
-    index = torch.randint(0, 70, (2, 5), generator=g)
+    index = torch.randint(0, 70, (2, 5), generator=g).to(device)
     params = [t.requires_grad_() for t in (hidden, weight, bias)]
     out = fused_token_logprobs(hidden, weight, index, temperature, bias=bias, softcap=softcap,
                                logit_scale=logit_scale, outputs=("logprobs", "entropy"))
@@ -102,7 +102,7 @@ def test_ignore_index_rows_are_zero_pass_no_gradient_and_leave_the_others_unchan
     device = _device(path, monkeypatch)
     g = torch.Generator().manual_seed(3)
     hidden, weight, _ = lm_head_inputs((4, 5), 16, 50, dtype, device, generator=g)
-    index = torch.randint(0, 50, (4, 5), generator=g)
+    index = torch.randint(0, 50, (4, 5), generator=g).to(device)
     index[0, :3] = -100  # a prompt
     index[2, 4] = -100  # padding
     index[3] = -100  # a row with nothing to score
@@ -147,7 +147,7 @@ def test_ignore_index_on_token_logprobs_and_turned_off(path, monkeypatch):
     assert not grad[~keep].any() and grad[keep].abs().amax(-1).min() > 0
     # Another ignore value, and none: then -100 is an out-of-range index, refused by name.
     index7 = torch.where(keep, index, 7)
-    assert torch.equal(token_logprobs(logits, index7, 1.1, ignore_index=7)[index7 == 7], torch.zeros(3))
+    assert torch.equal(token_logprobs(logits, index7, 1.1, ignore_index=7)[index7 == 7], torch.zeros(3, device=device))
     with pytest.raises(ValueError, match=r"index values must lie in \[0, 37\), got min -100"):
         token_logprobs(logits, index, 1.1, ignore_index=None)
 
@@ -164,7 +164,7 @@ def test_statistics_of_the_same_pass(path, monkeypatch, vocab, with_bias):
         bias[9] = float("-inf")  # a banned token: p = 0
     z = hidden.double() @ weight.double().T + (0 if bias is None else bias.double())
     top = z.argmax(-1)
-    index = torch.randint(0, vocab, (9,), generator=g)
+    index = torch.randint(0, vocab, (9,), generator=g).to(device)
     index[:3] = top[:3]  # certain top-1 hits
     hidden[3] = 4 * weight[2]  # rows 3, 4 peak at the tie: target 2 is the top-1, target 5 is not
     hidden[4] = 4 * weight[2]
@@ -191,9 +191,9 @@ def test_entropy_only_needs_no_index(path, monkeypatch):
     hidden.requires_grad_()
     out = fused_token_logprobs(hidden, weight, None, 0.7, outputs="entropy")
     assert isinstance(out, TokenStats) and out.logprobs is None and out.is_top1 is None
-    _, ent = fused_token_logprobs(hidden, weight, torch.zeros(2, 3, dtype=torch.long), 0.7, return_entropy=True)
+    _, ent = fused_token_logprobs(hidden, weight, torch.zeros(2, 3, dtype=torch.long, device=device), 0.7, return_entropy=True)
     torch.testing.assert_close(out.entropy, ent)
-    want = oracle(hidden.detach(), weight, None, torch.zeros(2, 3, dtype=torch.long), 0.7)["entropy"]
+    want = oracle(hidden.detach(), weight, None, torch.zeros(2, 3, dtype=torch.long, device=device), 0.7)["entropy"]
     assert_close(out.entropy, want, torch.float32)
     (grad,) = torch.autograd.grad(out.entropy.sum(), hidden)
     assert grad.abs().min() > 0
@@ -236,6 +236,7 @@ def test_options_property_triton_equals_the_float64_oracle(n, vocab, cap, scale,
     hidden, weight, bias = lm_head_inputs((n,), 16, vocab, torch.float32, device, bias=True, generator=g)
     index = torch.randint(0, vocab, (n,), generator=g)
     index[torch.rand(n, generator=g) < ignore] = -100
+    index = index.to(device)
     out = fused_token_logprobs(hidden, weight, index, temperature, bias=bias, softcap=cap, logit_scale=scale,
                                outputs=ALL)
     ref = oracle(hidden, weight, bias, index, temperature, cap, scale)

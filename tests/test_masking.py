@@ -164,7 +164,9 @@ def test_bad_input(fn, kwargs, error, match):
 
 
 def test_op_itself_checks_arguments():
-    # Called directly, bypassing the Python wrapper, the C++ op still refuses bad input.
+    # Called directly, bypassing the Python wrapper, the C++ op still refuses bad input. The op is registered on
+    # first use: load it here, so the test does not depend on an earlier test (in its process) having done so.
+    extension_backend()
     with pytest.raises(RuntimeError, match="pad_id must be >= 0"):
         torch.ops.fastppo.truncate_at_stop(torch.ones(2, 3, dtype=torch.long), torch.tensor([1]), -2)
     with pytest.raises(RuntimeError, match="responses must be 2-D"):
