@@ -174,7 +174,7 @@ def test_properties(vocab, rows, scale, temperature, shift, seed):
     every = logits.repeat_interleave(vocab, 0)
     index = torch.arange(vocab, device=device).repeat(rows)
     lp, ent = token_logprobs(every, index, temperature, return_entropy=True)
-    assert (lp <= 1e-6).all()
+    assert (lp <= 1e-5).all()  # log p <= 0 up to fp32 rounding of the lse (2.2e-6 seen on an H100 at |z| ~ 20)
     torch.testing.assert_close(lp.view(rows, vocab).exp().sum(-1), torch.ones(rows, device=device), atol=1e-5, rtol=0)
     assert (ent >= -1e-5).all() and (ent <= math.log(vocab) + 1e-5).all()
     # Shift invariance, up to the fp32 rounding of the shifted logits themselves.

@@ -74,7 +74,7 @@ def test_softcap_and_logit_scale_forward_and_backward(path, monkeypatch, softcap
     if softcap is not None:  # the cap matters here: the uncapped logits give other numbers
         uncapped = oracle(*leaves[:2], leaves[2], index, temperature, None, logit_scale)
         assert (uncapped["logprobs"] - out.logprobs.double()).abs().max() > 1e-2
-    upstream = tuple(torch.randn(2, 5, dtype=torch.float64, generator=g) for _ in range(2))
+    upstream = tuple(torch.randn(2, 5, dtype=torch.float64, generator=g).to(device) for _ in range(2))
     for got, want in zip(_grads(out.logprobs, out.entropy, params, upstream),
                          _grads(ref["logprobs"], ref["entropy"], leaves, upstream)):
         assert got.abs().max() > 0
@@ -119,7 +119,7 @@ def test_ignore_index_rows_are_zero_pass_no_gradient_and_leave_the_others_unchan
         assert_close(getattr(out, name)[keep], ref[name][keep], dtype)
     assert torch.equal(out.is_top1, ref["is_top1"]) or dtype != torch.float64
     # Gradients: the ignored rows' hidden states get exactly zero; the weight's equals the kept rows' alone.
-    upstream = torch.randn(4, 5, dtype=torch.float64, generator=g)
+    upstream = torch.randn(4, 5, dtype=torch.float64, generator=g).to(device)
     grad_h, grad_w = torch.autograd.grad((out.logprobs.double() * upstream).sum() + out.entropy.double().sum(),
                                          (hidden, weight))
     assert not grad_h[~keep].any() and grad_h[keep].abs().amax(-1).min() > 0
@@ -148,6 +148,8 @@ def test_ignore_index_on_token_logprobs_and_turned_off(path, monkeypatch):
     # Another ignore value, and none: then -100 is an out-of-range index, refused by name.
     index7 = torch.where(keep, index, 7)
     assert torch.equal(token_logprobs(logits, index7, 1.1, ignore_index=7)[index7 == 7], torch.zeros(3, device=device))
+    if device.type == "cuda":  # the range check costs a host sync: reference path and interpreter only (by design)
+        return
     with pytest.raises(ValueError, match=r"index values must lie in \[0, 37\), got min -100"):
         token_logprobs(logits, index, 1.1, ignore_index=None)
 
