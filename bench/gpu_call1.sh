@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# One device call (at most ~530 s): install, the kernel tests on CUDA, the quick kernel benches, a short tile
+# sweep, and a summary table printed last. Every stage runs under `timeout -s INT` (pytest then still writes its
+# junit/benchmark JSON and summary), so logs always come back under $OUT, at most 5 files there:
+#   call1.log (everything printed), tests.xml (junit), bench.json (pytest-benchmark), tune.json (tile sweeps),
+#   summary.txt (the table printed last).
+#
+#   bash bench/fetch_wheels.sh                       # here, beforehand: datasets, liger-kernel, trl 0.26.2, ...
+#   device run: bash bench/gpu_call1.sh   carry: [".whl"]   timeout_s: 560
+#
+# Knobs (environment): BUDGET (530 s in all), TEST_WORKERS (8), TEST_SECONDS (260), BENCH_SECONDS (150),
+# TUNE_SECONDS (90), BENCH_K (pytest -k for the benches; default leaves out the torch.compile peers, whose
+# compiles alone would fill the stage, and the CPU cases), TUNE_FUSED_SHAPE ("4096 4096 128256").
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+BUDGET=${BUDGET:-530}
+START=$SECONDS
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false FASTPPO_CACHE=/tmp/fastppo-cache
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+WORK=/tmp/gpu_call1
+rm -rf "$WORK" && mkdir -p "$WORK"
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+# cap CAP RESERVE: the seconds a stage may take, at most CAP, leaving RESERVE for the later stages.
+cap() { local c=$1 r=$(( $(left) - $2 )); [ "$r" -lt "$c" ] && c=$r; [ "$c" -lt 5 ] && c=0; echo "$c"; }
+# stage SECS NAME CMD...: run CMD under timeout (SIGINT first so pytest finishes its reports, SIGKILL 15 s later).
+stage() {
+  local secs=$1 name=$2; shift 2
+  if [ "$secs" -le 0 ]; then echo "=== $name: SKIPPED (no time left)"; return 0; fi
+  echo "=== $name (at most ${secs}s; $(left)s of the budget left)"
+  local t0=$SECONDS
+  timeout -s INT -k 15 "$secs" "$@"
+  local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - t0))s$([ $rc = 124 ] || [ $rc = 137 ] && echo ' (TIMED OUT)')"
+  echo "$name $rc $((SECONDS - t0))" >> "$WORK/stages"
+  return 0
+}
+
+main() {
+  # ------------------------------------------------------------------ a. install, build, environment
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    stage 60 wheels python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  stage "$(cap 150 300)" build python3 -m pip install --no-build-isolation --no-deps -e .
+  ls -la fastppo/_C*.so 2>&1
+  echo "=== env"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
+  python3 - <<'EOF' 2>&1
+import importlib.metadata as md, os, platform
+import torch, triton, transformers
+print("python", platform.python_version(), "| torch", torch.__version__, "| triton", triton.__version__,
+      "| transformers", transformers.__version__, "| cuda", torch.version.cuda)
+print("device", torch.cuda.get_device_name(0), "| SMs", torch.cuda.get_device_properties(0).multi_processor_count)
+for m in ("datasets", "liger-kernel", "trl", "pytest", "pytest-xdist", "pytest-timeout", "pytest-benchmark",
+          "hypothesis"):
+    try:
+        print(f"  {m} {md.version(m)}")
+    except md.PackageNotFoundError:
+        print(f"  {m} MISSING")
+import fastppo.kernels as k
+from fastppo.kernels import truncate_at_stop, truncate_at_stop_reference
+backend = k.extension_backend()
+has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key("fastppo::truncate_at_stop", "CUDA")
+import fastppo
+so = [f for f in os.listdir(os.path.dirname(fastppo.__file__)) if f.startswith("_C") and f.endswith(".so")]
+print(f"extension backend: {backend} | CUDA kernel registered: {has_cuda} | binaries: {so}")
+x = torch.randint(0, 50, (64, 300), device="cuda")
+got, want = truncate_at_stop(x, [3, 7], 0), truncate_at_stop_reference(x, [3, 7], 0)
+print("truncate_at_stop on CUDA equals the reference:", all(torch.equal(a, b) for a, b in zip(got, want)))
+EOF
+  git rev-parse HEAD 2>&1; git status --short 2>&1 | head -10; date -u
+
+  # ------------------------------------------------------------------ b. kernel tests on CUDA
+  local xdist=() tmo=()
+  python3 -c "import xdist" 2>/dev/null && xdist=(-n "${TEST_WORKERS:-8}")
+  python3 -c "import pytest_timeout" 2>/dev/null && tmo=(--timeout 120)
+  stage "$(cap "${TEST_SECONDS:-260}" 150)" tests python3 -m pytest tests/test_masking.py tests/test_lmhead.py \
+    tests/test_logprobs.py tests/test_logprobs_options.py tests/test_kl.py tests/test_ppo_loss.py tests/test_gae.py \
+    tests/test_stats.py tests/test_kernel_structure.py tests/test_gpu_compile.py \
+    -q -rfEs "${tmo[@]}" "${xdist[@]}" -p no:cacheprovider --junitxml="$OUT/tests.xml"
+
+  # ------------------------------------------------------------------ c. quick kernel benches
+  stage "$(cap "${BENCH_SECONDS:-150}" 45)" bench python3 -m pytest bench/bench_logprobs.py \
+    bench/bench_ppo_loss.py bench/bench_kl.py bench/bench_gae.py bench/bench_masking.py --quick \
+    -k "${BENCH_K:-not compile and not _cpu}" -q -rs -p no:cacheprovider --benchmark-group-by=group \
+    --benchmark-columns=median,iqr,rounds --benchmark-json="$OUT/bench.json"
+
+  # ------------------------------------------------------------------ d. tile sweeps (each to its own JSON)
+  stage "$(cap 40 40)" tune-lmhead_backward python3 bench/tune.py lmhead_backward --repeats 10 \
+    --out "$WORK/tune_lmhead_backward.json"
+  # shellcheck disable=SC2086
+  stage "$(cap 90 8)" tune-fused_token_logprobs python3 bench/tune.py fused_token_logprobs \
+    --shape ${TUNE_FUSED_SHAPE:-4096 4096 128256} --repeats 10 --out "$WORK/tune_fused_token_logprobs.json"
+}
+
+summary() {
+  python3 - "$OUT" "$WORK" <<'EOF'
+import glob, json, os, re, sys
+import xml.etree.ElementTree as ET
+
+out, work = sys.argv[1], sys.argv[2]
+print("\n##### summary")
+if os.path.exists(f"{work}/stages"):
+    print("stages (name, exit, seconds):", "; ".join(" ".join(l.split()) for l in open(f"{work}/stages")))
+# tests
+try:
+    root = ET.parse(f"{out}/tests.xml").getroot()
+    cases = list(root.iter("testcase"))
+    failed = [(c, e) for c in cases for e in c if e.tag in ("failure", "error")]
+    skipped = [c for c in cases if any(e.tag == "skipped" for e in c)]
+    print(f"tests: {len(cases)} cases, {len(cases) - len({id(c) for c, _ in failed}) - len(skipped)} passed, "
+          f"{len(failed)} failed/errors, {len(skipped)} skipped")
+    for c, e in failed:
+        msg = (e.get("message") or "").strip().splitlines()
+        print(f"  {e.tag.upper()} {c.get('classname')}::{c.get('name')}: {msg[0][:200] if msg else ''}")
+except Exception as err:  # noqa: BLE001
+    print("tests: no junit XML:", type(err).__name__, err)
+# benches
+try:
+    data = json.load(open(f"{out}/bench.json"))
+    groups = {}
+    for b in data["benchmarks"]:
+        med = b.get("extra_info", {}).get("median_s") or b["stats"]["median"]
+        groups.setdefault(b["group"], []).append((b["name"].split("[")[0] if b["name"].startswith("test_") else
+                                                  b["name"], med))
+    print(f"benches: {len(data['benchmarks'])} records")
+    print(f"  {'group':<88} {'impl':<36} {'median ms':>10} {'vs ref':>7}")
+    for g, rows in sorted(groups.items()):
+        ref = next((m for n, m in rows if n == "reference"), None) or next(
+            (m for n, m in rows if n.startswith("reference")), None)
+        for n, m in rows:
+            print(f"  {g[:88]:<88} {n[:36]:<36} {m * 1e3:>10.3f} {(f'{ref / m:.2f}x' if ref else '-'):>7}")
+except Exception as err:  # noqa: BLE001
+    print("benches: no JSON:", type(err).__name__, err)
+# tile sweeps
+merged = {}
+for path in sorted(glob.glob(f"{work}/tune_*.json")):
+    d = json.load(open(path))
+    merged.setdefault("env", {k: v for k, v in d.items() if k != "targets"})
+    merged.setdefault("targets", {}).update(d["targets"])
+if merged:
+    json.dump(merged, open(f"{out}/tune.json", "w"), indent=1)
+for target, res in merged.get("targets", {}).items():
+    timed = sorted((r for r in res["rows"] if "median_s" in r), key=lambda r: r["median_s"])
+    default = next((r for r in res["rows"] if r["default"] and "median_s" in r), None)
+    if timed:
+        best = timed[0]
+        print(f"tune {target} {res['passes']} shape={res['shape']}: default {res['default']} "
+              f"{default['median_s'] * 1e3 if default else float('nan'):.3f} ms; best {best['tile']} "
+              f"{best['median_s'] * 1e3:.3f} ms ({default['median_s'] / best['median_s'] if default else 0:.2f}x); "
+              f"{sum('error' in r for r in res['rows'])} of {len(res['rows'])} failed")
+# a sweep cut off by its timeout wrote no JSON: its candidates from the log
+log = open(f"{out}/call1.log", errors="replace").read() if os.path.exists(f"{out}/call1.log") else ""
+for target in ("lmhead_backward", "fused_token_logprobs"):
+    if target not in merged.get("targets", {}):
+        rows = re.findall(rf"^  {target} (.+?): ([0-9.]+) ms$", log, flags=re.M)
+        if rows:
+            best = min(rows, key=lambda r: float(r[1]))
+            print(f"tune {target} (cut off, from the log): first {rows[0][0]} {rows[0][1]} ms (the default); "
+                  f"best so far {best[0]} {best[1]} ms of {len(rows)} timed")
+EOF
+}
+
+main 2>&1 | tee "$OUT/call1.log"
+summary 2>&1 | tee "$OUT/summary.txt" | tee -a "$OUT/call1.log"
+echo "total $((SECONDS - START))s"
