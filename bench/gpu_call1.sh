@@ -52,26 +52,38 @@ main() {
   python3 - <<'EOF' 2>&1
 import importlib.metadata as md, os, platform
 import torch, triton, transformers
-print("python", platform.python_version(), "| torch", torch.__version__, "| triton", triton.__version__,
-      "| transformers", transformers.__version__, "| cuda", torch.version.cuda)
-print("device", torch.cuda.get_device_name(0), "| SMs", torch.cuda.get_device_properties(0).multi_processor_count)
+def show(what, fn):
+    try:
+        print(what, fn())
+    except Exception as err:  # noqa: BLE001 - every line is reported, also after one fails
+        print(what, "FAILED:", type(err).__name__, str(err)[:300])
+show("python", lambda: f"{platform.python_version()} | torch {torch.__version__} | triton {triton.__version__} | "
+     f"transformers {transformers.__version__} | cuda {torch.version.cuda}")
+show("device", lambda: f"{torch.cuda.get_device_name(0)} | SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
 for m in ("datasets", "liger-kernel", "trl", "pytest", "pytest-xdist", "pytest-timeout", "pytest-benchmark",
           "hypothesis"):
-    try:
-        print(f"  {m} {md.version(m)}")
-    except md.PackageNotFoundError:
-        print(f"  {m} MISSING")
-import fastppo.kernels as k
+    show(f"  {m}", lambda: md.version(m))
+import fastppo, fastppo.kernels as k
 from fastppo.kernels import truncate_at_stop, truncate_at_stop_reference
-backend = k.extension_backend()
-has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key("fastppo::truncate_at_stop", "CUDA")
-import fastppo
-so = [f for f in os.listdir(os.path.dirname(fastppo.__file__)) if f.startswith("_C") and f.endswith(".so")]
-print(f"extension backend: {backend} | CUDA kernel registered: {has_cuda} | binaries: {so}")
-x = torch.randint(0, 50, (64, 300), device="cuda")
-got, want = truncate_at_stop(x, [3, 7], 0), truncate_at_stop_reference(x, [3, 7], 0)
-print("truncate_at_stop on CUDA equals the reference:", all(torch.equal(a, b) for a, b in zip(got, want)))
+show("extension backend:", k.extension_backend)
+show("CUDA kernel registered for fastppo::truncate_at_stop:",
+     lambda: torch._C._dispatch_has_kernel_for_dispatch_key("fastppo::truncate_at_stop", "CUDA"))
+show("binaries:", lambda: [f for f in os.listdir(os.path.dirname(fastppo.__file__)) if f.startswith("_C")])
+def same():
+    x = torch.randint(0, 50, (64, 300), device="cuda")
+    got, want = truncate_at_stop(x, [3, 7], 0), truncate_at_stop_reference(x, [3, 7], 0)
+    return all(torch.equal(a, b) for a, b in zip(got, want))
+show("truncate_at_stop on CUDA equals the reference:", same)
 EOF
+  # Open finding 3 of the first lease (a worker segfault calling the op directly with pad_id < 0, JIT build):
+  # does the AOT build crash too? In its own process, with Python's fault handler on.
+  echo "=== the op called directly with pad_id -2 (must raise RuntimeError, not crash)"
+  timeout 60 python3 -X faulthandler -c "import torch, fastppo.kernels as k; print('backend', k.extension_backend())
+try:
+    torch.ops.fastppo.truncate_at_stop(torch.ones(2, 3, dtype=torch.long), torch.tensor([1]), -2)
+except RuntimeError as e:
+    print('raised RuntimeError:', str(e).splitlines()[0])" 2>&1 | tail -25
+  echo "=== exit ${PIPESTATUS[0]} (139 = segfault)"
   git rev-parse HEAD 2>&1; git status --short 2>&1 | head -10; date -u
 
   # ------------------------------------------------------------------ b. kernel tests on CUDA
