@@ -210,8 +210,13 @@ class IterationClock:
 
 def shared_settings(cfg: E2EConfig, output_dir: str) -> dict:
     """The settings both trainers' configs take, under the same names (TRL's PPOConfig and ours)."""
+    import torch
+
     return dict(
         output_dir=output_dir,
+        # the same precision for both: bf16 autocast over fp32 weights on a bf16 GPU (both trainers' default
+        # there), fp32 on a CPU (fastppo's default; TRL's would autocast to bf16, slower on most CPUs)
+        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         total_episodes=cfg.batch_size * cfg.total_iterations,
         lr_scheduler_type="linear",
         kl_estimator="k1",

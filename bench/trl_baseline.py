@@ -42,6 +42,7 @@ from e2e_common import (  # noqa: F401  (SMOLLM2_CASE: re-exported for bench_tra
     smollm2_dir,
     stamp_callback,
 )
+from e2e_limits import limits_report
 from e2e_report import format_report
 from trl_peer import TRL_IMPL_NAME, reward_fn_model, run_trl, trl_version  # noqa: F401  (re-exported for callers)
 
@@ -157,6 +158,9 @@ def _parse(argv=None):
                    f"{', '.join(RUNNERS)} (interleaved)")
     p.add_argument("--rounds", type=int, default=1, help="with --impl both: interleaved rounds")
     p.add_argument("--json", help="write the raw summaries here")
+    p.add_argument("--limits", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the runs, measure this machine's GEMM rate and read bandwidth and place each "
+                   "trainer's update and decode step against them (e2e_limits.py)")
     p.add_argument("--child", choices=tuple(RUNNERS), help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     for f in dataclasses.fields(E2EConfig):
@@ -184,6 +188,9 @@ def main(argv=None) -> None:
     print(f"config: {cfg.describe()}", flush=True)
     results = compare(cfg, args.rounds, impls)
     print(format_report(results))
+    if args.limits:
+        shared = {name for name, extra in FASTPPO_VARIANTS.items() if extra.get("shared_value_head")}
+        print(limits_report(results, model_and_prompts(cfg, None)[0], shared))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -210,7 +210,6 @@ def run_trl(cfg: E2EConfig, output_dir: str) -> dict:
         exp_name="trl_baseline",
         stop_token="eos" if cfg.stop_on_eos else None,
         missing_eos_penalty=cfg.missing_eos_penalty,
-        bf16=False,
         fp16=False,
         gradient_checkpointing=False,
         save_strategy="no",

@@ -4,7 +4,13 @@ Dispatch rule, decided here and nowhere else:
   * CUDA tensors run the Triton (or CUDA) kernel;
   * CPU tensors run the plain PyTorch reference (or the C++ op);
   * with ``TRITON_INTERPRET=1`` in the environment, CPU tensors run the Triton
-    kernel under Triton's interpreter (how CI checks kernels without a GPU).
+    kernel under Triton's interpreter (how CI checks kernels without a GPU);
+  * except float64 inputs with a float argument (temperature, clip range...)
+    that fp32 cannot hold exactly: they run the reference. Compiled Triton
+    passes a Python float as fp32, so a temperature of 0.9 would arrive as
+    0.90000004 and move an fp64 log-prob by 2e-7 (found on an H100); fp64 is
+    what one asks for exact results, so it gets them. The rule holds under the
+    interpreter too, so CI sees the same dispatch as a GPU.
 
 Triton reads ``TRITON_INTERPRET`` when a kernel is *decorated*, so the variable
 must be set before ``fastppo.kernels`` is first imported; we read it at call
@@ -22,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import struct
 from collections.abc import Iterable
 
 import torch
@@ -46,9 +53,17 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def use_triton(tensor: torch.Tensor) -> bool:
-    """Whether a call on ``tensor`` takes the Triton path (see module docstring)."""
+def exact_in_fp32(value: float) -> bool:
+    """Whether ``value`` survives a round trip through fp32 (how Triton passes a Python float)."""
+    return struct.unpack("f", struct.pack("f", value))[0] == value if math.isfinite(value) else True
+
+
+def use_triton(tensor: torch.Tensor, scalars: Iterable[float] = ()) -> bool:
+    """Whether a call on ``tensor`` takes the Triton path (see module docstring); ``scalars``: the float
+    arguments the kernel would be passed."""
     if not HAS_TRITON:
+        return False
+    if tensor.dtype == torch.float64 and not all(exact_in_fp32(float(x)) for x in scalars):
         return False
     if tensor.is_cuda:
         return True

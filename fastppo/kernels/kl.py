@@ -420,7 +420,7 @@ def fused_full_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=
     ref_weight = ref_weight.detach()
     ref_bias = None if ref_bias is None else ref_bias.detach()
     # No tokens: nothing to launch; the reference math handles [0, H] and keeps autograd connected.
-    if use_triton(hidden) and h2.shape[0] > 0:
+    if use_triton(hidden, (temperature,)) and h2.shape[0] > 0:
         kl = _FusedFullKL.apply(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
     else:
         kl = _full_kl_math(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)

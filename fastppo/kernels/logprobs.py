@@ -486,7 +486,7 @@ def token_logprobs(logits, index, temperature=1.0, *, return_entropy=False, outp
     temperature = _check_token_logprobs_args(logits, index, temperature)
     wants = requested_outputs(outputs, return_entropy, DIFFERENTIABLE_OUTPUTS)
     safe_index, keep = _prepare_index(index, logits.shape[:-1], logits.device, wants, ignore_index)
-    if not use_triton(logits):
+    if not use_triton(logits, (temperature,)):
         check_index_range(safe_index, logits.shape[-1])
         raw = _token_stats_reference(logits, safe_index, temperature, wants)
         return _finish(raw, wants, keep, safe_index.shape, return_entropy, outputs)
@@ -538,7 +538,7 @@ def fused_token_logprobs(hidden, weight, index, temperature=1.0, *, bias=None, r
     safe_index, keep = _prepare_index(index, hidden.shape[:-1], hidden.device, wants, ignore_index)
     vocab, hdim = weight.shape
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes above are the ones computed in
-        if not use_triton(hidden):
+        if not use_triton(hidden, head[:3]):
             check_index_range(safe_index, vocab)
             raw = _lm_head_stats_reference(hidden, weight, bias, safe_index, temperature, softcap, logit_scale, wants)
         else:

@@ -309,7 +309,8 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
     cliprange, entropy_coef, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction)
     vocab, hdim = weight.shape
-    if not use_triton(hidden) or index.numel() == 0:
+    kernel_scalars = (1.0 - cliprange, 1.0 + cliprange, entropy_coef, temperature)
+    if not use_triton(hidden, kernel_scalars) or index.numel() == 0:
         return fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advantages, mask, cliprange,
                                                entropy_coef, temperature, bias, reduction)
     if not hidden.is_cuda:  # interpreter: cheap here; on CUDA it would sync
