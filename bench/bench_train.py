@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchutil import REGISTRY, ReplayClock, Result  # noqa: E402
 from trl_baseline import (  # noqa: E402
-    FASTPPO_IMPL_NAME, FASTPPO_VARIANTS, SMOLLM2_CASE, TRL_IMPL_NAME, E2EConfig, compare, format_report, trl_version,
+    FASTPPO_IMPL_NAME, FASTPPO_VARIANTS, SMOLLM2_CASE, TRL_IMPL_NAME, E2EConfig, compare, format_report, limits_report,
+    model_and_prompts, trl_version,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,7 +73,7 @@ def e2e_config(quick: bool, smoke: bool = False, model: str = "embedded") -> tup
 def e2e_runs(request, quick, smoke):
     """Every run of every trainer, interleaved, once per session: {"fastppo": [...], "trl": [...], ...}."""
     cfg, rounds = e2e_config(quick, smoke, request.config.getoption("--e2e-model"))
-    impls = (*FASTPPO_VARIANTS, "trl") if trl_version() else tuple(FASTPPO_VARIANTS)
+    impls = tuple(i for i in IMPLS if i != "trl" or trl_version())  # not the sampler-pinned variants: see IMPLS
     return cfg, compare(cfg, rounds=rounds, impls=impls)
 
 
@@ -111,7 +112,7 @@ def _record(benchmark, group: str, impl_name: str, runs: list[dict]) -> None:
 @pytest.mark.slow
 @pytest.mark.benchmark(timer=CLOCK)
 @pytest.mark.parametrize("impl", list(IMPLS))
-def test_e2e_episodes_per_second(impl, e2e_runs, benchmark, quick, capsys):
+def test_e2e_episodes_per_second(impl, e2e_runs, benchmark, quick, smoke, capsys):
     cfg, runs = e2e_runs
     if impl not in runs:
         pytest.skip("TRL 0.26.x with trl.experimental.ppo is not importable: pip install 'trl==0.26.2' "
@@ -121,3 +122,6 @@ def test_e2e_episodes_per_second(impl, e2e_runs, benchmark, quick, capsys):
     if impl == list(runs)[-1]:  # the last case: print the side-by-side report once
         with capsys.disabled():
             print(f"\n\nend to end ({DEVICE}), {cfg.describe()}\n{format_report(runs)}\n")
+            if not smoke:  # each figure beside this machine's GEMM rate and read bandwidth
+                shared = {name for name, extra in FASTPPO_VARIANTS.items() if extra.get("shared_value_head")}
+                print(limits_report(runs, model_and_prompts(cfg, None)[0], shared) + "\n")

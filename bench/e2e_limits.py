@@ -48,7 +48,7 @@ def limits_report(results: dict[str, list[dict]], model_dir: str, shared_trunk: 
     lines = [f"limits ({limits['device']}, {limits['threads']} threads): GEMM at the update's shapes "
              f"({micro_tokens} tokens per micro-batch, {limits['gemm_dtype']}) "
              f"{limits['gemm_flop_per_s'] / 1e9:,.0f} GFLOP/s; read bandwidth {limits['read_bytes_per_s'] / 1e9:,.1f} "
-             f"GB/s, so reading the {n_params / 1e6:.0f}M weights once takes {1e3 * floor_s:.2f} ms"]
+             f"GB/s, so reading the {n_params / 1e6:.1f}M weights once takes {1e3 * floor_s:.2f} ms"]
     for impl, runs in results.items():
         update_s, generation_s = _phase_seconds(runs, "update"), _phase_seconds(runs, "generation")
         parts = []
@@ -56,7 +56,7 @@ def limits_report(results: dict[str, list[dict]], model_dir: str, shared_trunk: 
             flops = machine_limits.update_flops(n_params, rows * (width + cfg["response_length"]),
                                                 cfg["num_ppo_epochs"], 0 if impl in shared_trunk else None)
             fraction = machine_limits.update_fraction(update_s, flops, limits)
-            parts.append(f"update {flops / 1e12:.2f} TFLOP in {update_s:.2f} s = {flops / update_s / 1e9:,.0f} GFLOP/s, "
+            parts.append(f"update {flops / 1e9:,.1f} GFLOP in {update_s:.2f} s = {flops / update_s / 1e9:,.0f} GFLOP/s, "
                          f"{fraction:.0%} of the GEMM rate")
         if generation_s:
             step_s = generation_s / cfg["response_length"]

@@ -25,16 +25,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from fastppo.dist import all_reduce_min
 from fastppo.errors import SettingsError
-from fastppo.static_decode import StaticDecoder
-
-
-def _accepts_logits_to_keep(lm) -> bool:
-    # a PEFT wrapper's forward takes **kwargs and hands them to its base model: ask the base model
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    try:
-        return "logits_to_keep" in inspect.signature(base.forward).parameters
-    except (TypeError, ValueError):
-        return False
+from fastppo.static_decode import StaticDecoder, accepts_logits_to_keep
 
 
 @torch.no_grad()
@@ -90,7 +81,7 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
                   pad_id: int, synced: bool = False) -> torch.Tensor:
     b = queries.shape[0]
     stops = _stop_tensor(stop_ids, queries)
-    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(lm) else {}
+    keep = {"logits_to_keep": 1} if accepts_logits_to_keep(lm) else {}
     cache = DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
     mask = query_mask
     positions = (query_mask.cumsum(1) - 1).clamp(min=0)  # a left-padded prompt starts at position 0

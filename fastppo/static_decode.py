@@ -25,6 +25,7 @@ cumulative-probability boundary.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import types
@@ -145,13 +146,43 @@ class StaticDecoder:
         return queries * query_mask, mask, positions, self._cache(rows, cache_len), (rows, cache_len)
 
 
-def compiled_decode_enabled(requested: bool | None, device: torch.device, zero_stage: int | None = None) -> bool:
+def accepts_logits_to_keep(lm) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (a PEFT wrapper hands it to its base model)."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    try:
+        return "logits_to_keep" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def why_not_static(lm) -> str | None:
+    """None when ``lm`` can decode through a compiled static cache; else the reason, naming its class."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    name = type(base).__name__
+    if not getattr(base, "_can_compile_fullgraph", False):
+        return (f"{name} does not declare support for a compiled static KV cache (transformers' "
+                "_can_compile_fullgraph is False for it)")
+    if not accepts_logits_to_keep(base):
+        return f"{name}.forward takes no logits_to_keep argument"
+    return None
+
+
+def compiled_decode_enabled(requested: bool | None, device: torch.device, zero_stage: int | None = None,
+                            lm=None) -> bool:
     """Whether the rollout samples through a ``StaticDecoder``: ``requested`` (the ``compiled_decode`` setting),
     or, unset, on for CUDA only. Under ZeRO-3 the policy's weights are gathered into fresh storage for every
-    rollout, so each would recompile: refused when asked for, off when unset."""
+    rollout, so each would recompile: refused when asked for, off when unset. A model ``lm`` that cannot run
+    over a compiled static cache is refused when asked for, and decodes eagerly when unset."""
     if zero_stage == 3:
         if requested:
             raise SettingsError("compiled_decode: not with DeepSpeed ZeRO-3, whose policy weights are re-gathered "
                                 "into new storage for every rollout (each would compile the decode step again)")
         return False
-    return device.type == "cuda" if requested is None else bool(requested)
+    enabled = device.type == "cuda" if requested is None else bool(requested)
+    reason = why_not_static(lm) if enabled and lm is not None else None
+    if reason is not None:
+        if requested:
+            raise SettingsError(f"compiled_decode: {reason}; set compiled_decode to false to sample eagerly")
+        logger.info("compiled decode off: %s; sampling eagerly", reason)
+        return False
+    return enabled

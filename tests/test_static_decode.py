@@ -52,6 +52,37 @@ def test_buckets_and_the_default():
         StaticDecoder(torch.nn.Linear(1, 1), cache_bucket=0)
 
 
+def test_a_model_without_static_cache_support_is_refused_or_decodes_eagerly(tmp_path, model_dir, monkeypatch, caplog):
+    # MPT declares no compiled static cache in transformers; a forward without logits_to_keep cannot take the step
+    from transformers import MptConfig, MptForCausalLM
+
+    mpt = MptForCausalLM(MptConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=40, max_seq_len=32))
+    llama = AutoModelForCausalLM.from_pretrained(model_dir)
+    cuda = torch.device("cuda")  # the default's device; nothing runs on it here
+    assert compiled_decode_enabled(None, cuda, lm=llama) is True
+    with pytest.raises(SettingsError, match="compiled_decode: MptForCausalLM .*_can_compile_fullgraph"):
+        compiled_decode_enabled(True, cuda, lm=mpt)
+    with caplog.at_level(logging.INFO, logger="fastppo.static_decode"):
+        assert compiled_decode_enabled(None, cuda, lm=mpt) is False
+    assert "compiled decode off: MptForCausalLM" in caplog.text
+
+    class NoKeep(torch.nn.Module):
+        _can_compile_fullgraph = True
+
+        def forward(self, input_ids, attention_mask=None, past_key_values=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(SettingsError, match="NoKeep.forward takes no logits_to_keep"):
+        compiled_decode_enabled(True, cuda, lm=NoKeep())
+    # the trainer asks before anything runs, naming the policy's class
+    monkeypatch.setattr(type(llama), "_can_compile_fullgraph", False)
+    args = PPOConfig(output_dir=str(tmp_path), sft_model_path=model_dir, reward_model_path=None, compiled_decode=True,
+                     per_device_train_batch_size=4, gradient_accumulation_steps=1, response_length=8,
+                     total_episodes=8, save_strategy="no", report_to=[], num_sample_generations=0, disable_tqdm=True)
+    with pytest.raises(SettingsError, match="compiled_decode: LlamaForCausalLM"):
+        PPOTrainer(args=args)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_same_tokens_as_eager_no_recompile_and_the_current_weights(model_dir, device, caplog):
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
