@@ -20,6 +20,7 @@ The pieces:
     trl_baseline.py  this file: fastppo's runner, the runners table, the child/parent processes, the CLI
     e2e_measure.py   one run in its process: throughput and peak memory
     e2e_report.py    the text report
+    e2e_limits.py    each trainer's update and decode step against this machine's GEMM rate and read bandwidth
 """
 from __future__ import annotations
 
