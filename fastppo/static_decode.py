@@ -77,12 +77,14 @@ class StaticDecoder:
 
     ``mode``: ``torch.compile``'s mode; ``None`` picks ``"reduce-overhead"`` (CUDA graphs) on CUDA and the
     default inductor mode elsewhere. ``compile_seconds`` holds the time each bucket's first step took
-    (compilation included), and the first is logged once."""
+    (compilation included), and the first is reported once through ``log`` (the trainer's console; this
+    module's logger at INFO when unset)."""
 
-    def __init__(self, lm, *, mode: str | None = None, cache_bucket: int = DEFAULT_CACHE_BUCKET):
+    def __init__(self, lm, *, mode: str | None = None, cache_bucket: int = DEFAULT_CACHE_BUCKET, log=None):
         if cache_bucket < 1:
             raise SettingsError(f"cache_bucket must be a positive number of positions, got {cache_bucket}")
         self.lm = lm
+        self.log = log or logger.info
         self.mode = mode
         self.cache_bucket = cache_bucket
         self._step = None
@@ -127,8 +129,8 @@ class StaticDecoder:
             torch.cuda.synchronize(logits.device)
         self.compile_seconds[key] = time.perf_counter() - start
         if len(self.compile_seconds) == 1:
-            logger.info("compiled the decode step (batch %d, cache %d positions) in %.1f s", *key,
-                        self.compile_seconds[key])
+            self.log(f"compiled the decode step (batch {key[0]}, cache {key[1]} positions) in "
+                     f"{self.compile_seconds[key]:.1f} s; later rollouts reuse it")
         return logits
 
     def prepare(self, queries, query_mask, response_length: int):
@@ -168,7 +170,7 @@ def why_not_static(lm) -> str | None:
 
 
 def compiled_decode_enabled(requested: bool | None, device: torch.device, zero_stage: int | None = None,
-                            lm=None) -> bool:
+                            lm=None, log=None) -> bool:
     """Whether the rollout samples through a ``StaticDecoder``: ``requested`` (the ``compiled_decode`` setting),
     or, unset, on for CUDA only. Under ZeRO-3 the policy's weights are gathered into fresh storage for every
     rollout, so each would recompile: refused when asked for, off when unset. A model ``lm`` that cannot run
@@ -183,6 +185,6 @@ def compiled_decode_enabled(requested: bool | None, device: torch.device, zero_s
     if reason is not None:
         if requested:
             raise SettingsError(f"compiled_decode: {reason}; set compiled_decode to false to sample eagerly")
-        logger.info("compiled decode off: %s; sampling eagerly", reason)
+        (log or logger.info)(f"compiled decode off: {reason}; sampling eagerly")
         return False
     return enabled

@@ -177,7 +177,8 @@ class PPOTrainer:
                              self.device, self.log, ds_request[1])
             self.model = self.zero.engine
         self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
-                                                        None if self.zero is None else self.zero.stage, self._lm())
+                                                        None if self.zero is None else self.zero.stage, self._lm(),
+                                                        self.log)
         self._static_decoder: StaticDecoder | None = None
         # TRL 0.26 builds the schedule when none is given (Trainer.create_scheduler); a loop=False caller steps its own
         self.lr_scheduler = lr_scheduler if lr_scheduler is not None or not loop else self._scheduler()
@@ -293,7 +294,7 @@ class PPOTrainer:
         if not self._compiled_decode:
             return None
         if self._static_decoder is None:
-            self._static_decoder = StaticDecoder(self._lm())
+            self._static_decoder = StaticDecoder(self._lm(), log=self.log)
         return self._static_decoder
 
     # TRL's sample table decodes near-greedily (its generate_completions' temperature)

@@ -132,7 +132,7 @@ def test_same_tokens_as_eager_on_smollm2_chat_prompts(smollm2, device):
     assert (eager == eos).any(), "a one-word answer should end in eos within 24 tokens"
 
 
-def test_the_trainer_with_compiled_decode_trains_exactly_as_without(tmp_path, model_dir):
+def test_the_trainer_with_compiled_decode_trains_exactly_as_without(tmp_path, model_dir, capsys):
     def train(compiled: bool):
         args = PPOConfig(output_dir=str(tmp_path / str(compiled)), sft_model_path=model_dir, reward_model_path=None,
                          compiled_decode=compiled, per_device_train_batch_size=4, gradient_accumulation_steps=1,
@@ -147,6 +147,8 @@ def test_the_trainer_with_compiled_decode_trains_exactly_as_without(tmp_path, mo
     with torch._dynamo.config.patch(error_on_recompile=True):  # the first iteration compiles; the later two reuse it
         compiled = train(True)
     assert list(compiled._static_decoder.compile_seconds) == [(4, 64)]
+    console = capsys.readouterr().out  # the compile time, once, on the trainer's console (not a hidden log record)
+    assert console.count("compiled the decode step (batch 4, cache 64 positions) in") == 1, console
     for (name, a), b in zip(eager.actor_critic.state_dict().items(), compiled.actor_critic.state_dict().values()):
         assert torch.equal(a, b), name
 
