@@ -34,6 +34,7 @@ import torch
 from transformers import StaticCache
 
 from fastppo.errors import SettingsError
+from fastppo.models import causal_lm_of
 
 logger = logging.getLogger(__name__)
 
@@ -150,16 +151,15 @@ class StaticDecoder:
 
 def accepts_logits_to_keep(lm) -> bool:
     """Whether the model's forward takes ``logits_to_keep`` (a PEFT wrapper hands it to its base model)."""
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     try:
-        return "logits_to_keep" in inspect.signature(base.forward).parameters
+        return "logits_to_keep" in inspect.signature(causal_lm_of(lm).forward).parameters
     except (TypeError, ValueError):
         return False
 
 
 def why_not_static(lm) -> str | None:
     """None when ``lm`` can decode through a compiled static cache; else the reason, naming its class."""
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    base = causal_lm_of(lm)
     name = type(base).__name__
     if not getattr(base, "_can_compile_fullgraph", False):
         return (f"{name} does not declare support for a compiled static KV cache (transformers' "
