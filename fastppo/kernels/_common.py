@@ -55,7 +55,10 @@ def interpret_mode() -> bool:
 
 def exact_in_fp32(value: float) -> bool:
     """Whether ``value`` survives a round trip through fp32 (how Triton passes a Python float)."""
-    return struct.unpack("f", struct.pack("f", value))[0] == value if math.isfinite(value) else True
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0] == value
+    except OverflowError:  # beyond fp32's range: some Python builds raise here instead of rounding to inf
+        return False
 
 
 def use_triton(tensor: torch.Tensor, scalars: Iterable[float] = ()) -> bool:
