@@ -63,7 +63,7 @@ def run(lengths, batches, reps: int, temperature: float = 0.7, seed: int = 0) ->
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     prompts, width = chat_prompts(tokenizer)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    weight_bytes = sum(p.numel() * (2 if device.type == "cuda" else 4) for p in lm.parameters())
+    weight_bytes = machine_limits.weight_bytes(sum(p.numel() for p in lm.parameters()), device)
     bandwidth = machine_limits.read_bandwidth(device, 4.0 if device.type == "cuda" else 1.0)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext())
     try:

@@ -42,7 +42,7 @@ def limits_report(results: dict[str, list[dict]], model_dir: str, shared_trunk: 
     device = "cuda" if first["device"] == "cuda" else "cpu"
     limits = machine_limits.measure(AutoConfig.from_pretrained(model_dir), micro_tokens, device)
     n_params = parameter_count(model_dir)
-    weight_bytes = n_params * (2 if device == "cuda" else 4)  # bf16 on a GPU, fp32 on a CPU (the benches' dtypes)
+    weight_bytes = machine_limits.weight_bytes(n_params, device)
     floor_s = weight_bytes / limits["read_bytes_per_s"]
     rows = cfg["per_device_train_batch_size"] * cfg["gradient_accumulation_steps"]
     lines = [f"limits ({limits['device']}, {limits['threads']} threads): GEMM at the update's shapes "

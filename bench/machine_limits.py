@@ -82,9 +82,19 @@ def read_bandwidth(device, gib: float = 1.0) -> float:
     return x.numel() * 4 / seconds
 
 
+def bench_dtype(device) -> torch.dtype:
+    """The dtype the benches compute in: bf16 (autocast) on a GPU, fp32 on a CPU."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def weight_bytes(n_params: int, device) -> int:
+    """The bytes a decode step reads to see every weight once, in :func:`bench_dtype`."""
+    return n_params * bench_dtype(device).itemsize
+
+
 def measure(config, tokens: int, device=None) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = bench_dtype(device)
     gemm = gemm_rate(update_gemm_shapes(config, tokens), device, dtype)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "threads": torch.get_num_threads(), "tokens": tokens, "gemm_flop_per_s": gemm["flop_per_s"],
