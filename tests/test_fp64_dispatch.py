@@ -22,6 +22,7 @@ def test_exact_in_fp32():
     assert exact_in_fp32(0.5) and exact_in_fp32(1.0) and exact_in_fp32(0.75) and exact_in_fp32(float("inf"))
     assert not exact_in_fp32(0.9) and not exact_in_fp32(0.7) and not exact_in_fp32(1 / 3)
     assert not exact_in_fp32(1.0 - 0.2)  # PPO's default clip bound
+    assert not exact_in_fp32(1e40) and not exact_in_fp32(-1e40)  # beyond fp32: never passed to a kernel
 
 
 def _spy(monkeypatch, function_class):
