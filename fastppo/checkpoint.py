@@ -42,7 +42,10 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # Settings a resumed run must share with the run that made the checkpoint (else the state does not fit).
 MUST_MATCH = ("model_name_or_path", "sft_model_path", "value_model_path", "reward_model_path", "reward_fn",
               "shared_value_head", "use_peft", "lora_r", "lora_alpha", "lora_target_modules",
-              "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "seed")
+              "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "seed",
+              "advantage_estimator", "num_generations")
+# What a checkpoint written before a setting existed was made with
+SAVED_BEFORE = {"advantage_estimator": "gae", "num_generations": 1}
 
 
 def _fsync_tree(path: str) -> None:
@@ -76,13 +79,13 @@ def save_model_files(path: str, policy, value_model, tokenizer, config: PPOConfi
     """The transformers-loadable part: policy (or adapter, v_head beside), tokenizer, value model, config.
     ``policy_state``/``value_state``: whole weights to write instead of the modules' own (DeepSpeed ZeRO-3)."""
     os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:  # first: fastppo's model files never lie there without it
+        json.dump(config_as_json(config, model_args), f, indent=2)
     policy.save_pretrained(path, **({} if policy_state is None else {"state_dict": policy_state}))
     tokenizer.save_pretrained(path)
     if value_model is not None:
         value_model.save_pretrained(os.path.join(path, "value_model"),
                                     **({} if value_state is None else {"state_dict": value_state}))
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(config_as_json(config, model_args), f, indent=2)
 
 
 def config_as_json(config: PPOConfig, model_args=None) -> dict:
@@ -348,6 +351,7 @@ def check_compatible(path: str, config: PPOConfig, world_size: int, zero_stage: 
     # memory-mapped: only two small entries are read here (the optimizer state is loaded once, later)
     state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False, mmap=True)
     current = config_as_json(config, model_args)
+    saved = {**SAVED_BEFORE, **saved}
     wrong = [f"{name}: checkpoint {saved.get(name)!r}, now {current.get(name)!r}" for name in MUST_MATCH
              if saved.get(name) != current.get(name)]
     if state.get("world_size") != world_size:
@@ -436,29 +440,147 @@ RUN_FILES = re.compile(r"^(checkpoint-\d+|\.tmp-checkpoint-\d+|latest|metrics\.j
                        r"value_model|fastppo_config\.json|config\.json|generation_config\.json|model.*\.safetensors|"
                        r"model\.safetensors\.index\.json|adapter_.*|v_head\.safetensors|tokenizer.*|"
                        r"special_tokens_map\.json|chat_template\.jinja|vocab\.json|merges\.txt|trainer_state\.json)$")
+# A checkpoint directory of any trainer: transformers' (and so TRL's) checkpoint-N, its tmp-checkpoint-N
+# staging, fastppo's .tmp-checkpoint-N. fastppo's own hold its config (every version wrote it) or its state.
+CHECKPOINT_LIKE = re.compile(r"^\.?(tmp-)?checkpoint-\d+$")
+# Model, tokenizer and trainer files of any origin (a transformers Trainer's output, a downloaded model, a GGUF
+# file): in a directory no fastppo run wrote they are the user's, and fastppo neither writes beside them nor
+# deletes them.
+MODEL_FILES = re.compile(r"^(config\.json|generation_config\.json|.*\.safetensors|.*\.safetensors\.index\.json|"
+                         r"pytorch_model.*\.bin|.*\.bin\.index\.json|training_args\.bin|.*\.(gguf|pt|pth|ckpt|h5|"
+                         r"msgpack|onnx)|adapter_.*|tokenizer.*|special_tokens_map\.json|chat_template\.jinja|"
+                         r"vocab\.(json|txt)|merges\.txt|.*\.model|trainer_state\.json|all_results\.json|"
+                         r"(train|eval)_results\.json|value_model|latest)$")
 
 
-def run_files(output_dir: str) -> list[str]:
-    """The files and directories of a previous fastppo run in ``output_dir``."""
+def is_fastppo_checkpoint(path: str) -> bool:
+    """Whether a checkpoint-like directory is fastppo's: its config or its training state is in it; for a save
+    that a crash interrupted (``.tmp-checkpoint-N``, a name only fastppo uses), nothing but fastppo's RNG files."""
+    if os.path.isfile(os.path.join(path, CONFIG_FILE)) or os.path.isfile(os.path.join(path, STATE_FILE)):
+        return True
+    return (os.path.basename(os.path.normpath(path)).startswith(".tmp-checkpoint-") and os.path.isdir(path)
+            and all(re.match(r"^(rng_state_\d+\.pt|deepspeed)$", name) for name in os.listdir(path)))
+
+
+def _first_json_line(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = f.readline(1 << 20)
+        row = json.loads(line)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def _fastppo_log(path: str, name: str) -> bool:
+    """Whether ``metrics.jsonl``/``samples.jsonl`` has fastppo's lines (those of a run that stopped before its
+    first checkpoint: the only trace it leaves). Every version's metrics lines carry ``step`` and TRL's
+    ``objective/*`` names; its samples lines ``query``/``response`` (the legacy API's: ``step`` and ``reward``)."""
+    row = _first_json_line(path)
+    if row is None:
+        return False
+    if name == "metrics.jsonl":
+        return "step" in row and any(k.startswith("objective/") for k in row)
+    return ("iteration" in row and "response" in row and "score" in row) or ("step" in row and "reward" in row)
+
+
+def fastppo_marker(output_dir: str) -> str | None:
+    """What says ``output_dir`` holds a fastppo run (None: nothing does, whatever else is there): fastppo's
+    config beside a final model, a checkpoint of fastppo's, or fastppo's metrics or samples lines."""
     if not os.path.isdir(output_dir):
-        return []
-    return sorted(name for name in os.listdir(output_dir) if RUN_FILES.match(name))
+        return None
+    if os.path.isfile(os.path.join(output_dir, CONFIG_FILE)):
+        return CONFIG_FILE
+    names = sorted(os.listdir(output_dir))
+    for name in names:
+        if CHECKPOINT_LIKE.match(name) and is_fastppo_checkpoint(os.path.join(output_dir, name)):
+            return f"{name}/"
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        if name in names and _fastppo_log(os.path.join(output_dir, name), name):
+            return name
+    return None
 
 
-# Files only a fastppo run writes: a directory without any of them is not one, whatever else it holds.
-RUN_MARKERS = re.compile(r"^(checkpoint-\d+|latest|metrics\.jsonl|samples\.jsonl|fastppo_config\.json|trainer_state\.json)$")
+def _shown(output_dir: str, name: str) -> str:
+    return f"{name}/" if os.path.isdir(os.path.join(output_dir, name)) else name
 
 
 def foreign_files(output_dir: str) -> list[str]:
-    """Model or tokenizer files in ``output_dir`` that no fastppo run wrote (a directory without fastppo's own
-    files: the user's checkpoint, say). fastppo never deletes or overwrites those."""
-    names = run_files(output_dir)
-    if any(RUN_MARKERS.match(name) for name in names):
+    """What in ``output_dir`` no fastppo run wrote and a fastppo run would write over or delete: another trainer's
+    checkpoints (a transformers or TRL Trainer's ``checkpoint-N/``), model, tokenizer or trainer files beside
+    which fastppo wrote no config (a Trainer's final model, a downloaded or hand-made checkpoint), and, in a
+    directory without any fastppo marker, the files a run would write (metrics, samples, curves). fastppo never
+    writes into a directory that holds any of them, ``--overwrite_output_dir`` included; ``runs/`` alone
+    (tensorboard logs, which a run only adds to) is not among them."""
+    if not os.path.isdir(output_dir):
         return []
-    return [name for name in names if name not in ("runs", "curves.png")]
+    marker = fastppo_marker(output_dir)
+    own_top = os.path.isfile(os.path.join(output_dir, CONFIG_FILE))
+    found = []
+    for name in sorted(os.listdir(output_dir)):
+        path = os.path.join(output_dir, name)
+        if CHECKPOINT_LIKE.match(name):
+            if os.path.isdir(path) and not is_fastppo_checkpoint(path):
+                found.append(name)
+        elif MODEL_FILES.match(name):
+            if name == "latest" and marker is not None:
+                continue  # fastppo's pointer to its newest checkpoint
+            if not own_top:
+                found.append(name)
+        elif marker is None and RUN_FILES.match(name) and name != "runs":
+            found.append(name)
+    return [_shown(output_dir, name) for name in found]
+
+
+def describe_foreign(output_dir: str, found: list[str]) -> str:
+    """What ``found`` (``foreign_files``) looks like, for the refusal: whose output it is, then the names."""
+    names = [n.rstrip("/") for n in found]
+    trainer_dirs = [n for n in names if CHECKPOINT_LIKE.match(n)]
+    if ("trainer_state.json" in names or "training_args.bin" in names
+            or any(os.path.isfile(os.path.join(output_dir, n, "trainer_state.json")) for n in trainer_dirs)):
+        what = "a transformers/TRL Trainer's output"
+    elif trainer_dirs:
+        what = "another trainer's checkpoints"
+    elif "adapter_config.json" in names:
+        what = "a PEFT adapter"
+    elif "config.json" in names or any(n.endswith((".safetensors", ".bin", ".gguf")) for n in names):
+        what = "a model"
+    else:
+        what = "files"
+    shown = []
+    for name in found:  # a checkpoint directory is shown with the files that say whose it is
+        path = os.path.join(output_dir, name.rstrip("/"))
+        inside = [f for f in ("trainer_state.json", "training_args.bin", "optimizer.pt")
+                  if CHECKPOINT_LIKE.match(name.rstrip("/")) and os.path.isfile(os.path.join(path, f))]
+        shown.append(f"{name} holding {inside[0]}" if inside else name)
+    more = f", and {len(shown) - 8} more" if len(shown) > 8 else ""
+    return f"{what} ({', '.join(shown[:8])}{more})"
+
+
+def refuse_foreign(output_dir: str, what: str = "--output_dir") -> None:
+    """A SettingsError naming what in ``output_dir`` no fastppo run wrote (``foreign_files``), if anything: fastppo
+    writes nothing there, so the way out is another directory (``--overwrite_output_dir`` does not change it)."""
+    found = foreign_files(output_dir)
+    if found:
+        raise SettingsError(
+            f"{what} {output_dir!r} holds {describe_foreign(output_dir, found)}: files that no fastppo run wrote. "
+            "fastppo never writes over or deletes them, --overwrite_output_dir included: use another "
+            f"{'--output_dir' if what == '--output_dir' else 'directory'}")
+
+
+def run_files(output_dir: str) -> list[str]:
+    """The files and directories of a previous fastppo run in ``output_dir`` (none where no fastppo marker is:
+    ``fastppo_marker``; never another trainer's checkpoint directory)."""
+    if fastppo_marker(output_dir) is None:
+        return []
+    own_top = os.path.isfile(os.path.join(output_dir, CONFIG_FILE))
+    return sorted(name for name in os.listdir(output_dir) if RUN_FILES.match(name)
+                  and (is_fastppo_checkpoint(os.path.join(output_dir, name)) if CHECKPOINT_LIKE.match(name)
+                       else own_top or not MODEL_FILES.match(name) or name == "latest"))
 
 
 def remove_run_files(output_dir: str) -> None:
+    """Delete a previous fastppo run's files (``run_files``: only where fastppo's marker is, only fastppo's)."""
     for name in run_files(output_dir):
         path = os.path.join(output_dir, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)

@@ -9,7 +9,8 @@ import tempfile
 import torch
 from transformers import TrainingArguments, get_scheduler
 
-from fastppo.config import KL_ESTIMATOR_CHOICES, PPOConfig
+from fastppo.config import (ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATOR_CHOICES, SCALE_REWARDS,
+                            PPOConfig)
 from fastppo.data import looks_local
 from fastppo.errors import SettingsError, MissingPathError, require
 from fastppo.kernels import check_temperature
@@ -114,6 +115,32 @@ def ignored_fields(config: PPOConfig) -> list[str]:
     return out
 
 
+def _check_estimator(c: PPOConfig) -> None:
+    """The advantage estimator and what goes with it: groups, the KL's place, no value model without a critic."""
+    require(c.advantage_estimator in ADVANTAGE_ESTIMATORS, f"unknown advantage_estimator {c.advantage_estimator!r}; "
+            f"choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    k = c.num_generations
+    require(isinstance(k, int) and not isinstance(k, bool) and k >= 1,
+            f"num_generations must be an integer >= 1, got {k!r}")
+    require(c.advantage_estimator not in GROUP_ESTIMATORS or k >= 2,
+            f"advantage_estimator {c.advantage_estimator!r} compares the num_generations samples of each prompt with "
+            f"each other; num_generations {k} leaves nothing to compare: use 2 or more")
+    require(c.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {', '.join(SCALE_REWARDS)} (or true/"
+            f"false), got {c.scale_rewards!r}")
+    require(_is_finite(c.beta) and c.beta >= 0, f"beta must be >= 0 (it multiplies a KL in the loss), got {c.beta}")
+    require(c.kl_loss_type in KL_ESTIMATOR_CHOICES and c.kl_loss_type != "full",
+            f"kl_loss_type must be one of k1, k2, k3, abs, mse, got {c.kl_loss_type!r} (the exact full-vocabulary KL "
+            "is a reward estimator, kl_estimator full)")
+    require(not (c.beta and c.fused_policy_loss),
+            "beta (a KL term in the loss) and fused_policy_loss: the fused loss does not take the KL term yet; "
+            "drop --fused_policy_loss, or put the KL in the reward with kl_coef")
+    if c.critic_free:
+        why = (f"advantage_estimator {c.advantage_estimator!r} is critic-free: no value model is loaded, trained or "
+               "saved")
+        require(not c.value_model_path, f"value_model_path: {why}; drop it, or use advantage_estimator gae")
+        require(not c.shared_value_head, f"shared_value_head: {why}; drop it, or use advantage_estimator gae")
+
+
 def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bool = False) -> list[str]:
     """Checks of the settings alone, before any model or dataset is loaded: a SettingsError naming the
     setting for anything that would crash later or silently train wrong. Returns notes to log."""
@@ -199,6 +226,7 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
             "reward_model_path and reward_fn are mutually exclusive; set one")
     require(c.reward_fn is None or ":" in c.reward_fn, f"reward_fn must look like 'module:function', got "
             f"{c.reward_fn!r}")
+    _check_estimator(c)
     # the loss
     for name in ("cliprange", "cliprange_value", "vf_coef"):
         require(_is_finite(getattr(c, name)) and getattr(c, name) >= 0, f"{name} must be >= 0, got "

@@ -162,7 +162,8 @@ def build_trainer(script_args, training_args: PPOConfig, model_args, embedded: b
     evals = None
     if script_args.dataset_name and script_args.dataset_test_split in split_names(name, script_args.dataset_config):
         evals = load_prompt_dataset(name, script_args.dataset_test_split, script_args.dataset_config)
-    value = training_args.value_model_path or training_args.reward_model_path
+    # TRL's example starts the value model from the reward model; a critic-free estimator has none
+    value = None if training_args.critic_free else training_args.value_model_path or training_args.reward_model_path
     return PPOTrainer(args=training_args, processing_class=tokenizer, model=model, ref_model=None,
                       reward_model=training_args.reward_model_path or training_args.reward_fn, train_dataset=train,
                       value_model=value, eval_dataset=evals, peft_config=get_peft_config(model_args),

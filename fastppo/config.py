@@ -28,6 +28,19 @@ from transformers import TrainingArguments
 from fastppo.errors import SettingsError
 
 KL_ESTIMATOR_CHOICES = ("k1", "k2", "k3", "abs", "mse", "full")
+# verl's names (algorithm.adv_estimator); the README maps OpenRLHF's and TRL's onto them
+ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo", "reinforce_plus_plus")
+GROUP_ESTIMATORS = ("rloo", "grpo")  # a baseline over the num_generations samples of each prompt
+SCALE_REWARDS = ("group", "batch", "none")
+# Each estimator's defaults where its source differs from TRL 0.26's PPO: num_generations (TRL 1.16's RLOOConfig 2,
+# GRPOConfig 8; one sample per prompt for the others) and kl_coef, the per-token KL in the reward (TRL GRPO has
+# none: its KL, beta, is in the loss; TRL RLOO's beta is the summed k1 in the reward, which is kl_coef here)
+ESTIMATOR_DEFAULTS = {
+    "gae": {"num_generations": 1, "kl_coef": 0.05},
+    "rloo": {"num_generations": 2, "kl_coef": 0.05},
+    "grpo": {"num_generations": 8, "kl_coef": 0.0},
+    "reinforce_plus_plus": {"num_generations": 1, "kl_coef": 0.05},
+}
 
 
 @dataclass
@@ -134,7 +147,12 @@ class PPOConfig(TrainingArguments):
     )
     num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout batch."})
     whiten_rewards: bool = field(default=False, metadata={"help": "Whiten per-token rewards (scale only) before GAE."})
-    kl_coef: float = field(default=0.05, metadata={"help": "β, the KL penalty coefficient (initial β with adaptive_kl)."})
+    kl_coef: float | None = field(
+        default=None,
+        metadata={"help": "β, the per-token KL penalty in the reward (initial β with adaptive_kl). Unset: 0.05 (TRL "
+                  "0.26's PPO and TRL RLOO's beta), 0 for advantage_estimator grpo (TRL GRPO's KL is in the loss: "
+                  "beta)."},
+    )
     kl_estimator: Literal["k1", "k2", "k3", "abs", "mse", "full"] = field(
         default="k1",
         metadata={"help": "Per-token KL(π‖π_ref) in the reward: k1 (logp − ref) or k3 as in TRL; fastppo adds k2 (½d²), "
@@ -245,6 +263,42 @@ class PPOConfig(TrainingArguments):
                                 "exceeds this."}
     )
 
+    # ------------------------------------------------------------ critic-free estimators (verl's and TRL GRPO's names)
+    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_plus_plus"] = field(
+        default="gae",
+        metadata={"help": "How advantages are estimated (verl's algorithm.adv_estimator): gae (a value model, TRL's "
+                  "PPO); critic-free, with no value model at all: rloo (leave-one-out baseline over the "
+                  "num_generations samples of a prompt, TRL's RLOO), grpo (group mean and std, TRL's GRPO; "
+                  "scale_rewards), reinforce_plus_plus (per-token returns of the KL-shaped reward whitened over the "
+                  "batch, verl's)."},
+    )
+    num_generations: int | None = field(
+        default=None,
+        metadata={"help": "Completions sampled per prompt (TRL GRPO's name and meaning: the batch counts completions "
+                  "and must be a multiple of it). Unset: 8 for grpo, 2 for rloo (TRL 1.16's defaults), else 1."},
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={"help": "grpo: divide the centred rewards by the std of the prompt's group ('group'), of the "
+                  "whole batch ('batch'), or not at all ('none': Dr. GRPO), TRL GRPO's meaning; true/false = "
+                  "group/none."},
+    )
+    beta: float = field(
+        default=0.0,
+        metadata={"help": "β·KL(π‖π_ref) in the loss (TRL GRPO's beta; kl_loss_type's estimator), beside or instead of "
+                  "the reward's kl_coef. 0: none (no reference forward when kl_coef is 0 too)."},
+    )
+    kl_loss_type: Literal["k1", "k2", "k3", "abs", "mse"] = field(
+        default="k3",
+        metadata={"help": "The estimator of beta's in-loss KL (verl's kl_loss_type): k3 (TRL GRPO's, verl's "
+                  "low_var_kl), k1, k2, abs, mse."},
+    )
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={"help": "Weight beta's per-token KL by the policy ratio (TRL GRPO's default), so its gradient is "
+                  "unbiased for samples drawn from π_θ_old."},
+    )
+
     # ------------------------------------------------------------ fastppo: DeepSpeed
     zero_stage: int | None = field(
         default=None,
@@ -252,6 +306,14 @@ class PPOConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        # the estimator's source decides what an unset num_generations and kl_coef mean (ESTIMATOR_DEFAULTS)
+        defaults = ESTIMATOR_DEFAULTS.get(self.advantage_estimator, ESTIMATOR_DEFAULTS["gae"])
+        if self.num_generations is None:
+            self.num_generations = defaults["num_generations"]
+        if self.kl_coef is None:
+            self.kl_coef = defaults["kl_coef"]
+        if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
+            self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"  # TRL's bool form
         if isinstance(self.stop_token_id, int) and not isinstance(self.stop_token_id, bool):
             self.stop_token_id = [self.stop_token_id]  # TRL's type is one int; fastppo takes several
         # fastppo reads the DeepSpeed request itself (fastppo.zero) and fills its "auto" values from PPO's sizes,
@@ -269,6 +331,17 @@ class PPOConfig(TrainingArguments):
         finally:
             self.deepspeed = deepspeed
 
+
+    @property
+    def critic_free(self) -> bool:
+        """No value model: the advantages come from the rewards alone."""
+        return self.advantage_estimator != "gae"
+
+    @property
+    def needs_reference(self) -> bool:
+        """π_ref is read when a KL is used somewhere (TRL GRPO loads no reference at beta 0). GAE always reads it:
+        TRL's PPO logs the KL whatever kl_coef is, and its runs stay unchanged."""
+        return not self.critic_free or self.kl_coef != 0 or self.beta != 0 or self.adaptive_kl
 
     @cached_property
     def _setup_devices(self) -> torch.device:
@@ -301,6 +374,8 @@ class Sizes:
     num_mini_batches: int  # optimizer steps per PPO epoch
     num_total_batches: int  # PPO iterations
     sample_generations_freq: int  # iterations between sample tables (0: never)
+    num_generations: int = 1  # completions per prompt, side by side in the rollout (a group never spans processes)
+    local_prompts: int = 0  # prompts per process per iteration: local_batch_size / num_generations
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -320,6 +395,14 @@ def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
         config.num_mini_batches,
         "per_device_train_batch_size × gradient_accumulation_steps must be divisible by num_mini_batches",
     )
+    k = config.num_generations
+    if not isinstance(k, int) or k < 1:
+        raise SettingsError(f"num_generations must be an integer >= 1, got {k!r}")
+    local_prompts = exact_div(
+        local_batch_size, k,
+        f"num_generations ({k} completions per prompt) must divide the rollout batch per process "
+        f"(per_device_train_batch_size × gradient_accumulation_steps = {local_batch_size}): a prompt's group stays in "
+        "one process")
     micro = min(config.per_device_train_batch_size, local_mini)
     micro_steps = exact_div(
         local_mini,
@@ -330,7 +413,7 @@ def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
     batch_size = local_batch_size * world_size
     total_episodes = config.total_episodes
     if total_episodes is None:
-        total_episodes = int(config.num_train_epochs * num_prompts)
+        total_episodes = int(config.num_train_epochs * num_prompts * k)  # each prompt's k completions
     if total_episodes < 1 and config.max_steps <= 0:
         raise SettingsError(f"total_episodes must be >= 1, got {total_episodes}")
     num_total_batches = config.max_steps if config.max_steps > 0 else math.ceil(total_episodes / batch_size)
@@ -346,6 +429,8 @@ def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
         num_mini_batches=config.num_mini_batches,
         num_total_batches=num_total_batches,
         sample_generations_freq=freq,
+        num_generations=k,
+        local_prompts=local_prompts,
     )
 
 

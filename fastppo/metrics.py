@@ -17,7 +17,7 @@ from fastppo.dist import all_reduce
 STAT_NAMES = (
     "approxkl", "policykl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio",
     "advantages_mean", "returns_mean", "returns_var", "vpred_mean", "vf_error", "values_mean", "values_var",
-    "ratio_skipped",
+    "ratio_skipped", "kl_loss",
 )
 STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 
@@ -42,8 +42,18 @@ def objective_sums(kl, logprobs, non_score_reward, response_mask, raw_scores, eo
     ]).float()
 
 
-def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int) -> dict[str, float]:
-    """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration."""
+# What a run without a value model does not log (TRL GRPO logs no value terms either), and TRL GRPO's name of the
+# in-loss KL (beta)
+VALUE_METRICS = ("loss/value_avg", "val/clipfrac_avg")
+KL_IN_LOSS_METRIC = "kl"
+
+
+def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int, critic: bool = True,
+                   kl: bool = True, kl_in_loss: bool = False) -> dict[str, float]:
+    """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration.
+
+    ``critic=False``: no value terms; ``kl=False``: no reference ran, so no ``objective/kl``; ``kl_in_loss``:
+    + the mean per-token KL term of the loss under TRL GRPO's name ``kl``."""
     stats = result.stats.flatten(1)  # [S, n]
     ran = torch.isfinite(stats)
     counts = ran.sum(1).float()
@@ -56,15 +66,15 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     ])
     packed = all_reduce(packed).tolist()
     n_obj, n = objective.numel(), len(STAT_NAMES)
-    kl, entropy, nsr, scores, num_eos = packed[:n_obj]
+    kl_sum, entropy, nsr, scores, num_eos = packed[:n_obj]
     sums, counts = packed[n_obj : n_obj + n], packed[n_obj + n : n_obj + 2 * n]
     ratio_sq, skipped = packed[n_obj + 2 * n], packed[n_obj + 2 * n + 1]
     mean = {name: (s / c if c else float("nan")) for name, s, c in zip(STAT_NAMES, sums, counts)}
     c = counts[STAT["ratio"]]
     ratio_var = (ratio_sq - c * mean["ratio"] ** 2) / (c - 1) if c > 1 else 0.0
     w = world_size
-    return {
-        "objective/kl": kl / w,
+    metrics = {
+        "objective/kl": kl_sum / w,
         "objective/entropy": entropy / w,
         "objective/non_score_reward": nsr / w,
         "objective/rlhf_reward": (nsr + scores) / w,
@@ -81,6 +91,11 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
         "train/skipped_steps": skipped / w,
         "train/ratio_skipped_microbatches": sums[STAT["ratio_skipped"]],
     }
+    if kl_in_loss:
+        metrics[KL_IN_LOSS_METRIC] = mean["kl_loss"]
+    for name in (() if critic else VALUE_METRICS) + (() if kl else ("objective/kl",)):
+        del metrics[name]
+    return metrics
 
 
 def legacy_stats(metrics: dict[str, float], stats_mean: dict[str, float], extra: dict) -> dict:
@@ -204,7 +219,7 @@ def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> N
         (axes[1], ("objective/kl",), "KL to reference (nats / sequence)"),
         (axes[2], ("objective/entropy",), "entropy (nats / sequence)"),
     ):
-        for key in keys:
+        for key in (key for key in keys if key in history[0]):  # no objective/kl where no reference ran
             ax.plot(episodes, [m[key] for m in history], label=key)
         ax.set_title(title)
         ax.set_xlabel("episode")

@@ -638,7 +638,7 @@ class ActorCriticOutput(NamedTuple):
 
     logprobs: torch.Tensor  # log π(y_t) (with the fused loss: its values, the gradient being in policy_loss.loss)
     entropy: torch.Tensor | None  # H of π(·|s_t), when asked for (always with the fused loss)
-    values: torch.Tensor  # V(s_t), fp32
+    values: torch.Tensor | None  # V(s_t), fp32 (None without a critic)
     hidden: torch.Tensor | None  # [n, H] the last hidden states of the real response tokens, when asked for
     policy_loss: PPOPolicyLossOutput | None  # fused_ppo_policy_loss's output, when it ran
 
@@ -654,12 +654,13 @@ class PolicyAndValue(nn.Module):
     from the hidden states; its output comes back beside the grids (``ActorCriticOutput``).
     """
 
-    def __init__(self, policy: nn.Module, value_model: nn.Module | None):
+    def __init__(self, policy: nn.Module, value_model: nn.Module | None, critic: bool = True):
         super().__init__()
-        if value_model is None and not isinstance(policy, AutoModelForCausalLMWithValueHead):
+        if critic and value_model is None and not isinstance(policy, AutoModelForCausalLMWithValueHead):
             raise ValueError("without a value model the policy must be an AutoModelForCausalLMWithValueHead")
         self.policy = policy
         self.value_model = value_model
+        self.critic = critic  # False: critic-free estimators; no value is computed (values come back None)
 
     def forward(self, layout: Layout, temperature: float, return_entropy: bool = False, return_hidden: bool = False,
                 policy_loss: dict | None = None) -> ActorCriticOutput:
@@ -673,7 +674,9 @@ class PolicyAndValue(nn.Module):
             logprobs, entropy = fused.logprobs, fused.entropy
         logprobs = layout.scatter(logprobs)
         entropy = None if entropy is None else layout.scatter(entropy)
-        if self.value_model is None:
+        if not self.critic:
+            values = None
+        elif self.value_model is None:
             values = self.policy.v_head(hidden).float()
         else:
             backbone, head = backbone_and_head(self.value_model)
@@ -681,7 +684,8 @@ class PolicyAndValue(nn.Module):
                                     position_ids=layout.position_ids, use_cache=False).last_hidden_state
             values = head(value_hidden.reshape(-1, value_hidden.shape[-1]).index_select(0, layout.gather))
             values = values.squeeze(-1).float()
-        return ActorCriticOutput(logprobs, entropy, layout.scatter(values), hidden if return_hidden else None, fused)
+        return ActorCriticOutput(logprobs, entropy, None if values is None else layout.scatter(values),
+                                 hidden if return_hidden else None, fused)
 
 
 def fused_policy_loss(model, hidden, layout: Layout, temperature: float, old_logprobs, advantages, mask, cliprange,
@@ -997,6 +1001,15 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
     loaded = set()  # the models fastppo loaded itself (it may resize those; a user's own, never)
     shared = config.shared_value_head or isinstance(model, AutoModelForCausalLMWithValueHead)
     value_model = bound.get("value_model")
+    if config.critic_free:
+        why = f"advantage_estimator {config.advantage_estimator!r} is critic-free (no value model)"
+        if value_model is not None:
+            raise SettingsError(f"value_model is given, but {why}: pass value_model=None, or use "
+                                "advantage_estimator='gae'")
+        if isinstance(model, AutoModelForCausalLMWithValueHead):
+            raise SettingsError(f"model is an AutoModelForCausalLMWithValueHead, but {why}: pass its language model "
+                                "(model.pretrained_model), or use advantage_estimator='gae'")
+        shared = False
     if isinstance(model, AutoModelForCausalLMWithValueHead) and isinstance(value_model, nn.Module):
         raise SettingsError("model is an AutoModelForCausalLMWithValueHead (its value head is on its trunk) and "
                             "value_model is given too: pass one of them (a plain causal LM with value_model, or "
@@ -1022,13 +1035,17 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
         loaded.add("reference model")
     peft_config = bound.get("peft_config")
     want_peft = peft_config is not None or model_args.use_peft
-    if ref_model is None and not (is_peft(policy) or want_peft):
+    if not config.needs_reference:  # no KL anywhere (TRL GRPO at beta 0): π_ref is never read, so never held
+        if ref_model is not None:
+            log("ref_model is not used: no KL is computed (kl_coef and beta are 0)")
+        ref_model = None
+    elif ref_model is None and not (is_peft(policy) or want_peft):
         ref_model = frozen_copy(policy, torch.bfloat16 if bf16 and not model_args.dtype else None)
         if "policy" in loaded:
             loaded.add("reference model")
     # under PEFT no ref_model means the policy with its adapter disabled; a given one is used, as TRL does
     value_model = None if shared else value_model
-    if not shared and not isinstance(value_model, nn.Module):
+    if not shared and not config.critic_free and not isinstance(value_model, nn.Module):
         explicit = value_model or config.value_model_path
         value_path = explicit or policy_path or getattr(causal_lm_of(policy).config, "_name_or_path", None)
         # the policy's weights with a fresh head is the default value model (TRL's); a path given for it

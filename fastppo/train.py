@@ -12,9 +12,10 @@ One iteration (numbers match the step comments below):
     1. rollout    sample prompts; y ~ π_θ_old(·|x) with a KV cache; cut at the stop token; score r(x, y)
     2. scoring    one forward per model over x+y: log π_θ_old(y_t), V(s_t) (one pass), log π_ref(y_t)
     3. rewards    R_t = −β·KL_t  (+ score on the last real token);  β fixed or adaptive
-    4. GAE        δ_t = R_t + γV_{t+1} − V_t,  A_t = Σ_l (γλ)^l δ_{t+l},  returns G_t = A_t + V_t
+    4. advantages GAE: δ_t = R_t + γV_{t+1} − V_t,  A_t = Σ_l (γλ)^l δ_{t+l},  returns G_t = A_t + V_t;
+                  or critic-free (no V): rloo, grpo over each prompt's num_generations samples, reinforce_plus_plus
     5. update     num_ppo_epochs × num_mini_batches × micro-batches of
-                  L = E[max(−A·ρ, −A·clip(ρ, 1±ε))] + c_v·½E[max((V−G)², (V_clip−G)²)] − c_H·E[H],
+                  L = E[max(−A·ρ, −A·clip(ρ, 1±ε))] + c_v·½E[max((V−G)², (V_clip−G)²)] − c_H·E[H] + β_loss·E[KL],
                   ρ = π_θ(y_t)/π_θ_old(y_t)
     6. logging    every metric TRL's PPOTrainer logs, masked to real response tokens
 
@@ -38,6 +39,7 @@ from fastppo import dist as fdist
 from fastppo.config import PPOConfig, Sizes
 from fastppo.kernels import (clipped_surrogate, fused_full_kl, gae, kl_penalty, masked_mean, masked_var, masked_whiten,
                              truncate_at_stop)
+from fastppo.kernels.stats import WHITEN_EPS
 from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, gather_metrics, objective_sums
 from fastppo.models import gathered, lm_head_of, make_layout
 from fastppo.rewards import transform_scores
@@ -156,9 +158,9 @@ class Experience:
     """The rollout as π_θ_old, π_ref and V saw it: [B, T] each, 0 on untrained positions (KL, V)."""
 
     logprobs: torch.Tensor  # log π_θ_old(y_t)
-    ref_logprobs: torch.Tensor  # log π_ref(y_t)
-    values: torch.Tensor  # V(s_t)
-    kl: torch.Tensor  # per-token KL estimate
+    ref_logprobs: torch.Tensor | None  # log π_ref(y_t); None when no KL is computed (no reference is held)
+    values: torch.Tensor | None  # V(s_t); None for the critic-free estimators
+    kl: torch.Tensor  # per-token KL estimate (0 without a reference)
 
 
 def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float, kl_estimator: str,
@@ -168,8 +170,9 @@ def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float,
 
     ``actor_critic`` is the same module and call as the training forward, on the same layout, so with
     dropout off the first PPO ratio is exactly 1. ``seconds`` collects the time of each model's forwards.
+    ``reference=None``: no KL anywhere (critic-free at kl_coef = beta = 0): π_ref is never run, the KL is 0.
     """
-    full = kl_estimator == "full"
+    full = kl_estimator == "full" and reference is not None
     logprobs, ref_logprobs, values, kls = [], [], [], []
     clock = {"policy_value": 0.0, "reference": 0.0}
     with torch.inference_mode():
@@ -179,8 +182,10 @@ def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float,
             out = actor_critic(layout, temperature, return_hidden=full)
             logp, value, hidden = out.logprobs, out.values, out.hidden
             t1 = time.perf_counter()
-            ref_logp, ref_state = reference(layout, temperature, with_hidden=full)
-            if full:
+            ref_logp, ref_state = reference(layout, temperature, with_hidden=full) if reference else (None, None)
+            if reference is None:
+                kls.append(torch.zeros_like(logp))
+            elif full:
                 ref_hidden, ref_head = ref_state
                 head = lm_head_of(actor_critic.policy)
                 bias, ref_bias = getattr(head, "bias", None), getattr(ref_head, "bias", None)
@@ -197,10 +202,11 @@ def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float,
             ref_logprobs.append(ref_logp)
             values.append(value)
         mask = rollout.response_mask
-        out = [torch.cat(logprobs), torch.cat(ref_logprobs), torch.cat(values) * mask, torch.cat(kls) * mask]
+        out = [torch.cat(logprobs), None if reference is None else torch.cat(ref_logprobs),
+               None if values[0] is None else torch.cat(values) * mask, torch.cat(kls) * mask]
     if seconds is not None:
         seconds.update(clock)
-    return Experience(*(t.clone() for t in out))  # out of inference mode: usable as constants in the loss
+    return Experience(*(None if t is None else t.clone() for t in out))  # out of inference mode: usable in the loss
 
 
 # ============================================================================ 3-4. rewards and advantages
@@ -232,8 +238,8 @@ class Targets:
 
     rewards: torch.Tensor
     non_score_reward: torch.Tensor
-    advantages: torch.Tensor  # whitened over trained tokens
-    returns: torch.Tensor
+    advantages: torch.Tensor  # GAE's whitened over trained tokens; a critic-free one per the estimator
+    returns: torch.Tensor | None  # the value model's regression target; None without a critic
 
 
 def per_token_rewards(kl, scores, response_mask, score_index, kl_coef: float):
@@ -263,6 +269,79 @@ def compute_advantages(rewards, values, response_mask, gamma: float, lam: float,
     return whiten_trained(advantages, response_mask), returns
 
 
+# ---------------------------------------------------------------------------- the critic-free estimators
+# No value model: each advantage comes from the rewards alone. rloo and grpo compare the num_generations samples of
+# one prompt (rows g·k .. g·k + k − 1 of the rollout; a group never spans processes); their sequence reward is the
+# sum of step 3's per-token rewards, the score minus kl_coef·Σ_t KL_t (TRL RLOO's KL-in-reward), and the sequence's
+# advantage goes to each of its trained tokens. reinforce_plus_plus keeps step 3's per-token rewards.
+
+
+def rloo_advantages(sequence_rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """[B] A_i = r_i − mean_{j≠i} r_j over the k samples of i's prompt (RLOO; TRL's RLOOTrainer)."""
+    r = sequence_rewards.view(-1, k)
+    baseline = (r.sum(1, keepdim=True) - r) / (k - 1)
+    return (r - baseline).view(-1)
+
+
+GRPO_STD_EPS = 1e-4  # TRL GRPO's: a group of equal rewards gets advantage 0, not 0/0
+
+
+def grpo_advantages(sequence_rewards: torch.Tensor, k: int, scale_rewards: str) -> torch.Tensor:
+    """[B] A_i = (r_i − mean_group) / (std + 1e-4) (GRPO; TRL's GRPOTrainer), the std (unbiased) of i's group
+    (``scale_rewards="group"``), of the whole batch over every process (``"batch"``), or no division
+    (``"none"``: Dr. GRPO)."""
+    r = sequence_rewards.view(-1, k)
+    centred = (r - r.mean(1, keepdim=True)).view(-1)
+    if scale_rewards == "none":
+        return centred
+    if scale_rewards == "group":
+        std = r.std(1, keepdim=True).expand(-1, k).reshape(-1)
+    else:
+        _, var = batch_moments(sequence_rewards, torch.ones_like(sequence_rewards, dtype=torch.bool))
+        std = var.sqrt()
+    return centred / (std + GRPO_STD_EPS)
+
+
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float):
+    """[B, T] REINFORCE++ (verl's ``reinforce_plus_plus``): the discounted return of step 3's per-token rewards,
+    G_t = Σ_l γ^l R_{t+l} (GAE's scan with V = 0 and λ = 1), whitened over the trained tokens of the whole batch,
+    every process's. Returns (advantages, returns)."""
+    _, returns = gae(rewards, torch.zeros_like(rewards), response_mask, gamma, 1.0)
+    mean, var = batch_moments(returns, response_mask)
+    if not torch.isfinite(var):  # under two trained tokens in the batch: no spread to scale by
+        return torch.zeros_like(returns), returns
+    return (returns - mean) * torch.rsqrt(var + WHITEN_EPS) * response_mask, returns
+
+
+def batch_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of ``x`` over ``mask``'s entries on every process (two all-reduces; NaN
+    variance under two entries)."""
+    m = mask.to(x.dtype)
+    sums = fdist.all_reduce(torch.stack([(x * m).sum(), m.sum()]))
+    mean = sums[0] / sums[1]
+    squares = fdist.all_reduce(((x - mean) ** 2 * m).sum().reshape(1))[0]
+    n = sums[1]
+    return mean, torch.where(n > 1, squares / (n - 1), torch.full_like(n, float("nan")))
+
+
+def estimate_advantages(estimator: str, rewards, values, response_mask, config: PPOConfig, skip_masked: bool = False):
+    """Step 4 by ``advantage_estimator``: (advantages [B, T], returns [B, T] or None without a critic)."""
+    if estimator == "gae":
+        return compute_advantages(rewards, values, response_mask, config.gamma, config.lam, config.whiten_rewards,
+                                  skip_masked)
+    if estimator == "reinforce_plus_plus":
+        advantages, _ = reinforce_plus_plus_advantages(rewards, response_mask, config.gamma)
+        return advantages, None
+    sequence_rewards = rewards.sum(1)  # the score plus the row's −kl_coef·KL_t (0 off its trained tokens)
+    if estimator == "rloo":
+        advantage = rloo_advantages(sequence_rewards, config.num_generations)
+    elif estimator == "grpo":
+        advantage = grpo_advantages(sequence_rewards, config.num_generations, config.scale_rewards)
+    else:
+        raise ValueError(f"unknown advantage_estimator {estimator!r}")
+    return advantage[:, None] * response_mask, None
+
+
 def whiten_trained(x, mask, shift_mean: bool = True):
     """``masked_whiten`` over the trained tokens, 0 elsewhere. A batch of fewer than two trained tokens (one
     process's batch of one response that stopped at once) has no variance: its single value is centred
@@ -278,51 +357,65 @@ def whiten_trained(x, mask, shift_mean: bool = True):
 
 def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask,
                cliprange: float, cliprange_value: float, vf_coef: float, entropy_coef: float,
-               ratio_threshold: float, fused_policy_loss=None):
+               ratio_threshold: float, fused_policy_loss=None, *, ref_logprobs=None, beta: float = 0.0,
+               kl_loss_type: str = "k3", bias_correction_kl: bool = True):
     """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]), all means over trained tokens.
 
     ``fused_policy_loss``: the policy part already computed by ``fused_ppo_policy_loss`` (its ``loss``
     is pg − c_H·H̄ with the gradient formed in the forward); ``new_logprobs`` and ``entropy`` are then its
-    per-token values laid out as grids, for the statistics.
+    per-token values laid out as grids, for the statistics. ``new_values=None``: no critic, no value loss.
+    ``beta``: + β·E[KL_t(π‖π_ref)] by ``kl_loss_type`` (TRL GRPO's in-loss KL), each term weighted by ρ_t when
+    ``bias_correction_kl`` (TRL's default: the samples came from π_θ_old, not π_θ).
     """
-    # clipped value loss: ½·max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²)
-    v_clipped = old_values + (new_values - old_values).clamp(-cliprange_value, cliprange_value)
-    vf_losses1 = (new_values - returns) ** 2
-    vf_losses2 = (v_clipped - returns) ** 2
-    vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    critic = new_values is not None
+    if critic:  # clipped value loss: ½·max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²)
+        v_clipped = old_values + (new_values - old_values).clamp(-cliprange_value, cliprange_value)
+        vf_losses1 = (new_values - returns) ** 2
+        vf_losses2 = (v_clipped - returns) ** 2
+        vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
     # clipped surrogate: max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε))
     log_ratio = new_logprobs - old_logprobs
     pg_losses, ratio, clipped = clipped_surrogate(new_logprobs, old_logprobs, advantages, cliprange)
     pg_loss = masked_mean(pg_losses, mask)
     mean_entropy = masked_mean(entropy, mask)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
-    loss = policy_loss + vf_coef * vf_loss
+    loss = policy_loss + vf_coef * vf_loss if critic else policy_loss
+    if beta:
+        kl_tokens = kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
+        kl_loss = masked_mean(kl_tokens * ratio if bias_correction_kl else kl_tokens, mask)
+        loss = loss + beta * kl_loss
     mean_ratio = masked_mean(ratio, mask)
     # legacy TRL's ratio_threshold: a micro-batch whose ratios blew up contributes nothing (no host sync);
     # its logged losses are the ones applied (0), and ratio_skipped counts it
     kept = (mean_ratio <= ratio_threshold).to(loss.dtype)
     loss = loss * kept
     with torch.no_grad():
-        stats = torch.empty(len(STAT_NAMES), device=loss.device)
+        stats = torch.full((len(STAT_NAMES),), float("nan"), device=loss.device)  # NaN: not computed (no critic)
         for name, value in (
             ("approxkl", 0.5 * masked_mean(log_ratio**2, mask)),
             ("policykl", masked_mean(-log_ratio, mask)),
             ("pg_clipfrac", masked_mean(clipped.float(), mask)),
             ("pg_loss", pg_loss * kept),
-            ("vf_loss", vf_loss * kept),
-            ("vf_clipfrac", masked_mean((vf_losses2 > vf_losses1).float(), mask)),
             ("entropy", mean_entropy),
             ("ratio", mean_ratio),
             ("advantages_mean", masked_mean(advantages, mask)),
-            ("returns_mean", masked_mean(returns, mask)),
-            ("returns_var", masked_var(returns, mask, check=False)),  # NaN under 2 tokens, no sync
-            ("vpred_mean", masked_mean(new_values, mask)),
-            ("vf_error", masked_mean(vf_losses1, mask)),
-            ("values_mean", masked_mean(old_values, mask)),
-            ("values_var", masked_var(old_values, mask, check=False)),
             ("ratio_skipped", 1.0 - kept),
         ):
             stats[STAT[name]] = value
+        if critic:
+            for name, value in (
+                ("vf_loss", vf_loss * kept),
+                ("vf_clipfrac", masked_mean((vf_losses2 > vf_losses1).float(), mask)),
+                ("returns_mean", masked_mean(returns, mask)),
+                ("returns_var", masked_var(returns, mask, check=False)),  # NaN under 2 tokens, no sync
+                ("vpred_mean", masked_mean(new_values, mask)),
+                ("vf_error", masked_mean(vf_losses1, mask)),
+                ("values_mean", masked_mean(old_values, mask)),
+                ("values_var", masked_var(old_values, mask, check=False)),
+            ):
+                stats[STAT[name]] = value
+        if beta:
+            stats[STAT["kl_loss"]] = kl_loss
     return loss, stats
 
 
@@ -372,9 +465,10 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
             for k, rows in enumerate(micro):
                 layout = rollout.layout(rows, config.padding_free)
                 index = torch.as_tensor(rows, device=device)
-                old_logprobs, old_values, advantages, returns, mask = (
-                    t.index_select(0, index) for t in (experience.logprobs, experience.values, targets.advantages,
-                                                       targets.returns, rollout.response_mask))
+                old_logprobs, old_values, advantages, returns, mask, ref_logprobs = (
+                    None if t is None else t.index_select(0, index) for t in (
+                        experience.logprobs, experience.values, targets.advantages, targets.returns,
+                        rollout.response_mask, experience.ref_logprobs if config.beta else None))
                 policy_loss = dict(old_logprobs=old_logprobs, advantages=advantages, mask=mask,
                                    cliprange=config.cliprange, entropy_coef=config.entropy_coef) if fused else None
                 sync = k == sizes.micro_steps - 1  # DDP all-reduces gradients on the last micro-step only
@@ -386,7 +480,8 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                     loss, stats[:, epoch, mb, k] = ppo_losses(
                         out.logprobs, out.values, out.entropy, old_logprobs, old_values, advantages, returns, mask,
                         config.cliprange, config.cliprange_value, config.vf_coef, config.entropy_coef,
-                        config.ratio_threshold, out.policy_loss,
+                        config.ratio_threshold, out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
+                        kl_loss_type=config.kl_loss_type, bias_correction_kl=config.use_bias_correction_kl,
                     )
                     finite = finite * torch.isfinite(loss.detach())
                     if zero is not None:
@@ -500,9 +595,9 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     kl_coef = learner.kl_ctl.value
     rewards, non_score_reward = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index,
                                                   kl_coef)
-    # 4. advantages and returns (GAE)
-    advantages, returns = compute_advantages(rewards, experience.values, rollout.response_mask, config.gamma,
-                                             config.lam, config.whiten_rewards, skip_masked)
+    # 4. advantages (and GAE's returns) by the advantage_estimator
+    advantages, returns = estimate_advantages(config.advantage_estimator, rewards, experience.values,
+                                              rollout.response_mask, config, skip_masked)
     targets = Targets(rewards, non_score_reward, advantages, returns)
     t1 = time.perf_counter()
     # 5. PPO update, at this iteration's learning rate
@@ -513,11 +608,13 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     # 6. metrics (one all-reduce), then β and the learning-rate schedule move on
     objective = objective_sums(experience.kl, experience.logprobs, non_score_reward, rollout.response_mask,
                                batch.scores, batch.eos_count)
-    metrics = gather_metrics(objective, update, sizes.world_size)
+    metrics = gather_metrics(objective, update, sizes.world_size, critic=experience.values is not None,
+                             kl=experience.ref_logprobs is not None, kl_in_loss=bool(config.beta))
     if metrics["train/skipped_steps"]:
         learner.log(f"{metrics['train/skipped_steps']:g} optimizer step(s) skipped for a non-finite loss or gradient "
                     "(weights and optimizer state unchanged by them)")
-    learner.kl_ctl.update(metrics["objective/kl"], sizes.batch_size)
+    if "objective/kl" in metrics:  # the adaptive controller reads the KL; a run without a reference has none
+        learner.kl_ctl.update(metrics["objective/kl"], sizes.batch_size)
     if learner.lr_scheduler is not None:
         learner.lr_scheduler.step()
     seconds = {**batch.seconds, "scoring": t1 - t0, "update": t2 - t1,

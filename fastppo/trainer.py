@@ -158,14 +158,14 @@ class PPOTrainer:
                                 ("reward model", self.reward_model)):
                 if other is not None:
                     M.check_positions(other, config, model_args, longest_prompt, what)
-        self.actor_critic = M.PolicyAndValue(self.policy, self.value_model)
+        self.actor_critic = M.PolicyAndValue(self.policy, self.value_model, critic=not config.critic_free)
         self.model = self.actor_critic
         self.zero = None
         if self.dist.world_size > 1 and self.ds_config is None:
             self.model = nn.parallel.DistributedDataParallel(
                 self.actor_critic, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
-        self.reference = M.Reference(self.ref_model, self.policy)
+        self.reference = M.Reference(self.ref_model, self.policy) if config.needs_reference else None
 
         # --- optimizer, schedule, controllers, randomness
         optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)
@@ -189,7 +189,7 @@ class PPOTrainer:
         torch.manual_seed(config.seed + self.dist.rank * 100003)  # each process samples different responses
         self.shuffle = torch.Generator().manual_seed(config.seed + self.dist.rank)
         if loop:
-            self._batches = prompt_batches(len(self.prompts), self.sizes.local_batch_size, self.dist.rank,
+            self._batches = prompt_batches(len(self.prompts), self.sizes.local_prompts, self.dist.rank,
                                            self.dist.world_size, config.seed)
 
         # transformers' handler, as TRL's trainer uses it: callback classes are instantiated, the default flow
@@ -254,8 +254,8 @@ class PPOTrainer:
         ``rows``: the dataset rows of ``prompt_ids`` (their columns go to a reward function)."""
         config, tok = self.config, self.tokenizer
         t0 = time.perf_counter()
-        if prompt_ids is None:
-            drawn = next(self._batches)
+        if prompt_ids is None:  # each drawn prompt num_generations times, side by side: one group per prompt
+            drawn = [i for i in next(self._batches) for _ in range(self.sizes.num_generations)]
             prompt_ids, rows = [self.prompts[i] for i in drawn], self.prompt_rows.select(drawn)
         queries, query_mask = left_pad(prompt_ids, tok.pad_token_id, config.pad_to_multiple_of)
         queries, query_mask = queries.to(self.device), query_mask.to(self.device)
@@ -448,9 +448,8 @@ class PPOTrainer:
                 if (update % state.logging_steps == 0 or update == sizes.num_total_batches
                         or (update == 1 and config.logging_first_step)):
                     logger.log(metrics, update)
-                    self.log(f"iter {update}/{sizes.num_total_batches} episode {state.episode}: scores "
-                             f"{metrics['objective/scores']:.3f} kl {metrics['objective/kl']:.2f} entropy "
-                             f"{metrics['objective/entropy']:.1f} vf_loss {metrics['loss/value_avg']:.3f}")
+                    self.log(f"iter {update}/{sizes.num_total_batches} episode {state.episode}: "
+                             + progress_line(metrics))
                 if sizes.sample_generations_freq and (update - 1) % sizes.sample_generations_freq == 0:
                     if self.eval_prompts is not None:  # TRL's table: the eval prompts, near-greedy
                         self.generate_completions(sampling=True)
@@ -530,13 +529,9 @@ class PPOTrainer:
             spec = "latest" if C.checkpoints(config.output_dir) else None
             if spec and log_notes:
                 self.log("elastic restart: resuming from the latest checkpoint")
-        existing = C.run_files(config.output_dir)
-        foreign = C.foreign_files(config.output_dir)
-        if foreign:  # a model directory no fastppo run wrote (the policy's own source, say): never replaced
-            raise SettingsError(
-                f"--output_dir {config.output_dir!r} holds model files that no fastppo run wrote ({', '.join(foreign[:6])}"
-                f"{', ...' if len(foreign) > 6 else ''}); fastppo would overwrite them (--overwrite_output_dir "
-                "included): use another --output_dir")
+        # a directory no fastppo run wrote (a transformers Trainer's output, the policy's own source): never written
+        C.refuse_foreign(config.output_dir)
+        existing = C.run_files(config.output_dir)  # a fastppo run's files: only where fastppo's own marker is
         if spec is not None:
             path = C.resolve_checkpoint(spec, config.output_dir, log=self.log if log_notes else lambda _: None)
 
@@ -625,6 +620,7 @@ class PPOTrainer:
         states = (None, None) if self.zero is None else \
             self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)  # ZeRO-3: every rank calls
         if self.dist.is_main:
+            C.refuse_foreign(output_dir or self.config.output_dir, "save_model:")  # another's model is never replaced
             C.save_model_files(output_dir or self.config.output_dir, self.policy, self.value_model, self.tokenizer,
                              self.config, self.model_args, *states)
 
@@ -666,6 +662,14 @@ class _StopSignals:
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         return False
+
+
+def progress_line(metrics: dict) -> str:
+    """The console's line per logged iteration: what this run computes (no KL without a reference, no value loss
+    without a critic)."""
+    shown = (("scores", "objective/scores", ".3f"), ("kl", "objective/kl", ".2f"), ("kl_loss", "kl", ".4f"),
+             ("entropy", "objective/entropy", ".1f"), ("vf_loss", "loss/value_avg", ".3f"))
+    return " ".join(f"{label} {metrics[key]:{spec}}" for label, key, spec in shown if key in metrics)
 
 
 def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool, config: PPOConfig):
