@@ -3,6 +3,8 @@
 The Triton path runs on CUDA, or on CPU under TRITON_INTERPRET=1 (the
 ``triton_device`` fixture), so shapes here stay small.
 """
+import decimal
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,15 +135,41 @@ def test_kl_penalty_properties(path, n, seed, scale):
         assert (fn(logp, logp.clone(), est) == 0).all(), est
 
 
-def test_kl_penalty_float64_inputs_are_computed_in_fp32(triton_device):
+def test_kl_penalty_float64_stays_float64(triton_device):
+    """fp64 log-probs are computed and returned in fp64 on both paths (issue 36: the kernel cast them to fp32
+    before subtracting), k3's series included: |d| from 1e-9 to 3, against the definitions in float64."""
     logp, ref = _logprob_pair((4, 6), torch.float64, triton_device)
+    scale = torch.logspace(-9, 0.5, 24, dtype=torch.float64, device=triton_device).view(4, 6)
+    sign = torch.where(torch.rand(4, 6, device=triton_device) < 0.5, -1.0, 1.0).double()
+    ref = (logp - sign * scale).detach()  # d = logp − ref = ±scale
     upstream = torch.randn(4, 6, dtype=torch.float64, device=triton_device)
+    d = (logp - ref).detach()
+    with decimal.localcontext() as ctx:  # k3 in 50 digits: expm1(−d) + d itself cancels at d = 1e-9
+        ctx.prec = 50
+        exact = [(decimal.Decimal(x).exp() ** -1 + decimal.Decimal(x) - 1, 1 - decimal.Decimal(x).exp() ** -1)
+                 for x in d.flatten().tolist()]
+    k3 = torch.tensor([[float(v) for v, _ in exact], [float(g) for _, g in exact]], dtype=torch.float64)
+    k3 = k3.to(d.device).view(2, *d.shape)
+    oracle = {"k1": (d, torch.ones_like(d)), "k2": (d * d / 2, d), "mse": (d * d / 2, d),
+              "k3": (k3[0], k3[1]), "abs": (d.abs(), d.sign())}
+    for fn in (kl_penalty, kl_penalty_reference):
+        for est in KL_ESTIMATORS:
+            out, d_logp, d_ref = _penalty_and_grads(fn, logp, ref, est, upstream)
+            assert out.dtype == torch.float64 and d_logp.dtype == torch.float64, (fn.__name__, est)
+            value, slope = oracle[est]
+            torch.testing.assert_close(out, value, rtol=1e-13, atol=0)
+            torch.testing.assert_close(d_logp, upstream * slope, rtol=1e-13, atol=0)
+            torch.testing.assert_close(d_ref, -upstream * slope, rtol=1e-13, atol=0)
+
+
+def test_kl_penalty_mixed_dtypes_compute_in_the_wider(triton_device):
+    """bf16 policy log-probs beside fp64 reference ones: fp64, as the reference path promotes."""
+    logp, ref = _logprob_pair((3, 5), torch.float64, triton_device)
     for est in KL_ESTIMATORS:
-        out, d_logp, _ = _penalty_and_grads(kl_penalty, logp, ref, est, upstream)
-        want, want_logp, _ = _penalty_and_grads(kl_penalty_reference, logp, ref, est, upstream)
-        assert out.dtype == torch.float32 and d_logp.dtype == torch.float64
-        torch.testing.assert_close(out, want, **tol(torch.float32))
-        torch.testing.assert_close(d_logp, want_logp, **tol(torch.float32))
+        got = kl_penalty(logp.bfloat16(), ref, est)
+        want = kl_penalty_reference(logp.bfloat16().double(), ref, est)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15)
 
 
 # ---------------------------------------------------------------------------
@@ -231,7 +259,7 @@ def test_fused_full_kl_tied_weights_are_read_in_place(triton_device):
     h, rh = torch.randn(5, 16, device=triton_device), torch.randn(5, 24, device=triton_device)
     with recorded_launches(kl_mod, "_full_kl_fwd_kernel") as launches:
         kl = fused_full_kl(h, emb.T, rh, ref_emb.T)
-    assert [(a[3].data_ptr(), a[10].data_ptr()) for a in launches] == [(emb.data_ptr(), ref_emb.data_ptr())]
+    assert [(a[3].data_ptr(), a[11].data_ptr()) for a in launches] == [(emb.data_ptr(), ref_emb.data_ptr())]
     assert_close(kl, fused_full_kl_reference(h.double(), emb.T.double(), rh.double(), ref_emb.T.double()),
                  torch.float32)
 

@@ -5,7 +5,7 @@ Dispatch rule, decided here and nowhere else:
   * CPU tensors run the plain PyTorch reference (or the C++ op);
   * with ``TRITON_INTERPRET=1`` in the environment, CPU tensors run the Triton
     kernel under Triton's interpreter (how CI checks kernels without a GPU);
-  * except float64 inputs with a float argument (temperature, clip range...)
+  * except calls with a float64 input and a float argument (temperature, clip range...)
     that fp32 cannot hold exactly: they run the reference. Compiled Triton
     passes a Python float as fp32, so a temperature of 0.9 would arrive as
     0.90000004 and move an fp64 log-prob by 2e-7 (found on an H100); fp64 is
@@ -18,7 +18,9 @@ time here so a test can still route a call to the reference path.
 
 Also here: the launch helper every kernel module goes through (it sets the
 CUDA device of the tensors, so a launch on ``cuda:1`` works whatever the
-current device is) and the tile-override hook ``bench/tune.py`` uses.
+current device is, and rounds float arguments to fp32 so the interpreter sees
+what a GPU sees), the double-backward refusal, and the tile-override hook
+``bench/tune.py`` uses.
 Importing this module changes nothing in Triton: the interpreter backport for
 older Triton versions is installed by the test and bench setup
 (``fastppo.kernels._interpreter``), not by the library.
@@ -61,12 +63,33 @@ def exact_in_fp32(value: float) -> bool:
         return False
 
 
-def use_triton(tensor: torch.Tensor, scalars: Iterable[float] = ()) -> bool:
+def fp32_scalar(value: float) -> float:
+    """``value`` rounded to fp32, as a Python float: what a compiled kernel receives for a float argument.
+
+    ``launch`` passes every float argument through it, so Triton's interpreter (which keeps a Python
+    float as fp64) computes with the value a GPU computes with; a product of two such arguments is
+    formed on the host (``fp32_product``) or as tensor × scalar × scalar, never scalar × scalar
+    inside a kernel (the interpreter would form it in fp64, a GPU in fp32).
+    """
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond fp32's range: what the cast to fp32 gives
+        return math.copysign(math.inf, value)
+
+
+def fp32_product(a: float, b: float) -> float:
+    """a·b as a GPU kernel forms it from two fp32 arguments: both rounded to fp32, the product rounded once."""
+    return fp32_scalar(fp32_scalar(a) * fp32_scalar(b))  # exact in fp64, then one rounding
+
+
+def use_triton(tensor: torch.Tensor, scalars: Iterable[float] = (), *others: torch.Tensor | None) -> bool:
     """Whether a call on ``tensor`` takes the Triton path (see module docstring); ``scalars``: the float
-    arguments the kernel would be passed."""
+    arguments the kernel would be passed; ``others``: the call's other floating tensors (None allowed),
+    whose dtypes count as ``tensor``'s does (an fp64 reference model beside an fp32 policy computes in fp64)."""
     if not HAS_TRITON:
         return False
-    if tensor.dtype == torch.float64 and not all(exact_in_fp32(float(x)) for x in scalars):
+    fp64 = any(t is not None and t.dtype == torch.float64 for t in (tensor, *others))
+    if fp64 and not all(exact_in_fp32(float(x)) for x in scalars):
         return False
     if tensor.is_cuda:
         return True
@@ -176,8 +199,22 @@ def launch(kernel, grid, device: torch.device, *args, **meta) -> None:
     call on tensors of ``cuda:1`` from a process whose current device is 0
     would run on the wrong device.
     """
+    args = tuple(fp32_scalar(a) if isinstance(a, float) else a for a in args)
     with device_guard(device):
         kernel[grid](*args, **meta)
+
+
+def refuse_double_backward(name: str) -> None:
+    """Raise in an autograd ``backward`` that builds no graph when a graph is asked for.
+
+    ``torch.autograd.grad(..., create_graph=True)`` runs backward with grad mode on; a backward
+    made of kernel launches would return gradients that silently carry no graph (a gradient
+    penalty would lose its term), so it refuses instead.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}: double backward (create_graph=True) is not supported by the fused kernel's backward; "
+            f"differentiate {name}_reference (plain PyTorch, same arguments) twice instead")
 
 
 # --------------------------------------------------------------------------- tile choices

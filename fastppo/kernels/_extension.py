@@ -105,6 +105,11 @@ def load_extension(reference_ops: dict[str, tuple[str, Callable]]) -> str:
     return _backend
 
 
+def loaded() -> bool:
+    """Whether ``torch.ops.fastppo`` is defined in this process already (by any of the three paths)."""
+    return _backend is not None
+
+
 def try_load_prebuilt() -> None:
     """Import the ahead-of-time binary if it is there (cheap); the JIT waits for first use."""
     global _backend

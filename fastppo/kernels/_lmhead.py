@@ -140,15 +140,21 @@ if HAS_TRITON:
     def logits_tile(
         x_ptr, stride_xn, stride_xh,  # hidden [N, H]
         w_ptr, stride_wv, stride_wh,  # weight [V, H]
-        b_ptr,  # bias [V] (unused unless HAS_BIAS)
+        b_ptr, stride_b,  # bias [V] (unused unless HAS_BIAS)
         rows, cols, row_mask, col_mask,  # int64 [BLOCK_N], int64 [BLOCK_V] and their masks
         H, temperature,
         HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
-        """z = (x[rows] @ w[cols]ᵀ + b[cols]) / T as a [BLOCK_N, BLOCK_V] ACC_DTYPE tile, −inf on masked columns."""
+        """z = (x[rows] @ w[cols]ᵀ + b[cols]) / T as a [BLOCK_N, BLOCK_V] ACC_DTYPE tile, −inf on masked columns.
+
+        Every operand is read through its strides (any layout: transposed, expanded with stride 0,
+        offset views), and every offset is formed in int64: rows and columns are int64 here, and so is
+        h, so h·stride_wh of a transposed (tied) [V, H] head, (H − 1)·V ≥ 2^31 at V = 128K, H = 16K,
+        cannot wrap (a stride below 2^31 arrives as i32).
+        """
         acc = tl.zeros([BLOCK_N, BLOCK_V], ACC_DTYPE)
-        hs = tl.arange(0, BLOCK_H)
+        hs = tl.arange(0, BLOCK_H).to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             h = h0 + hs
             h_mask = h < H
@@ -166,7 +172,7 @@ if HAS_TRITON:
             # out_dtype explicitly: Triton 3.6 defaults it to fp32 and rejects an fp64 acc.
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(ACC_DTYPE)[None, :]
+            acc += tl.load(b_ptr + cols * stride_b, mask=col_mask, other=0.0).to(ACC_DTYPE)[None, :]
         return tl.where(col_mask[None, :], acc / temperature, float("-inf"))
 
     @triton.jit
@@ -332,6 +338,43 @@ def check_lm_head_args(hidden, weight, bias, prefix: str = "", same_dtype: bool 
     check_same_device(**{h_name: hidden, w_name: weight, b_name: bias})
 
 
+COMPUTE_DTYPE_RULE = """The compute-dtype rule of every LM-head entry point (fused_token_logprobs, fused_full_kl,
+fused_ppo_policy_loss), on the Triton path and the reference alike, applied by ``lm_head_operands``:
+
+* the operands (hidden, weight, bias) are multiplied in the compute dtype: ``compute_dtype`` when the
+  function takes one and it is given; else autocast's dtype when autocast is on for hidden's device and
+  hidden is not fp64 (autocast never lowers fp64); else hidden's dtype. An operand of another dtype is
+  cast (a weight cast copies [V, H]);
+* accumulation is fp32, fp64 when the compute dtype is fp64 (fused_full_kl: when either model's is);
+* the logits are never rounded to 16 bits: GEMMs with an fp32 (fp64) output, autocast off inside;
+* outputs are in the accumulation dtype; gradients in the dtype of the tensor they belong to.
+"""
+
+
+def compute_dtype_of(hidden: torch.Tensor, compute_dtype=None) -> torch.dtype:
+    """The compute dtype of ``COMPUTE_DTYPE_RULE`` for ``hidden`` (``compute_dtype`` None: the default)."""
+    if compute_dtype is not None:
+        if compute_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"compute_dtype must be one of {', '.join(map(str, FLOAT_DTYPES))} or None, "
+                            f"got {compute_dtype!r}")
+        return compute_dtype
+    device_type = hidden.device.type
+    if hidden.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden.dtype
+
+
+def no_autocast(device: torch.device):
+    """Autocast off for ``device``'s type: the LM-head launchers and backwards choose their own dtypes."""
+    return torch.autocast(device.type, enabled=False)
+
+
+def lm_head_operands(hidden, weight, bias, compute_dtype=None):
+    """(hidden, weight, bias) in the compute dtype of ``COMPUTE_DTYPE_RULE`` (a no-op when they already are)."""
+    dtype = compute_dtype_of(hidden, compute_dtype)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 class SoftmaxStats(NamedTuple):
     lse: torch.Tensor  # [N]
     entropy: torch.Tensor | None  # [N], from t
@@ -480,11 +523,15 @@ def vocab_chunked_backward(
 # --------------------------------------------------------------------------- references
 
 
-def lm_head_logits_reference(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """hidden @ weight.T (+ bias) materialised in fp32 (fp64 for fp64 inputs): the references' logits."""
-    acc = acc_dtype(hidden.dtype)
-    logits = hidden.to(acc) @ weight.to(acc).t()
-    return logits if bias is None else logits + bias.to(acc)
+def lm_head_logits_reference(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                             acc: torch.dtype | None = None):
+    """hidden @ weight.T (+ bias) materialised in ``acc`` (default: fp32, fp64 for fp64 inputs): the references'
+    logits. The operands are upcast (exact) and multiplied in ``acc`` with autocast off, so the logits are never
+    formed or rounded in 16 bits whatever autocast the caller runs under (``COMPUTE_DTYPE_RULE``)."""
+    acc = acc_dtype(hidden.dtype) if acc is None else acc
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = hidden.to(acc) @ weight.to(acc).t()
+        return logits if bias is None else logits + bias.to(acc)
 
 
 def cap_logits_reference(logits: torch.Tensor, softcap: float | None, logit_scale: float = 1.0) -> torch.Tensor:

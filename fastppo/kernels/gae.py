@@ -52,7 +52,8 @@ from typing import NamedTuple
 import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, MASK_DTYPES, check_same_device, check_float
-from fastppo.kernels._common import check_same_shape, check_tensor, launch, tile_choice, tl, triton, use_triton
+from fastppo.kernels._common import check_same_shape, check_tensor, fp32_product, launch, tile_choice, tl, triton
+from fastppo.kernels._common import use_triton
 
 
 # --------------------------------------------------------------------------- kernels
@@ -79,7 +80,7 @@ if HAS_TRITON:
         stride_m,
         stride_o,
         gamma,
-        lam,
+        gamma_lam,  # γ·λ formed on the host as a GPU forms it (``_common.fp32_product``)
         SKIP_MASKED: tl.constexpr,
         BLOCK_B: tl.constexpr,
         BLOCK_T: tl.constexpr,
@@ -93,7 +94,7 @@ if HAS_TRITON:
         v_row = values_ptr + rows64[:, None] * stride_v
         m_row = mask_ptr + rows64[:, None] * stride_m
         o_off = rows64[:, None] * stride_o
-        gl = gamma * lam
+        gl = gamma_lam
         zeros = tl.zeros([BLOCK_B, BLOCK_T], dtype=tl.float32)
         is_first = (j == BLOCK_T - 1)[None, :]  # the tile's earliest time
         # Carries from the later tile: the running advantage A_next and, for
@@ -170,7 +171,7 @@ def _launch_gae_fwd(rewards, values, mask, gamma, lam, skip_masked):
     tile = _gae_tile(B, T, rewards.device)
     launch(_gae_fwd_kernel, (triton.cdiv(B, tile.block_b),), rewards.device,
            rewards, values, mask, adv, ret, B, T,
-           rewards.stride(0), values.stride(0), mask.stride(0), adv.stride(0), gamma, lam,
+           rewards.stride(0), values.stride(0), mask.stride(0), adv.stride(0), gamma, fp32_product(gamma, lam),
            SKIP_MASKED=skip_masked, BLOCK_B=tile.block_b, BLOCK_T=tile.block_t, num_warps=tile.num_warps)
     return adv, ret
 

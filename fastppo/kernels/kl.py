@@ -58,10 +58,11 @@ from __future__ import annotations
 import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, check_same_device, check_same_shape, check_temperature
-from fastppo.kernels._common import check_tensor, launch, tile_choice, tl, triton, use_triton
+from fastppo.kernels._common import check_tensor, launch, refuse_double_backward, tile_choice, tl, triton, use_triton
 from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype, check_lm_head_args
 from fastppo.kernels._lmhead import dot_precision, dot_upcast, lm_head_logits_reference, merge_splits, mm_acc
-from fastppo.kernels._lmhead import softmax_dlogits_tile, split_plan, tl_dtype, vocab_chunked_backward
+from fastppo.kernels._lmhead import lm_head_operands, no_autocast, softmax_dlogits_tile, split_plan, tl_dtype
+from fastppo.kernels._lmhead import vocab_chunked_backward
 
 if HAS_TRITON:
     from fastppo.kernels._lmhead import elementwise_tile, logits_tile, online_expectation, online_update, split_program
@@ -77,21 +78,31 @@ _ESTIMATOR_CODE = {"k1": 0, "k2": 1, "mse": 1, "k3": 2, "abs": 3}
 if HAS_TRITON:
 
     @triton.jit
-    def _k3_and_slope(d):
+    def _k3_and_slope(d, LONG_SERIES: tl.constexpr):
         """k3(d) = e^{−d} + d − 1 and k3'(d) = 1 − e^{−d}, accurate near d = 0.
 
-        Both formulas cancel catastrophically for small |d| in fp32 (PPO's
-        early steps have |d| ~ 1e-4), so for |d| < ½ we use their Taylor
-        series, k3 = d²·Σ_{k≥0} (−d)^k/(k+2)!, k3' = d·Σ_{k≥0} (−d)^k/(k+1)!,
-        truncated where the next term is < 1e-8 relative.
+        Both formulas cancel catastrophically for small |d| (PPO's early steps
+        have |d| ~ 1e-4), so for |d| < ½ we use their Taylor series,
+        k3 = d²·Σ_{k≥0} (−d)^k/(k+2)!, k3' = d·Σ_{k≥0} (−d)^k/(k+1)!, truncated
+        where the next term is < 1e-8 relative (fp32), or, with LONG_SERIES
+        (fp64), < 1e-18 relative: 17 terms in Horner form,
+        Q_k = 1 + c·Q_{k+1}/(k+3), Σ_k c^k/(k+2)! = Q_0/2 (and likewise for k3').
         """
         small = tl.abs(d) < 0.5
         e = tl.exp(-d)
         c = -d
-        poly_v = 1.0 / 2 + c * (1.0 / 6 + c * (1.0 / 24 + c * (1.0 / 120 + c * (1.0 / 720 + c * (
-            1.0 / 5040 + c * (1.0 / 40320 + c * (1.0 / 362880)))))))
-        poly_g = 1.0 + c * (1.0 / 2 + c * (1.0 / 6 + c * (1.0 / 24 + c * (1.0 / 120 + c * (
-            1.0 / 720 + c * (1.0 / 5040 + c * (1.0 / 40320 + c * (1.0 / 362880))))))))
+        if LONG_SERIES:
+            poly_v = tl.full(d.shape, 1.0, d.dtype)
+            poly_g = tl.full(d.shape, 1.0, d.dtype)
+            for k in tl.static_range(16, -1, -1):
+                poly_v = 1.0 + c * poly_v / (k + 3)
+                poly_g = 1.0 + c * poly_g / (k + 2)
+            poly_v = poly_v * 0.5
+        else:
+            poly_v = 1.0 / 2 + c * (1.0 / 6 + c * (1.0 / 24 + c * (1.0 / 120 + c * (1.0 / 720 + c * (
+                1.0 / 5040 + c * (1.0 / 40320 + c * (1.0 / 362880)))))))
+            poly_g = 1.0 + c * (1.0 / 2 + c * (1.0 / 6 + c * (1.0 / 24 + c * (1.0 / 120 + c * (
+                1.0 / 720 + c * (1.0 / 5040 + c * (1.0 / 40320 + c * (1.0 / 362880))))))))
         value = tl.where(small, d * d * poly_v, e + d - 1.0)
         slope = tl.where(small, d * poly_g, 1.0 - e)
         return value, slope
@@ -101,41 +112,43 @@ if HAS_TRITON:
         """(f(d), f'(d)) of estimator EST (the table above): the one place the estimator is chosen.
 
         EST is a compile-time constant, so each kernel compiles one branch and
-        drops the output it does not use.
+        drops the output it does not use. d is fp32, or fp64 for fp64 inputs.
         """
         if EST == 0:
             value = d
-            slope = tl.full(d.shape, 1.0, tl.float32)
+            slope = tl.full(d.shape, 1.0, d.dtype)
         elif EST == 1:
             value = 0.5 * d * d
             slope = d
         elif EST == 2:
-            value, slope = _k3_and_slope(d)
+            value, slope = _k3_and_slope(d, d.dtype == tl.float64)
         else:
             value = tl.abs(d)
-            slope = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))  # sign(d), 0 at 0 like torch.abs's gradient
+            slope = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0)).to(d.dtype)  # sign(d), 0 at 0 like abs's grad
         return value, slope
 
     @triton.jit
-    def _kl_penalty_fwd_kernel(logp_ptr, ref_ptr, out_ptr, n, EST: tl.constexpr, BLOCK: tl.constexpr):
+    def _kl_penalty_fwd_kernel(logp_ptr, ref_ptr, out_ptr, n, EST: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                               BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        x = tl.load(logp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(logp_ptr + offs, mask=mask, other=0.0).to(ACC_DTYPE)
+        r = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(ACC_DTYPE)
         kl, _ = _kl_estimate(x - r, EST)
-        tl.store(out_ptr + offs, kl, mask=mask)
+        tl.store(out_ptr + offs, kl.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _kl_penalty_bwd_kernel(
         grad_ptr, logp_ptr, ref_ptr, dlogp_ptr, dref_ptr, n,
-        EST: tl.constexpr, HAS_DLOGP: tl.constexpr, HAS_DREF: tl.constexpr, BLOCK: tl.constexpr,
+        EST: tl.constexpr, HAS_DLOGP: tl.constexpr, HAS_DREF: tl.constexpr, ACC_DTYPE: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # f = f(logp − ref): ∂f/∂logp = f'(d), ∂f/∂ref = −f'(d).
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(logp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(ACC_DTYPE)
+        x = tl.load(logp_ptr + offs, mask=mask, other=0.0).to(ACC_DTYPE)
+        r = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(ACC_DTYPE)
         _, slope = _kl_estimate(x - r, EST)
         gd = g * slope
         if HAS_DLOGP:
@@ -145,8 +158,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _full_kl_fwd_kernel(
-        h_ptr, stride_hn, stride_hh, w_ptr, stride_wv, stride_wh, b_ptr,  # policy LM head
-        rh_ptr, stride_rhn, stride_rhh, rw_ptr, stride_rwv, stride_rwh, rb_ptr,  # reference LM head
+        h_ptr, stride_hn, stride_hh, w_ptr, stride_wv, stride_wh, b_ptr, stride_b,  # policy LM head
+        rh_ptr, stride_rhn, stride_rhh, rw_ptr, stride_rwv, stride_rwh, rb_ptr, stride_rb,  # reference LM head
         m_p_ptr, s_p_ptr, a_ptr, m_q_ptr, s_q_ptr,  # per-split states [splits, N]
         N, V, H, H_REF, temperature, tiles_per_split,
         HAS_BIAS: tl.constexpr, HAS_REF_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -165,10 +178,10 @@ if HAS_TRITON:
         for v0 in range(v_begin, v_end, BLOCK_V):
             cols = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
             col_mask = cols < v_end
-            z = logits_tile(h_ptr, stride_hn, stride_hh, w_ptr, stride_wv, stride_wh, b_ptr,
+            z = logits_tile(h_ptr, stride_hn, stride_hh, w_ptr, stride_wv, stride_wh, b_ptr, stride_b,
                             rows, cols, row_mask, col_mask, H, temperature,
                             HAS_BIAS, ACC_DTYPE, DOT_PRECISION, DOT_UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
-            y = logits_tile(rh_ptr, stride_rhn, stride_rhh, rw_ptr, stride_rwv, stride_rwh, rb_ptr,
+            y = logits_tile(rh_ptr, stride_rhn, stride_rhh, rw_ptr, stride_rwv, stride_rwh, rb_ptr, stride_rb,
                             rows, cols, row_mask, col_mask, H_REF, temperature,
                             HAS_REF_BIAS, ACC_DTYPE, REF_DOT_PRECISION, REF_DOT_UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
             m_p, s_p, _, alpha, e = online_update(m_p, s_p, s_p, z, 1, False)
@@ -221,15 +234,21 @@ def _full_kl_tile(dtype: torch.dtype, device: torch.device) -> LMHeadTile:
     return tile_choice("fused_full_kl", cuda_tile if device.type == "cuda" else LMHeadTile(16, 32, 16, 1, 1))
 
 
+def _kl_penalty_dtype(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.dtype:
+    """Compute and output dtype of ``kl_penalty``: fp32, fp64 when either input is fp64 (both paths)."""
+    return torch.promote_types(torch.promote_types(logprobs.dtype, ref_logprobs.dtype), torch.float32)
+
+
 def _launch_kl_penalty_fwd(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, code: int) -> torch.Tensor:
     x = logprobs.contiguous().view(-1)
     r = ref_logprobs.contiguous().view(-1)
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    acc = _kl_penalty_dtype(logprobs, ref_logprobs)
+    out = torch.empty(x.shape, dtype=acc, device=x.device)
     n = x.numel()
     if n:
         tile = _kl_penalty_tile(x.device)
         launch(_kl_penalty_fwd_kernel, (triton.cdiv(n, tile.block_v),), x.device, x, r, out, n,
-               EST=code, BLOCK=tile.block_v, num_warps=tile.num_warps)
+               EST=code, ACC_DTYPE=tl_dtype(acc), BLOCK=tile.block_v, num_warps=tile.num_warps)
     return out.view(logprobs.shape)
 
 
@@ -245,7 +264,9 @@ def _launch_kl_penalty_bwd(grad, logprobs, ref_logprobs, code, need_dlogp, need_
         tile = _kl_penalty_tile(x.device)
         launch(_kl_penalty_bwd_kernel, (triton.cdiv(n, tile.block_v),), x.device,
                g, x, r, dlogp if need_dlogp else x, dref if need_dref else r, n,
-               EST=code, HAS_DLOGP=need_dlogp, HAS_DREF=need_dref, BLOCK=tile.block_v, num_warps=tile.num_warps)
+               EST=code, HAS_DLOGP=need_dlogp, HAS_DREF=need_dref,
+               ACC_DTYPE=tl_dtype(_kl_penalty_dtype(logprobs, ref_logprobs)), BLOCK=tile.block_v,
+               num_warps=tile.num_warps)
     return (
         dlogp.view(logprobs.shape) if need_dlogp else None,
         dref.view(ref_logprobs.shape) if need_dref else None,
@@ -265,9 +286,10 @@ def _launch_full_kl_fwd(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, 
     m_p, s_p, a, m_q, s_q = torch.empty(5, plan.splits, n_rows, dtype=acc, device=device).unbind(0)
     launch(_full_kl_fwd_kernel, (plan.row_blocks, plan.splits), device,
            hidden, hidden.stride(0), hidden.stride(1), weight, weight.stride(0), weight.stride(1),
-           bias if bias is not None else weight,
+           bias if bias is not None else weight, bias.stride(0) if bias is not None else 0,
            ref_hidden, ref_hidden.stride(0), ref_hidden.stride(1), ref_weight, ref_weight.stride(0),
            ref_weight.stride(1), ref_bias if ref_bias is not None else ref_weight,
+           ref_bias.stride(0) if ref_bias is not None else 0,
            m_p, s_p, a, m_q, s_q, n_rows, vocab, hidden.shape[1], ref_hidden.shape[1], temperature,
            plan.tiles_per_split,
            HAS_BIAS=bias is not None, HAS_REF_BIAS=ref_bias is not None, ACC_DTYPE=tl_dtype(acc),
@@ -306,18 +328,23 @@ def _full_kl_backward(grad_kl, hidden, weight, bias, ref_hidden, ref_weight, ref
 
 class _KLPenalty(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logprobs, ref_logprobs, code):
+    def forward(ctx, logprobs, ref_logprobs, code, estimator):
         ctx.save_for_backward(logprobs, ref_logprobs)
-        ctx.code = code
+        ctx.code, ctx.estimator = code, estimator
         return _launch_kl_penalty_fwd(logprobs, ref_logprobs, code)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         logprobs, ref_logprobs = ctx.saved_tensors
         need_dlogp, need_dref = ctx.needs_input_grad[:2]
+        if torch.is_grad_enabled():
+            # Double backward (create_graph=True): the same f'(d), in differentiable PyTorch ops.
+            dtype = _kl_penalty_dtype(logprobs, ref_logprobs)
+            gd = grad.to(dtype) * _kl_slope_math(logprobs.to(dtype) - ref_logprobs.to(dtype), ctx.estimator)
+            return (gd.to(logprobs.dtype) if need_dlogp else None,
+                    (-gd).to(ref_logprobs.dtype) if need_dref else None, None, None)
         dlogp, dref = _launch_kl_penalty_bwd(grad, logprobs, ref_logprobs, ctx.code, need_dlogp, need_dref)
-        return dlogp, dref, None
+        return dlogp, dref, None, None
 
 
 class _FusedFullKL(torch.autograd.Function):
@@ -330,14 +357,15 @@ class _FusedFullKL(torch.autograd.Function):
         return kl
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_kl):
+        refuse_double_backward("fused_full_kl")
         hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, lse_p, lse_q, kl = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         if not any(needs):
             return (None,) * 7
-        grads = _full_kl_backward(grad_kl, hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias,
-                                  lse_p, lse_q, kl, ctx.temperature, needs)
+        with no_autocast(hidden2d.device):
+            grads = _full_kl_backward(grad_kl, hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias,
+                                      lse_p, lse_q, kl, ctx.temperature, needs)
         return (*grads, None, None, None, None)  # the reference side is frozen: no gradient
 
 
@@ -380,11 +408,12 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         estimator: one of ``KL_ESTIMATORS`` (see the module docstring for the formulas).
 
     Returns:
-        fp32 tensor of the inputs' shape; differentiable with respect to both inputs.
+        fp32 tensor of the inputs' shape (fp64, computed in fp64, when either input is fp64);
+        differentiable with respect to both inputs, twice too (``create_graph=True``).
     """
     code = _check_kl_penalty_args(logprobs, ref_logprobs, estimator)
     if use_triton(logprobs):
-        return _KLPenalty.apply(logprobs, ref_logprobs, code)
+        return _KLPenalty.apply(logprobs, ref_logprobs, code, estimator)
     return _kl_penalty_math(logprobs, ref_logprobs, estimator)
 
 
@@ -407,6 +436,11 @@ def fused_full_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=
         ref_bias: optional reference LM-head bias [V]. −inf entries (banned
             tokens) are allowed in either bias.
 
+    Both models follow ``_lmhead.COMPUTE_DTYPE_RULE`` (under autocast, an fp32
+    model's operands are multiplied in autocast's dtype with fp32 accumulation);
+    the accumulation is fp64 when either model computes in fp64, and then both
+    models' logits are formed in fp64.
+
     Returns:
         KL of shape ``hidden.shape[:-1]``, fp32 (fp64 when either model is
         fp64, computed in fp64). Differentiable with respect to ``hidden``,
@@ -415,15 +449,18 @@ def fused_full_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=
         values of order 1e-7 below zero.
     """
     temperature = _check_full_kl_args(hidden, weight, ref_hidden, ref_weight, temperature, bias, ref_bias)
+    hidden, weight, bias = lm_head_operands(hidden, weight, bias)
+    ref_hidden, ref_weight, ref_bias = lm_head_operands(ref_hidden.detach(), ref_weight.detach(),
+                                                        None if ref_bias is None else ref_bias.detach())
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    rh2 = ref_hidden.reshape(-1, ref_hidden.shape[-1]).detach()
-    ref_weight = ref_weight.detach()
-    ref_bias = None if ref_bias is None else ref_bias.detach()
-    # No tokens: nothing to launch; the reference math handles [0, H] and keeps autograd connected.
-    if use_triton(hidden, (temperature,)) and h2.shape[0] > 0:
-        kl = _FusedFullKL.apply(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
-    else:
-        kl = _full_kl_math(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
+    rh2 = ref_hidden.reshape(-1, ref_hidden.shape[-1])
+    with no_autocast(hidden.device):
+        # No tokens: nothing to launch; the reference math handles [0, H] and keeps autograd connected.
+        # Dispatch sees both models' dtypes: an fp64 reference makes the call fp64 (exact scalars only).
+        if use_triton(hidden, (temperature,), ref_hidden) and h2.shape[0] > 0:
+            kl = _FusedFullKL.apply(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
+        else:
+            kl = _full_kl_math(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
     return kl.reshape(hidden.shape[:-1])
 
 
@@ -431,23 +468,44 @@ def fused_full_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=
 
 
 def kl_penalty_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Plain PyTorch ``kl_penalty``: computes in fp32 (fp64 for fp64 inputs), returns fp32."""
+    """Plain PyTorch ``kl_penalty``: computes and returns fp32 (fp64 when either input is fp64)."""
     _check_kl_penalty_args(logprobs, ref_logprobs, estimator)
     return _kl_penalty_math(logprobs, ref_logprobs, estimator)
 
 
+def _kl_slope_math(d, estimator):
+    """f'(d) of the table in the module docstring, differentiable (the Triton path's double backward)."""
+    if estimator == "k1":
+        return torch.ones_like(d)
+    if estimator in ("k2", "mse"):
+        return d
+    if estimator == "k3":
+        return -torch.expm1(-d)
+    return torch.sign(d)
+
+
+def _k3_math(d):
+    """k3(d) = e^{−d} − 1 + d: expm1(−d) + d for |d| >= ½, and for |d| < ½, where that sum cancels (relative
+    error ~1e-16/|d|), the kernel's series d²·Σ_k (−d)^k/(k+2)!, 17 terms (< 1e-18 relative)."""
+    c = -d
+    poly = torch.ones_like(d)
+    for k in range(16, -1, -1):
+        poly = 1.0 + c * poly / (k + 3)
+    return torch.where(d.abs() < 0.5, d * d * poly * 0.5, torch.expm1(-d) + d)
+
+
 def _kl_penalty_math(logprobs, ref_logprobs, estimator):
-    dtype = torch.promote_types(torch.promote_types(logprobs.dtype, ref_logprobs.dtype), torch.float32)
+    dtype = _kl_penalty_dtype(logprobs, ref_logprobs)
     d = logprobs.to(dtype) - ref_logprobs.to(dtype)
     if estimator == "k1":
         kl = d
     elif estimator in ("k2", "mse"):
         kl = 0.5 * d.square()
     elif estimator == "k3":
-        kl = torch.expm1(-d) + d  # e^{−d} − 1 + d without the e^{−d} − 1 cancellation
+        kl = _k3_math(d)
     else:
         kl = d.abs()
-    return kl.float()
+    return kl
 
 
 def fused_full_kl_reference(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=None, ref_bias=None):
@@ -457,17 +515,19 @@ def fused_full_kl_reference(hidden, weight, ref_hidden, ref_weight, temperature=
     kernel, the reference side is detached.
     """
     temperature = _check_full_kl_args(hidden, weight, ref_hidden, ref_weight, temperature, bias, ref_bias)
+    hidden, weight, bias = lm_head_operands(hidden, weight, bias)
+    ref_hidden, ref_weight, ref_bias = lm_head_operands(ref_hidden.detach(), ref_weight.detach(),
+                                                        None if ref_bias is None else ref_bias.detach())
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    rh2 = ref_hidden.reshape(-1, ref_hidden.shape[-1]).detach()
-    kl = _full_kl_math(h2, weight, bias, rh2, ref_weight.detach(), None if ref_bias is None else ref_bias.detach(),
-                       temperature)
+    rh2 = ref_hidden.reshape(-1, ref_hidden.shape[-1])
+    kl = _full_kl_math(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
     return kl.reshape(hidden.shape[:-1])
 
 
 def _full_kl_math(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature):
-    acc = _full_kl_acc_dtype(hidden, ref_hidden)
-    log_p = torch.log_softmax(lm_head_logits_reference(hidden, weight, bias).to(acc) / temperature, dim=-1)
-    log_q = torch.log_softmax(lm_head_logits_reference(ref_hidden, ref_weight, ref_bias).to(acc) / temperature, dim=-1)
+    acc = _full_kl_acc_dtype(hidden, ref_hidden)  # both models' logits are formed in it
+    log_p = torch.log_softmax(lm_head_logits_reference(hidden, weight, bias, acc) / temperature, dim=-1)
+    log_q = torch.log_softmax(lm_head_logits_reference(ref_hidden, ref_weight, ref_bias, acc) / temperature, dim=-1)
     p = log_p.exp()
     # p = 0 (a token the policy bans) contributes 0, whatever log q is.
     return (p * torch.where(p > 0, log_p - log_q, torch.zeros_like(log_p))).sum(-1)

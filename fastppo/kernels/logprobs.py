@@ -39,11 +39,12 @@ import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, check_index_range, check_same_device
 from fastppo.kernels._common import check_bool, check_float, check_temperature, check_tensor, launch, tile_choice, tl
-from fastppo.kernels._common import triton, use_triton
+from fastppo.kernels._common import refuse_double_backward, triton, use_triton
 from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, INTERPRETER_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype
 from fastppo.kernels._lmhead import check_lm_head_args, dot_precision, dot_upcast, lm_head_logits_reference
 from fastppo.kernels._lmhead import cap_logits_reference, merge_splits, row_tile, softmax_dlogits_tile, split_plan
-from fastppo.kernels._lmhead import tl_dtype, vocab_chunked_backward
+from fastppo.kernels._lmhead import compute_dtype_of, lm_head_operands, no_autocast, tl_dtype  # noqa: F401
+from fastppo.kernels._lmhead import vocab_chunked_backward
 
 if HAS_TRITON:
     from fastppo.kernels._lmhead import elementwise_tile, logits_tile, online_update, row_pick, row_softmax
@@ -131,14 +132,16 @@ if HAS_TRITON:
             ent = tl.load(ent_ptr + row).to(ACC_DTYPE)
         dz = softmax_dlogits(z, lse, ent, g_logp, g_ent, onehot, HAS_G_LOGP, HAS_G_ENT)
         if HAS_SOFTCAP:
-            dz = dz * (cap_in * cap_out) * (1.0 - capped * capped)
+            # tile × scalar × scalar, never cap_in·cap_out as a scalar product: on a GPU that would be
+            # rounded to fp32 (and off in an fp64 backward), under the interpreter formed in fp64
+            dz = dz * cap_in * cap_out * (1.0 - capped * capped)
         store_dlogits(dx_ptr, stride_dxn, row, c, mask, dz, temperature)
 
     @triton.jit
     def _fused_token_logprobs_fwd_kernel(
         h_ptr, stride_hn, stride_hh,  # hidden [N, H]
         w_ptr, stride_wv, stride_wh,  # weight [V, H]
-        b_ptr,  # bias [V] (unused unless HAS_BIAS)
+        b_ptr, stride_b,  # bias [V] (unused unless HAS_BIAS)
         idx_ptr,  # [N]
         m_ptr, s_ptr, t_ptr, pick_ptr,  # per-split states [splits, N]
         q_ptr, zsum_ptr, before_ptr,  # per-split extra statistics [splits, N] (each only when asked)
@@ -164,7 +167,7 @@ if HAS_TRITON:
         for v0 in range(v_begin, v_end, BLOCK_V):
             cols = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
             col_mask = cols < v_end
-            z = logits_tile(h_ptr, stride_hn, stride_hh, w_ptr, stride_wv, stride_wh, b_ptr,
+            z = logits_tile(h_ptr, stride_hn, stride_hh, w_ptr, stride_wv, stride_wh, b_ptr, stride_b,
                             rows, cols, row_mask, col_mask, H, temperature,
                             HAS_BIAS, ACC_DTYPE, DOT_PRECISION, DOT_UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
             if HAS_SOFTCAP:
@@ -264,7 +267,7 @@ def _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, head: HeadMa
                                               for w in (want_entropy, want_sum_sq, want_mean, want_top1))
     launch(_fused_token_logprobs_fwd_kernel, (plan.row_blocks, plan.splits), device,
            hidden2d, hidden2d.stride(0), hidden2d.stride(1), weight, weight.stride(0), weight.stride(1),
-           bias if bias is not None else weight, index,
+           bias if bias is not None else weight, bias.stride(0) if bias is not None else 0, index,
            m_part, s_part, t_part if t_part is not None else s_part, pick_part,
            *(p if p is not None else s_part for p in (q_part, zsum_part, before_part)),
            n_rows, vocab, hdim, head.temperature, head.cap_in, head.cap_out, plan.tiles_per_split,
@@ -307,6 +310,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent=None):
+        refuse_double_backward("token_logprobs")
         logits2d, index, lse, ent = ctx.saved_tensors
         if g_logp is None and g_ent is None:
             return None, None, None, None
@@ -333,16 +337,18 @@ class _FusedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent=None, *_statistics):
+        refuse_double_backward("fused_token_logprobs")
         hidden2d, weight, bias, index, lse, ent = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not any(needs):
             return None, None, None, None, None, None
-        grad_h, grad_w, grad_b = _fused_token_logprobs_backward(
-            hidden2d, weight, bias, index, lse, ent,
-            None if g_logp is None else g_logp.contiguous(),
-            None if g_ent is None else g_ent.contiguous(),
-            ctx.head, needs,
-        )
+        with no_autocast(hidden2d.device):  # a backward run under autocast must not demote its GEMMs
+            grad_h, grad_w, grad_b = _fused_token_logprobs_backward(
+                hidden2d, weight, bias, index, lse, ent,
+                None if g_logp is None else g_logp.contiguous(),
+                None if g_ent is None else g_ent.contiguous(),
+                ctx.head, needs,
+            )
         return grad_h, grad_w, grad_b, None, None, None
 
 
@@ -415,19 +421,6 @@ def head_math(temperature, softcap, logit_scale) -> HeadMath:
     return HeadMath(1.0, logit_scale / softcap, softcap / temperature, True)
 
 
-def compute_dtype_of(hidden: torch.Tensor, compute_dtype) -> torch.dtype:
-    """TRL 1.x's rule: the autocast dtype when autocast is on for hidden's device, else hidden's dtype."""
-    if compute_dtype is not None:
-        if compute_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"compute_dtype must be one of {', '.join(map(str, FLOAT_DTYPES))} or None, "
-                            f"got {compute_dtype!r}")
-        return compute_dtype
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return hidden.dtype
-
-
 # The public functions (their options are checked and shaped by the helpers above).
 
 
@@ -455,8 +448,7 @@ def _check_fused_token_logprobs_args(hidden, weight, index, bias, compute_dtype)
     """Checks the tensors and casts them to the compute dtype: (hidden, weight, bias)."""
     check_lm_head_args(hidden, weight, bias, same_dtype=False)
     _check_index(index, "hidden", hidden)
-    dtype = compute_dtype_of(hidden, compute_dtype)
-    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    return lm_head_operands(hidden, weight, bias, compute_dtype)
 
 
 def token_logprobs(logits, index, temperature=1.0, *, return_entropy=False, outputs=None, ignore_index=-100):

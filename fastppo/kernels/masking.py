@@ -39,12 +39,17 @@ def _fake_impl(responses: torch.Tensor, stop_ids: torch.Tensor, pad_id: int):
 _fake_registered = False
 
 
-def _ensure_op() -> str:
+def _register_fake() -> None:
+    """The op's fake (meta) implementation, once: what torch.compile traces the op with."""
     global _fake_registered
-    backend = _extension.load_extension({"truncate_at_stop": (_SCHEMA, _truncate_reference_impl)})
     if not _fake_registered:
         torch.library.register_fake("fastppo::truncate_at_stop")(_fake_impl)
         _fake_registered = True
+
+
+def _ensure_op() -> str:
+    backend = _extension.load_extension({"truncate_at_stop": (_SCHEMA, _truncate_reference_impl)})
+    _register_fake()
     return backend
 
 
@@ -107,7 +112,12 @@ def truncate_at_stop(responses: torch.Tensor, stop_ids: int | Sequence[int] | to
     :func:`extension_backend` for which path is active.
     """
     responses, stop_tensor, pad_id = _check_truncate_at_stop_args(responses, stop_ids, pad_id)
-    _ensure_op()
+    if not _fake_registered:  # registered at import when the built op is there (the usual case)
+        if torch.compiler.is_compiling():
+            raise RuntimeError("truncate_at_stop: the C++ op is not loaded yet (no ahead-of-time build; the JIT "
+                               "build runs on first use); call fastppo.kernels.extension_backend() once before "
+                               "torch.compile traces it")
+        _ensure_op()
     return torch.ops.fastppo.truncate_at_stop(responses, stop_tensor, pad_id)
 
 
@@ -134,3 +144,5 @@ def truncate_at_stop_reference(responses: torch.Tensor, stop_ids: int | Sequence
 
 
 _extension.try_load_prebuilt()
+if _extension.loaded():  # the ahead-of-time op: its fake now, so a first call inside torch.compile traces
+    _register_fake()

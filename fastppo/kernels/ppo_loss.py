@@ -72,9 +72,9 @@ import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, MASK_DTYPES, check_float
 from fastppo.kernels._common import check_index_range, check_same_device, check_same_shape, check_temperature
-from fastppo.kernels._common import check_tensor, launch, tile_choice, tl, triton, use_triton
+from fastppo.kernels._common import check_tensor, launch, refuse_double_backward, tile_choice, tl, triton, use_triton
 from fastppo.kernels._lmhead import acc_dtype, addmm_acc_, check_lm_head_args, lm_head_logits_reference, mm_acc
-from fastppo.kernels._lmhead import row_tile, tl_dtype
+from fastppo.kernels._lmhead import lm_head_operands, no_autocast, row_tile, tl_dtype
 from fastppo.kernels.logprobs import token_logprobs_reference
 
 if HAS_TRITON:
@@ -250,8 +250,9 @@ class _FusedPPOPolicyLoss(torch.autograd.Function):
         return (loss, *stats)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g_loss, *_):
+        # Formed in the forward from the inputs' values: they carry no graph for a second derivative.
+        refuse_double_backward("fused_ppo_policy_loss")
         # The gradients were formed in the forward for an upstream gradient of 1: only scale them.
         grads = tuple(None if g is None else _scaled(g, g_loss) for g in ctx.saved_tensors)
         return (*grads, *(None,) * 9)
@@ -308,18 +309,20 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
     """
     cliprange, entropy_coef, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction)
+    hidden, weight, bias = lm_head_operands(hidden, weight, bias)
     vocab, hdim = weight.shape
     kernel_scalars = (1.0 - cliprange, 1.0 + cliprange, entropy_coef, temperature)
     if not use_triton(hidden, kernel_scalars) or index.numel() == 0:
-        return fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advantages, mask, cliprange,
-                                               entropy_coef, temperature, bias, reduction)
+        return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, cliprange,
+                                     entropy_coef, temperature, bias, reduction)
     if not hidden.is_cuda:  # interpreter: cheap here; on CUDA it would sync
         check_index_range(index, vocab)
     flat = [t.reshape(-1).contiguous() for t in (index, old_logprobs.detach(), advantages.detach(), mask)]
-    loss, logp, ratio, clipped, ent = _FusedPPOPolicyLoss.apply(
-        hidden.reshape(-1, hdim), weight, bias, *flat, 1.0 - cliprange, 1.0 + cliprange, entropy_coef, temperature,
-        reduction == "token_mean",
-    )
+    with no_autocast(hidden.device):
+        loss, logp, ratio, clipped, ent = _FusedPPOPolicyLoss.apply(
+            hidden.reshape(-1, hdim), weight, bias, *flat, 1.0 - cliprange, 1.0 + cliprange, entropy_coef,
+            temperature, reduction == "token_mean",
+        )
     shape = index.shape
     return PPOPolicyLossOutput(loss, logp.view(shape), ratio.view(shape), clipped.view(shape), ent.view(shape))
 
@@ -327,32 +330,77 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
 # --------------------------------------------------------------------------- references
 
 
-def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                      cliprange: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's per-token clipped surrogate loss, max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) with ρ = exp(logp − old):
-    (the per-token loss, ρ, where the clipped term won). The one PyTorch statement of (P2)-(P3): the trainer,
-    the reference below and the tests use it; the Triton kernel computes the same per row and is tested
-    against it."""
-    ratio = torch.exp(logprobs - old_logprobs)
+def _check_clipped_surrogate_args(logprobs, old_logprobs, advantages, cliprange, mask) -> float:
+    check_tensor("logprobs", logprobs, dtypes=FLOAT_DTYPES)
+    check_tensor("old_logprobs", old_logprobs, dtypes=FLOAT_DTYPES)
+    check_tensor("advantages", advantages, dtypes=FLOAT_DTYPES)
+    if mask is not None:
+        check_tensor("mask", mask, dtypes=MASK_DTYPES)
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    check_same_device(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    return check_float("cliprange", cliprange, minimum=0.0)
+
+
+def _surrogate(logprobs, old_logprobs, advantages, cliprange):
+    """(P2)-(P3) with a ratio that may overflow: where logp − old passes log(fp max), ρ = inf is a constant
+    (its gradient is the clipped branch's, 0: autograd of exp would form 0·inf = NaN there)."""
+    log_ratio = logprobs - old_logprobs
+    overflow = torch.exp(log_ratio.detach()) == float("inf")
+    ratio = torch.where(overflow, float("inf"), torch.exp(torch.where(overflow, 0.0, log_ratio)))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
     return torch.max(unclipped, clipped), ratio, clipped > unclipped
 
 
+def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      cliprange: float, *, mask: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's per-token clipped surrogate loss, max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) with ρ = exp(logp − old):
+    (the per-token loss, ρ, where the clipped term won). The one PyTorch statement of (P2)-(P3): the trainer,
+    the reference below and the tests use it; the Triton kernel computes the same per row and is tested
+    against it.
+
+    The three tensors have one shape and device; ``cliprange`` ε >= 0 (checked as ``fused_ppo_policy_loss``
+    checks them). A ratio that overflows fp32 (logp − old > 88.7) is inf, and its token's gradient is the
+    clipped branch's (0 for A > 0), not NaN. ``mask`` (optional, bool or numbers, nonzero = real): masked
+    tokens get loss 0 and pass no gradient, and their ``old_logprobs`` and ``advantages`` never reach the
+    loss or a gradient (inf/NaN allowed there); ρ and the flag are still reported for every token.
+    """
+    cliprange = _check_clipped_surrogate_args(logprobs, old_logprobs, advantages, cliprange, mask)
+    if mask is None:
+        return _surrogate(logprobs, old_logprobs, advantages, cliprange)
+    real = mask != 0
+    zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
+    loss, ratio, clipped = _surrogate(logprobs, torch.where(real, old_logprobs, logprobs.detach()),
+                                      torch.where(real, advantages, zero), cliprange)
+    with torch.no_grad():  # the statistics of the masked tokens, from their own values
+        _, raw_ratio, raw_clipped = _surrogate(logprobs.detach(), old_logprobs, advantages, cliprange)
+    return (torch.where(real, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)),
+            torch.where(real, ratio, raw_ratio), torch.where(real, clipped, raw_clipped))
+
+
 def fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advantages, mask, cliprange,
                                     entropy_coef=0.0, temperature=1.0, bias=None,
                                     reduction="token_mean") -> PPOPolicyLossOutput:
-    """Plain PyTorch ``fused_ppo_policy_loss``: materialised fp32 (fp64) logits, then (P1)-(P4) as the
-    trainer writes them."""
+    """Plain PyTorch ``fused_ppo_policy_loss``: materialised fp32 (fp64) logits (``COMPUTE_DTYPE_RULE``), then
+    (P1)-(P4) as the trainer writes them."""
     cliprange, entropy_coef, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction)
+    hidden, weight, bias = lm_head_operands(hidden, weight, bias)
+    return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef,
+                                 temperature, bias, reduction)
+
+
+def _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef,
+                          temperature, bias, reduction) -> PPOPolicyLossOutput:
     logp, ent = token_logprobs_reference(lm_head_logits_reference(hidden, weight, bias), index, temperature,
                                          return_entropy=True, ignore_index=None)
     acc = logp.dtype
     old, adv, real = old_logprobs.detach().to(acc), advantages.detach().to(acc), mask != 0
-    pg_losses, ratio, clipped = clipped_surrogate(logp, old, adv, cliprange)
+    # masked tokens: their old log-probs and advantages reach neither the loss nor a gradient (inf/NaN allowed)
+    pg_losses, ratio, clipped = clipped_surrogate(logp, old, adv, cliprange, mask=real)
     zero = torch.zeros((), dtype=acc, device=logp.device)
-    pg_sum = torch.where(real, pg_losses, zero).sum()
+    pg_sum = pg_losses.sum()
     ent_sum = torch.where(real, ent, zero).sum()
     if reduction == "token_mean":
         count = real.sum()
