@@ -222,7 +222,8 @@ class RunningMoments:
         m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
         self.mean += delta * n / total
         self.var = m2 / total
-        self.std = math.sqrt(self.var * total / max(total - 1, 1))
+        # the unbiased std; of a single score it is undefined: inf, as TRL's (that lone score scales to 0, not by ~1e7)
+        self.std = math.sqrt(self.var * total / (total - 1)) if total > 1 else math.inf
         self.count = total
 
     def state_dict(self) -> dict:

@@ -542,6 +542,20 @@ def test_running_moments_resume_from_state_dict():
     assert resumed.state_dict() == whole.state_dict()
 
 
+@pytest.mark.parametrize("use_score_norm", [False, True])
+def test_a_lone_first_score_has_no_spread_to_scale_by(use_score_norm):
+    """The first batch holds one score (a global batch of 1): its std is undefined. TRL's is inf and the score
+    scales to 0; it must not be divided by a std of ~1e-12 (the score times ~1e7, the value targets with it).
+    From the second score on the moments are those of the stream."""
+    moments = RunningMoments()
+    first = transform_scores(torch.tensor([0.7]), True, use_score_norm, None, moments)
+    assert moments.std == math.inf and moments.mean == pytest.approx(0.7)
+    torch.testing.assert_close(first, torch.zeros(1))
+    second = transform_scores(torch.tensor([1.5]), True, use_score_norm, None, moments)
+    torch.testing.assert_close(second.double(), ref_transform([torch.tensor([0.7]), torch.tensor([1.5])], True,
+                                                              use_score_norm, None)[1], **FP32)
+
+
 def test_running_moments_equal_trl():
     utils = pytest.importorskip("trl.trainer.utils")
     trl_moments = utils.RunningMoments(accelerator=SimpleNamespace(use_distributed=False))
@@ -552,6 +566,10 @@ def test_running_moments_equal_trl():
         # TRL computes in fp32
         torch.testing.assert_close((ours.mean, ours.var, ours.std), (trl_moments.mean, trl_moments.var, trl_moments.std),
                                    rtol=1e-5, atol=1e-5)
+    lone_trl, lone = utils.RunningMoments(accelerator=SimpleNamespace(use_distributed=False)), RunningMoments()
+    lone_trl.update(torch.tensor([0.7]))
+    lone.update(torch.tensor([0.7]))
+    assert lone.std == lone_trl.std == math.inf
 
 
 @PROPERTY
