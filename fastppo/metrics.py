@@ -219,11 +219,13 @@ def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> N
         (axes[1], ("objective/kl",), "KL to reference (nats / sequence)"),
         (axes[2], ("objective/entropy",), "entropy (nats / sequence)"),
     ):
-        for key in (key for key in keys if key in history[0]):  # no objective/kl where no reference ran
+        shown = [key for key in keys if key in history[0]]  # no objective/kl where no reference ran
+        for key in shown:
             ax.plot(episodes, [m[key] for m in history], label=key)
-        ax.set_title(title)
+        ax.set_title(title if shown else f"{title}: not computed in this run")
         ax.set_xlabel("episode")
-        ax.legend(fontsize=8)
+        if shown:
+            ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
