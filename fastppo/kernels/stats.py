@@ -67,7 +67,9 @@ def _var(x: torch.Tensor, m: torch.Tensor, unbiased: bool, check: bool = True) -
     else:
         n = m.sum().to(x.dtype)  # stays on the device
     mean = _mean(x, m)
-    var = _mean((x - mean) ** 2, m)
+    # (x − mean) selected before it is squared: the square's gradient, 2(x − mean)·0 on a masked entry,
+    # would be NaN for an inf/NaN there (and poison every gradient through the mean)
+    var = _mean(torch.where(m, x - mean, torch.zeros((), dtype=x.dtype, device=x.device)) ** 2, m)
     if unbiased:
         # Bessel's correction; unchecked, a selection too small for it gives NaN
         var = var * (n / (n - 1)) if check else torch.where(n > 1, var * n / (n - 1), float("nan"))
