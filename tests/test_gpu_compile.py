@@ -2,8 +2,13 @@
 
 The interpreter runs kernels as NumPy and does not type-check loops, constexpr
 branches or dot shapes; a real compile does. Each kernel is compiled with the
-dtypes its launcher passes and the tile its launcher would pick on CUDA, read
-from the module's tile function (so a retuned tile is what gets compiled).
+arguments its launcher passes at the headline shape and the tile its launcher
+would pick on CUDA, read from the module's tile function (so a retuned tile is
+what gets compiled), specialised by Triton's own binder exactly as a real launch
+is (an int below 2^31 arrives as i32, a stride of 1 as a constexpr; issue 36:
+declaring strides i64 compiled a path no real call takes). The compiled TTIR is
+then checked for offsets formed in int32: no product of a stride or a row count,
+and no product of an offset tensor, in 32 bits.
 """
 import os
 import subprocess
@@ -15,102 +20,116 @@ import pytest
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import importlib
+    import re
 
     import torch
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import create_function_from_signature
 
     # modules, not the functions of the same name that fastppo.kernels exports
     G, K, L, P, C = (importlib.import_module(f"fastppo.kernels.{m}") for m in ("gae", "kl", "logprobs", "ppo_loss",
                                                                                "_lmhead"))
     CUDA = torch.device("cuda")
+    TARGET = GPUTarget("cuda", 90, 32)
+    BACKEND = CUDABackend(TARGET)
     N, H, V = 8192, 4096, 128256  # the headline shape: the tiles the launchers pick there
+    BAD = []
 
-    def compile(fn, types, consts, **options):
-        sig = dict(types, **{k: "constexpr" for k in consts})
-        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        print("compiled", fn.__name__, consts)
+    def ptr(dtype):
+        # what a launch passes for a tensor: its dtype and a 16-byte-aligned address (a meta tensor has both)
+        return torch.empty(1, dtype=dtype, device="meta")
 
-    def lm_head(prefix, x):  # hidden, weight, bias of one LM head, as logits_tile reads them
-        return {f"{prefix}h_ptr": x, f"stride_{prefix}hn": "i64", f"stride_{prefix}hh": "i64", f"{prefix}w_ptr": x,
-                f"stride_{prefix}wv": "i64", f"stride_{prefix}wh": "i64", f"{prefix}b_ptr": x}
+    def i32_products(ttir):
+        # products formed in 32 bits of a stride or a row count (they pass 2^31 at real sizes), or of a tensor
+        # of offsets: every such offset must be formed in int64
+        bad = []
+        for a, b, ty in re.findall(r"arith\\.muli (%[\\w.#]+), (%[\\w.#]+) : ([^ ]+)", ttir):
+            if ty.endswith("xi32>") or (ty == "i32" and any(o.startswith(("%stride", "%N")) for o in (a, b))):
+                bad.append(f"{a} * {b} : {ty}")
+        return bad
+
+    def compile(fn, args, **meta):
+        # The specialisation a real launch with these arguments gets (Triton's own binder: i32 for an int
+        # below 2^31, a constexpr for a stride of 1, divisibility by 16), compiled for sm_90.
+        binder = create_function_from_signature(fn.signature, fn.params, BACKEND)
+        bound, specialization, options = binder(*args, **meta)
+        options, signature, constexprs, attrs = fn._pack_args(BACKEND, meta, bound, specialization, options)
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+        BAD.extend(f"{fn.__name__}: {b}" for b in i32_products(kernel.asm["ttir"]))
+        print("compiled", fn.__name__, {k: v for k, v in signature.items() if v != "constexpr"})
 
     # bf16 inputs (fp32 accumulators) and fp64 inputs (gradcheck's dtype: fp64 accumulators and dot, which
     # Triton 3.6 rejected while tl.dot's out_dtype defaulted to fp32)
-    for dtype, x, acc in ((torch.bfloat16, "*bf16", "*fp32"), (torch.float64, "*fp64", "*fp64")):
-        ACC = dict(ACC_DTYPE=tl.float64 if dtype == torch.float64 else tl.float32)
-        dot = dict(DOT_PRECISION=C.dot_precision(dtype, CUDA), DOT_UPCAST=C.dot_upcast(dtype, C.acc_dtype(dtype), CUDA))
+    for dtype in (torch.bfloat16, torch.float64):
+        acc = C.acc_dtype(dtype)
+        ACC = dict(ACC_DTYPE=C.tl_dtype(acc))
+        dot = dict(DOT_PRECISION=C.dot_precision(dtype, CUDA), DOT_UPCAST=C.dot_upcast(dtype, acc, CUDA))
+        x, a, i64 = ptr(dtype), ptr(acc), ptr(torch.int64)
 
-        # logprobs.py
+        # logprobs.py: logits [N, V] contiguous
         row = L._token_logprobs_tile(V, CUDA)
-        compile(L._token_logprobs_fwd_kernel,
-                dict(x_ptr=x, stride_xn="i64", idx_ptr="*i64", logp_ptr=acc, lse_ptr=acc, ent_ptr=acc, n_cols="i32",
-                     temperature="fp32"),
-                dict(COMPUTE_ENTROPY=True, BLOCK_V=row.block_v, **ACC), num_warps=row.num_warps)
+        compile(L._token_logprobs_fwd_kernel, (x, V, i64, a, a, a, V, 0.7),
+                COMPUTE_ENTROPY=True, BLOCK_V=row.block_v, num_warps=row.num_warps, **ACC)
         dlogits = C.softmax_dlogits_tile(V, CUDA)
-        # upstream grads may be None; the soft-cap's (L7) factor on and off
+        chunk = C.bwd_chunk_cols(N, V, CUDA)
+        # upstream grads may be None; the soft-cap's (L7) factor on and off; a chunk of the chunked backward
         for has_g_logp, has_g_ent, softcap in ((True, True, False), (True, False, False), (False, True, False),
                                                (True, True, True)):
-            compile(L._softmax_dlogits_kernel,
-                    dict(x_ptr=acc, stride_xn="i64", dx_ptr=x, stride_dxn="i64", idx_ptr="*i64", lse_ptr=acc,
-                         ent_ptr=acc, g_logp_ptr=acc, g_ent_ptr=acc, col_offset="i32", n_cols="i32",
-                         temperature="fp32", cap_in="fp32", cap_out="fp32"),
-                    dict(HAS_G_LOGP=has_g_logp, HAS_G_ENT=has_g_ent, HAS_SOFTCAP=softcap, BLOCK_V=dlogits.block_v,
-                         **ACC),
-                    num_warps=dlogits.num_warps)
+            compile(L._softmax_dlogits_kernel, (a, chunk, x, chunk, i64, a, a, a, a, 3 * chunk, chunk, 0.7, 0.3, 2.0),
+                    HAS_G_LOGP=has_g_logp, HAS_G_ENT=has_g_ent, HAS_SOFTCAP=softcap, BLOCK_V=dlogits.block_v,
+                    num_warps=dlogits.num_warps, **ACC)
         tile = L._fused_token_logprobs_tile(dtype, CUDA)
-        for extras in (False, True):  # the plain forward, and soft-capped with every statistic of the pass
+        plan = (2, 16)  # splits, tiles per split
+        # the plain forward on a contiguous head, and soft-capped with every statistic on a tied, transposed
+        # head ([V, H] with strides (1, V): (H − 1)·V passes 2^31 at these sizes)
+        for extras, (swv, swh) in ((False, (H, 1)), (True, (1, V))):
             compile(L._fused_token_logprobs_fwd_kernel,
-                    dict(lm_head("", x), idx_ptr="*i64", m_ptr=acc, s_ptr=acc, t_ptr=acc, pick_ptr=acc, q_ptr=acc,
-                         zsum_ptr=acc, before_ptr=acc, N="i32", V="i32", H="i32", temperature="fp32",
-                         cap_in="fp32", cap_out="fp32", tiles_per_split="i32"),
-                    dict(HAS_BIAS=True, HAS_SOFTCAP=extras, COMPUTE_ENTROPY=True, COMPUTE_SUM_SQ=extras,
-                         COMPUTE_SUM_Z=extras, COMPUTE_TOP1=extras, BLOCK_N=tile.block_n, BLOCK_V=tile.block_v,
-                         BLOCK_H=tile.block_h, **dot, **ACC), num_warps=tile.num_warps, num_stages=tile.num_stages)
+                    (x, H, 1, x, swv, swh, x, 1, i64, *(a,) * 7, N, V, H, 0.7, 0.3, 2.0, plan[1]),
+                    HAS_BIAS=True, HAS_SOFTCAP=extras, COMPUTE_ENTROPY=True, COMPUTE_SUM_SQ=extras,
+                    COMPUTE_SUM_Z=extras, COMPUTE_TOP1=extras, BLOCK_N=tile.block_n, BLOCK_V=tile.block_v,
+                    BLOCK_H=tile.block_h, num_warps=tile.num_warps, num_stages=tile.num_stages, **dot, **ACC)
 
-        # kl.py: the exact full-vocabulary KL, forward statistics and the backward's dlogits
+        # kl.py: the exact full-vocabulary KL (tied, transposed policy head; contiguous reference head)
         tile = K._full_kl_tile(dtype, CUDA)
         compile(K._full_kl_fwd_kernel,
-                dict(lm_head("", x), **lm_head("r", x), m_p_ptr=acc, s_p_ptr=acc, a_ptr=acc, m_q_ptr=acc,
-                     s_q_ptr=acc, N="i32", V="i32", H="i32", H_REF="i32", temperature="fp32", tiles_per_split="i32"),
-                dict(HAS_BIAS=True, HAS_REF_BIAS=True, REF_DOT_PRECISION=dot["DOT_PRECISION"],
-                     REF_DOT_UPCAST=dot["DOT_UPCAST"], BLOCK_N=tile.block_n, BLOCK_V=tile.block_v,
-                     BLOCK_H=tile.block_h, **dot, **ACC), num_warps=tile.num_warps, num_stages=tile.num_stages)
-        compile(K._full_kl_dlogits_kernel,
-                dict(x_ptr=acc, stride_xn="i64", y_ptr=acc, stride_yn="i64", dx_ptr=x, stride_dxn="i64",
-                     lse_p_ptr=acc, lse_q_ptr=acc, kl_ptr=acc, g_ptr=acc, n_cols="i32", temperature="fp32"),
-                dict(BLOCK_V=dlogits.block_v, **ACC), num_warps=dlogits.num_warps)
+                (x, H, 1, x, 1, V, x, 1, x, H, 1, x, H, 1, x, 1, *(a,) * 5, N, V, H, H, 0.7, plan[1]),
+                HAS_BIAS=True, HAS_REF_BIAS=True, REF_DOT_PRECISION=dot["DOT_PRECISION"],
+                REF_DOT_UPCAST=dot["DOT_UPCAST"], BLOCK_N=tile.block_n, BLOCK_V=tile.block_v,
+                BLOCK_H=tile.block_h, num_warps=tile.num_warps, num_stages=tile.num_stages, **dot, **ACC)
+        compile(K._full_kl_dlogits_kernel, (a, chunk, a, chunk, x, chunk, a, a, a, a, chunk, 0.7),
+                BLOCK_V=dlogits.block_v, num_warps=dlogits.num_warps, **ACC)
 
         # ppo_loss.py: both passes (with the gradient, both reductions) and the statistics-only forward
         tile = P._ppo_loss_tile(N, V, CUDA)
         for token_mean, needs_grad in ((True, True), (False, True), (True, False)):
             compile(P._ppo_policy_loss_rows_kernel,
-                    dict(x_ptr=acc, stride_xn="i64", dx_ptr=x, stride_dxn="i64", idx_ptr="*i64", old_ptr="*fp32",
-                         adv_ptr="*fp32", mask_ptr="*i1", count_ptr=acc, logp_ptr=acc, ratio_ptr=acc,
-                         clipped_ptr="*i1", ent_ptr=acc, loss_ptr=acc, n_cols="i32", temperature="fp32",
-                         clip_low="fp32", clip_high="fp32", entropy_coef="fp32"),
-                    dict(TOKEN_MEAN=token_mean, NEEDS_GRAD=needs_grad, BLOCK_V=tile.block_v, **ACC),
-                    num_warps=tile.num_warps)
+                    (a, V, x, V, i64, ptr(torch.float32), ptr(torch.float32), ptr(torch.bool), a, a, a,
+                     ptr(torch.bool), a, a, V, 0.7, 0.75, 1.25, 0.01),
+                    TOKEN_MEAN=token_mean, NEEDS_GRAD=needs_grad, BLOCK_V=tile.block_v, num_warps=tile.num_warps,
+                    **ACC)
 
-    # kl.py: elementwise estimators, every estimator code
+    # kl.py: elementwise estimators, every estimator code, fp32 and fp64 (the long k3 series)
     pen = K._kl_penalty_tile(CUDA)
-    for est in range(4):
-        compile(K._kl_penalty_fwd_kernel, dict(logp_ptr="*bf16", ref_ptr="*bf16", out_ptr="*fp32", n="i32"),
-                dict(EST=est, BLOCK=pen.block_v), num_warps=pen.num_warps)
-        compile(K._kl_penalty_bwd_kernel,
-                dict(grad_ptr="*fp32", logp_ptr="*bf16", ref_ptr="*bf16", dlogp_ptr="*bf16", dref_ptr="*bf16", n="i32"),
-                dict(EST=est, HAS_DLOGP=True, HAS_DREF=True, BLOCK=pen.block_v), num_warps=pen.num_warps)
+    for dtype, acc in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        x, a = ptr(dtype), ptr(acc)
+        for est in range(4):
+            compile(K._kl_penalty_fwd_kernel, (x, x, a, N * 512), EST=est, ACC_DTYPE=C.tl_dtype(acc),
+                    BLOCK=pen.block_v, num_warps=pen.num_warps)
+            compile(K._kl_penalty_bwd_kernel, (a, x, x, x, x, N * 512), EST=est, HAS_DLOGP=True, HAS_DREF=True,
+                    ACC_DTYPE=C.tl_dtype(acc), BLOCK=pen.block_v, num_warps=pen.num_warps)
 
     # gae.py: both semantics, at a batch of one row per program and one of several
     for skip in (False, True):
         for B in (512, 8192):
             tile = G._gae_tile(B, 4096, CUDA)
             compile(G._gae_fwd_kernel,
-                    dict(rewards_ptr="*fp32", values_ptr="*bf16", mask_ptr="*i1", adv_ptr="*fp32", ret_ptr="*fp32",
-                         B="i32", T="i32", stride_r="i32", stride_v="i32", stride_m="i32", stride_o="i32",
-                         gamma="fp32", lam="fp32"),
-                    dict(SKIP_MASKED=skip, BLOCK_B=tile.block_b, BLOCK_T=tile.block_t), num_warps=tile.num_warps)
+                    (ptr(torch.float32), ptr(torch.bfloat16), ptr(torch.bool), ptr(torch.float32),
+                     ptr(torch.float32), B, 4096, 4096, 4096, 4096, 4096, 0.99, 0.9405),
+                    SKIP_MASKED=skip, BLOCK_B=tile.block_b, BLOCK_T=tile.block_t, num_warps=tile.num_warps)
+    assert not BAD, "offsets formed in int32: " + "; ".join(BAD)
     print("all compiled")
     """
 )

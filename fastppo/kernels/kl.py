@@ -188,7 +188,7 @@ if HAS_TRITON:
             # z − y on padding lanes would be (−inf) − (−inf); e = 0 drops them anyway.
             a = online_expectation(a, alpha, e, z - tl.where(col_mask[None, :], y, 0.0), 1)
             m_q, s_q, _, _, _ = online_update(m_q, s_q, s_q, y, 1, False)
-        out = tl.program_id(1) * N + rows
+        out = tl.program_id(1).to(tl.int64) * N + rows  # splits·N may pass 2^31 in i32
         tl.store(m_p_ptr + out, m_p, mask=row_mask)
         tl.store(s_p_ptr + out, s_p, mask=row_mask)
         tl.store(a_ptr + out, a, mask=row_mask)

@@ -181,7 +181,7 @@ if HAS_TRITON:
                 before = tl.maximum(before, tl.max(tl.where(cols[None, :] < idx[:, None], z, float("-inf")), 1))
             # The target logit sits in exactly one tile of one split.
             pick += tl.sum(tl.where(cols[None, :] == idx[:, None], z, 0.0), 1)
-        out = tl.program_id(1) * N + rows
+        out = tl.program_id(1).to(tl.int64) * N + rows  # splits·N may pass 2^31 in i32
         tl.store(m_ptr + out, m, mask=row_mask)
         tl.store(s_ptr + out, s, mask=row_mask)
         tl.store(pick_ptr + out, pick, mask=row_mask)
