@@ -1,0 +1,326 @@
+"""fastppo's critic-free advantages, loss and policy gradient against TRL 1.16's own, on one identical batch.
+
+Run in TRL 1.x's own environment (``tests/test_trl1_loss_match.py`` starts it with TRL 1.16 first on
+``PYTHONPATH``; the main environment holds TRL 0.26):
+
+    PYTHONPATH=.trl1:. TRITON_INTERPRET=0 python tests/trl1_loss_match.py OUT.pt
+
+The batch (``make_batch``): the embedded tiny Llama (fp32, CPU, dropout off); P = 3 prompts of 3, 5 and 2
+tokens (left-padded), k = 4 completions each of 1 to 7 tokens (right-padded), all ending in eos but one that
+runs to the longest length with no stop token, and two that are eos alone; a reward per completion (random,
+the third prompt's group all equal); old per-token log-probs = the model's current ones + N(0, 0.3²) noise
+(ratios far from 1: the clip acts on both sides, for positive and negative advantages) and reference ones =
+current + other N(0, 0.3²) noise.
+
+How the batch reaches TRL (its trainers unedited: ``from trl import GRPOTrainer, ...``):
+
+* GRPO: a ``GRPOTrainer`` (loss_type "dapo", num_generations k, per_device_train_batch_size P·k,
+  gradient_accumulation_steps 1, steps_per_generation 1, temperature 1, use_cpu, bf16=False: TRL's configs
+  default bf16 to True, whose CPU autocast rounds the forward to bf16, 1e-3 off fp32's log-probs) whose
+  generation backend is TRL's own ``rollout_func`` argument, returning our prompt and completion ids, and
+  whose reward function returns our rewards (after checking it was handed our completion ids).
+  ``_generate_and_score_completions`` on the P·k rows (each prompt k times in a row, as TRL's RepeatSampler
+  yields them) pads the ids and computes the advantages with TRL's own code (scale_rewards,
+  num_items_in_batch). In the dict it returns, ``old_per_token_logps`` (None there: one step per generation)
+  and ``ref_per_token_logps`` (TRL's reference model on the same weights) are replaced by ours;
+  ``current_gradient_accumulation_steps`` is set to 1 (what ``Trainer``'s loop sets, from
+  gradient_accumulation_steps); then ``trainer._compute_loss(trainer.model, inputs)`` and ``backward()``:
+  TRL's loss and every parameter's gradient.
+* RLOO: ``RLOOTrainer`` has no ``rollout_func``, so its generation backend is replaced on the instance:
+  ``_tokenize_prompts`` returns our prompt ids and ``_generate_single_turn`` our completion ids (TRL's
+  ``_generate`` still decodes and logs them), and ``_get_per_token_logps_and_entropies`` runs TRL's own forward
+  (recorded, compared with fastppo's) and returns our old log-probs for the policy and our reference
+  log-probs for the reference model. Everything else is TRL's ``_generate_and_score_completions`` at
+  RLOOConfig's defaults (beta 0.05, normalize_advantages False; num_generations k): the summed k1 of
+  old − ref in the reward and the leave-one-out baseline. TRL RLOO's loss is sequence-level (the exp of the
+  summed log-ratio, clipped per sequence), which fastppo does not implement: only advantages are compared.
+
+How the batch reaches fastppo: a ``PPOConfig(advantage_estimator="grpo"|"rloo", num_generations=k,
+temperature=1, scale_rewards=..., beta=...)``, every other field at fastppo's default (kl_coef, kl_estimator,
+cliprange, kl_loss_type, use_bias_correction_kl, entropy_coef: asserted to be TRL's); the same ids through
+``fastppo.train.assemble`` (queries left-padded with their mask, responses right-padded with ``real`` and
+``has_stop``); steps 2-4 as ``ppo_iteration`` runs them: the per-token KL by kl_estimator (k1) from the same
+old/ref log-probs, ``per_token_rewards`` (the score on the last token, −kl_coef·KL_t on each: kl_coef 0 for
+grpo, 0.05 = TRL's beta for rloo) and ``estimate_advantages``; then ``PolicyAndValue(policy, None,
+critic=False)`` on ``rollout.layout(range(B))`` (entropy on) and ``ppo_losses`` with the config's values, as
+``ppo_update`` calls it; ``backward()``.
+
+``OUT.pt``: ``{"grpo": {f"{scale}-{beta}": record}, "rloo": record, "batch": ..., "seconds": ...}``; each
+record holds both sides' advantages [B] (and for GRPO the loss and every gradient), plus the max differences.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import trl  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+
+from fastppo import embedded  # noqa: E402
+from fastppo.config import PPOConfig  # noqa: E402
+from fastppo.kernels import kl_penalty  # noqa: E402
+from fastppo.models import PolicyAndValue, disable_dropout  # noqa: E402
+from fastppo.train import assemble, estimate_advantages, per_token_rewards, ppo_losses  # noqa: E402
+
+P, K = 3, 4
+PROMPT_LENGTHS = [3, 5, 2]
+# completion lengths per row (group g = rows g·K .. g·K + K − 1); row 6 runs to the longest with no stop token
+COMPLETION_LENGTHS = [4, 1, 6, 3, 7, 2, 7, 5, 3, 6, 1, 4]
+NO_STOP = {6}
+EQUAL_GROUP = 2  # the group whose K rewards are equal (its advantages are 0)
+NOISE = 0.3
+CLIPRANGE = 0.2  # TRL's epsilon (= epsilon_high by default)
+GRPO_BETAS = (0.0, 0.04)
+SCALES = ("group", "batch", "none")
+
+
+def make_batch(path: str, seed: int = 0) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    pad, eos, vocab = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
+    g = torch.Generator().manual_seed(seed)
+    words = lambda n: (torch.randint(3, vocab, (n,), generator=g)).tolist()  # noqa: E731  (no pad/eos/unk)
+    prompts = [words(n) for n in PROMPT_LENGTHS]
+    completions = []
+    for i, n in enumerate(COMPLETION_LENGTHS):
+        completions.append(words(n) if i in NO_STOP else words(n - 1) + [eos])
+    b = P * K
+    rewards = torch.randn(b, generator=g)
+    rewards[EQUAL_GROUP * K:(EQUAL_GROUP + 1) * K] = 0.75
+    c, t = max(PROMPT_LENGTHS), max(COMPLETION_LENGTHS)
+    queries = torch.full((b, c), pad, dtype=torch.long)
+    query_mask = torch.zeros(b, c, dtype=torch.long)
+    responses = torch.full((b, t), pad, dtype=torch.long)
+    real = torch.zeros(b, t, dtype=torch.bool)
+    for i in range(b):
+        q, r = prompts[i // K], completions[i]
+        queries[i, c - len(q):] = torch.tensor(q)
+        query_mask[i, c - len(q):] = 1
+        responses[i, :len(r)] = torch.tensor(r)
+        real[i, :len(r)] = True
+    has_stop = torch.tensor([r[-1] == eos for r in completions])
+    return {"prompts": prompts, "completions": completions, "rewards": rewards, "queries": queries,
+            "query_mask": query_mask, "responses": responses, "real": real, "has_stop": has_stop,
+            "noise_old": torch.randn(b, t, generator=g) * NOISE, "noise_ref": torch.randn(b, t, generator=g) * NOISE,
+            "pad": pad, "eos": eos}
+
+
+def load_policy(path: str):
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    disable_dropout(policy)
+    return policy.train()
+
+
+def rollout_of(batch: dict):
+    return assemble(batch["queries"], batch["query_mask"], batch["responses"], batch["real"], batch["has_stop"])
+
+
+def old_and_ref(path: str, batch: dict):
+    """The model's current per-token log-probs (fastppo's forward, no grad) + the two noises: [B, T] each, 0 off
+    the real response tokens."""
+    rollout = rollout_of(batch)
+    with torch.no_grad():
+        current = PolicyAndValue(load_policy(path), None, critic=False)(rollout.layout(range(P * K)), 1.0).logprobs
+    mask = rollout.response_mask
+    return current, (current + batch["noise_old"]) * mask, (current + batch["noise_ref"]) * mask
+
+
+def fastppo_config(estimator: str, **kw) -> PPOConfig:
+    """fastppo's config for ``estimator``: its own defaults (cliprange, kl_estimator, kl_loss_type, bias correction,
+    entropy_coef, kl_coef, ...) but for the batch's num_generations, temperature 1 and what ``kw`` sets."""
+    return PPOConfig(output_dir=tempfile.mkdtemp(), advantage_estimator=estimator, num_generations=K, temperature=1.0,
+                     use_cpu=True, report_to="none", **kw)
+
+
+def fastppo_advantages(batch, old, ref, config: PPOConfig):
+    """Steps 2-4 as ``ppo_iteration`` runs them: the per-token KL by kl_estimator, per_token_rewards at kl_coef,
+    estimate_advantages."""
+    rollout = rollout_of(batch)
+    mask = rollout.response_mask
+    kl = kl_penalty(old, ref, config.kl_estimator) * mask
+    rewards, _ = per_token_rewards(kl, batch["rewards"], mask, rollout.score_index, config.kl_coef)
+    advantages, returns = estimate_advantages(config.advantage_estimator, rewards, None, mask, config)
+    assert returns is None
+    return rollout, advantages
+
+
+def fastppo_grpo(path, batch, old, ref, scale: str, beta: float) -> dict:
+    config = fastppo_config("grpo", scale_rewards=scale, beta=beta)
+    # fastppo's grpo defaults are TRL GRPO's: no KL in the reward, clip 0.2, k3 in the loss with bias correction
+    assert config.kl_coef == 0.0 and config.cliprange == CLIPRANGE and config.kl_loss_type == "k3"
+    assert config.use_bias_correction_kl and config.entropy_coef == 0.0
+    rollout, advantages = fastppo_advantages(batch, old, ref, config)
+    mask = rollout.response_mask
+    policy = load_policy(path)
+    out = PolicyAndValue(policy, None, critic=False)(rollout.layout(range(P * K)), config.temperature,
+                                                    return_entropy=True)
+    # as ppo_update calls it (no critic: no values, no returns)
+    loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask, config.cliprange,
+                             config.cliprange_value, config.vf_coef, config.entropy_coef, config.ratio_threshold, None,
+                             ref_logprobs=ref, beta=config.beta, kl_loss_type=config.kl_loss_type,
+                             bias_correction_kl=config.use_bias_correction_kl)
+    loss.backward()
+    ratio, adv = torch.exp(out.logprobs.detach() - old)[mask], advantages[mask]
+    return {"advantages": advantages[:, 0].detach().clone(), "advantage_grid": advantages.detach().clone(),
+            "loss": loss.detach().clone(), "logprobs": out.logprobs.detach().clone(),
+            "grads": {n: p.grad.detach().clone() for n, p in policy.named_parameters()},
+            # tokens whose clipped term is the one taken (zero gradient through the ratio), by the advantage's sign
+            "clip_active_pos": int(((adv > 0) & (ratio > 1 + config.cliprange)).sum()),
+            "clip_active_neg": int(((adv < 0) & (ratio < 1 - config.cliprange)).sum()),
+            "tokens": int(mask.sum())}
+
+
+def trl_grpo(path, batch, old, ref, scale: str, beta: float, workdir: str) -> dict:
+    b = P * K
+    texts = [f"prompt {g}" for g in range(P)]
+
+    def rollout_func(prompts, trainer):  # TRL's own generation seam: our ids, in TRL's row order
+        rows = [texts.index(p) for p in prompts]
+        assert rows == [i // K for i in range(b)], rows
+        return {"prompt_ids": [list(batch["prompts"][g]) for g in rows],
+                "completion_ids": [list(c) for c in batch["completions"]], "logprobs": None}
+
+    def reward_func(prompts, completions, completion_ids, **kwargs):
+        assert [list(c) for c in completion_ids] == batch["completions"]
+        return batch["rewards"].tolist()
+
+    args = GRPOConfig(
+        output_dir=workdir, per_device_train_batch_size=b, gradient_accumulation_steps=1, steps_per_generation=1,
+        num_generations=K, beta=beta, scale_rewards=scale, loss_type="dapo", temperature=1.0, use_cpu=True,
+        bf16=False, report_to="none", save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    assert not args.bf16 and not args.fp16  # TRL's configs default bf16 to True: autocast would round the forward
+    assert args.epsilon == CLIPRANGE and args.epsilon_high in (None, CLIPRANGE) and args.use_bias_correction_kl
+    assert args.num_iterations == 1 and args.entropy_coef == 0.0 and args.delta is None
+    trainer = GRPOTrainer(model=path, reward_funcs=reward_func, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": texts}), rollout_func=rollout_func)
+    assert trainer.loss_type == "dapo" and trainer.temperature == 1.0 and trainer.scale_rewards == scale
+    trainer.model.train()
+    inputs = trainer._generate_and_score_completions([{"prompt": texts[i // K]} for i in range(b)])
+    assert torch.equal(inputs["completion_ids"], batch["responses"])
+    assert torch.equal(inputs["completion_mask"].bool(), batch["real"])
+    assert torch.equal(inputs["prompt_ids"], batch["queries"])
+    assert torch.equal(inputs["prompt_mask"], batch["query_mask"])
+    assert inputs.get("old_per_token_logps") is None  # one step per generation: TRL would use π_θ's, detached
+    trl_ref = inputs.get("ref_per_token_logps")  # TRL's reference model, the same weights: π_θ's current log-probs
+    inputs["old_per_token_logps"] = old.clone()
+    if beta:
+        inputs["ref_per_token_logps"] = ref.clone()
+    trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets (gradient_accumulation_steps)
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return {"advantages": inputs["advantages"].detach().clone(), "loss": loss.detach().clone(),
+            "num_items_in_batch": float(inputs["num_items_in_batch"]),
+            "ref_logprobs": None if trl_ref is None else trl_ref.detach().clone(),
+            "grads": {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}}
+
+
+def trl_rloo(path, batch, old, ref, workdir: str) -> dict:
+    b = P * K
+    texts = [f"prompt {g}" for g in range(P)]
+    args = RLOOConfig(output_dir=workdir, per_device_train_batch_size=b, gradient_accumulation_steps=1,
+                      steps_per_generation=1, num_generations=K, temperature=1.0, use_cpu=True, bf16=False,
+                      report_to="none", save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    assert not args.bf16 and not args.fp16
+    assert args.beta == 0.05 and not args.normalize_advantages and args.reward_clip_range is None
+
+    def reward_func(prompts, completions, completion_ids, **kwargs):
+        assert [list(c) for c in completion_ids] == batch["completions"]
+        return batch["rewards"].tolist()
+
+    trainer = RLOOTrainer(model=path, reward_funcs=reward_func, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": texts}))
+    trainer.model.train()
+    # the generation backend, on the instance: our prompt ids and completion ids
+    def tokenize_prompts(prompts):
+        rows = [texts.index(p) for p in prompts]
+        assert rows == [i // K for i in range(b)], rows
+        return [list(batch["prompts"][g]) for g in rows], None, {}
+
+    trainer._tokenize_prompts = tokenize_prompts
+    trainer._generate_single_turn = lambda prompt_ids, images, fields: [list(c) for c in batch["completions"]]
+    # the old (policy) and reference log-probs: TRL's forward runs and is recorded, ours are returned
+    seen = {}
+    original = trainer._get_per_token_logps_and_entropies
+
+    def logps(model, *args, **kwargs):
+        computed, entropy, aux = original(model, *args, **kwargs)
+        which = "policy" if model is trainer.model else "ref"
+        assert model is trainer.model or model is trainer.ref_model
+        seen[which] = computed.detach().clone()
+        return (old if which == "policy" else ref).clone(), entropy, aux
+
+    trainer._get_per_token_logps_and_entropies = logps
+    inputs = trainer._generate_and_score_completions([{"prompt": texts[i // K]} for i in range(b)])
+    assert set(seen) == {"policy", "ref"}, seen.keys()
+    assert torch.equal(inputs["completion_ids"], batch["responses"])
+    assert torch.equal(inputs["prompt_ids"], batch["queries"])
+    return {"advantages": inputs["advantages"].detach().clone(), "beta": trainer.beta,
+            "old_logps": inputs["old_logps"].detach().clone(), "trl_logprobs": seen["policy"], "trl_ref": seen["ref"]}
+
+
+def grad_diffs(a: dict, b: dict) -> dict:
+    assert a.keys() == b.keys()
+    out = {}
+    for n in a:
+        diff = (a[n] - b[n]).abs().max().item()
+        scale = b[n].abs().max().item()
+        out[n] = {"max_abs": diff, "scale": scale, "rel": diff / scale if scale else float("inf") if diff else 0.0}
+    return out
+
+
+def main():
+    out_path = sys.argv[1]
+    start = time.perf_counter()
+    path = embedded.embedded_model_path()
+    batch = make_batch(path)
+    current, old, ref = old_and_ref(path, batch)
+    mask = batch["real"]
+    record = {"trl_version": trl.__version__, "batch": batch, "grpo": {}}
+    with tempfile.TemporaryDirectory() as workdir:
+        for beta in GRPO_BETAS:
+            for scale in SCALES:
+                theirs = trl_grpo(path, batch, old, ref, scale, beta, workdir)
+                ours = fastppo_grpo(path, batch, old, ref, scale, beta)
+                diffs = grad_diffs(ours["grads"], theirs["grads"])
+                rec = {"trl": theirs, "fastppo": ours, "grad_diffs": diffs,
+                       "advantages_max_abs": (ours["advantages"] - theirs["advantages"]).abs().max().item(),
+                       "loss_abs": (ours["loss"] - theirs["loss"]).abs().item(),
+                       "grad_max_abs": max(d["max_abs"] for d in diffs.values()),
+                       "grad_max_rel": max(d["rel"] for d in diffs.values()),
+                       "grad_max_abs_over_global_scale": max(d["max_abs"] for d in diffs.values())
+                       / max(d["scale"] for d in diffs.values())}
+                if theirs["ref_logprobs"] is not None:  # TRL's forward on our batch vs fastppo's
+                    rec["forward_max_abs"] = ((theirs["ref_logprobs"] - current) * mask).abs().max().item()
+                record["grpo"][f"{scale}-{beta}"] = rec
+                print(f"grpo {scale:5s} beta={beta}: adv {rec['advantages_max_abs']:.2e} loss {rec['loss_abs']:.2e} "
+                      f"(loss {theirs['loss'].item():.6f}) grad abs {rec['grad_max_abs']:.2e} "
+                      f"rel {rec['grad_max_rel']:.2e} abs/scale {rec['grad_max_abs_over_global_scale']:.2e} "
+                      f"clip active A>0/A<0 {ours['clip_active_pos']}/{ours['clip_active_neg']} of {ours['tokens']} "
+                      f"[{time.perf_counter() - start:.0f} s]", flush=True)
+        theirs = trl_rloo(path, batch, old, ref, workdir)
+        config = fastppo_config("rloo")
+        assert config.kl_coef == theirs["beta"] and config.kl_estimator == "k1"  # fastppo's rloo defaults: TRL's
+        _, advantages = fastppo_advantages(batch, old, ref, config)
+        ours = {"advantages": advantages[:, 0].clone(), "advantage_grid": advantages.clone()}
+        record["rloo"] = {"trl": theirs, "fastppo": ours,
+                          "advantages_max_abs": (ours["advantages"] - theirs["advantages"]).abs().max().item(),
+                          "forward_max_abs": ((theirs["trl_logprobs"] - current) * mask).abs().max().item()}
+        print(f"rloo beta={theirs['beta']}: adv {record['rloo']['advantages_max_abs']:.2e} "
+              f"forward {record['rloo']['forward_max_abs']:.2e}", flush=True)
+    record["seconds"] = time.perf_counter() - start
+    torch.save(record, out_path)
+
+
+if __name__ == "__main__":
+    main()
