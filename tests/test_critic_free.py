@@ -388,3 +388,26 @@ def test_torchrun_two_processes_keep_identical_weights(tmp_path, estimator, extr
     assert [m["episode"] for m in weights[0]["log_history"]] == [8, 16, 24]
     for name, p in weights[0]["policy"].items():
         torch.testing.assert_close(p, weights[1]["policy"][name], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_zero3_without_a_value_model_matches_ddp(tmp_path, monkeypatch):
+    """DeepSpeed ZeRO-3 on 2 CPU ranks with grpo and beta (the reference partitioned, no value model under the
+    engine): the consolidated policy equals plain DDP's to the reduction-order tolerance of test_deepspeed."""
+    from safetensors.torch import load_file
+
+    from test_deepspeed import ATOL, SETTINGS, ZERO3, needs_deepspeed, torchrun
+
+    if needs_deepspeed.args[0]:
+        pytest.skip(needs_deepspeed.kwargs["reason"])
+    monkeypatch.setenv("FASTPPO_CACHE", os.environ.get("FASTPPO_CACHE", str(tmp_path / "cache")))
+    settings = {**SETTINGS, "advantage_estimator": "grpo", "num_generations": 2, "beta": 0.05, "kl_coef": 0.0,
+                "kl_estimator": "k3", "adaptive_kl": False, "_nan_iteration": 0, "save_steps": 500}
+    torchrun(tmp_path, tmp_path / "ddp", settings)
+    output = torchrun(tmp_path, tmp_path / "z3", {**settings, "deepspeed": ZERO3})
+    assert "ZeRO-3" in output
+    for run in ("ddp", "z3"):
+        assert not (tmp_path / run / "value_model").exists()
+    ddp, z3 = (load_file(tmp_path / run / "model.safetensors") for run in ("ddp", "z3"))
+    assert ddp.keys() == z3.keys()
+    assert max((ddp[k] - z3[k]).abs().max().item() for k in ddp) < ATOL
