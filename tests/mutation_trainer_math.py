@@ -93,11 +93,11 @@ MUTANTS = [
     Mutant("R03", "fastppo/rewards.py",
            "scores = (scores - moments.mean) / scale if use_score_norm else scores / scale",
            "scores = (scores - moments.mean) / scale", "use_score_scaling centres the scores without use_score_norm"),
+    Mutant("R04", "fastppo/rewards.py", "scores = scores.clamp(-score_clip, score_clip)",
+           "scores = scores.clamp(max=score_clip)", "score_clip clips the high side only"),
     Mutant("R05", "fastppo/rewards.py", "self.std = math.sqrt(self.var * total / (total - 1)) if total > 1 else math.inf",
            "self.std = math.sqrt(self.var * total / max(total - 1, 1))",
            "the std of a single score ~1e-12 (Bessel's divisor floored at 1): that score multiplied by ~1e7"),
-    Mutant("R04", "fastppo/rewards.py", "scores = scores.clamp(-score_clip, score_clip)",
-           "scores = scores.clamp(max=score_clip)", "score_clip clips the high side only"),
     # ---------------------------------------------------------------- the kernels' PyTorch statements the trainer runs
     Mutant("K01", "fastppo/kernels/ppo_loss.py", "return torch.max(unclipped, clipped), ratio, clipped > unclipped",
            "return torch.min(unclipped, clipped), ratio, clipped > unclipped",

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import RunningMoments, transform_scores
-from fastppo.train import (AdaptiveKLController, FixedKLController, assemble, compute_advantages, per_token_rewards,
-                           ppo_losses, whiten_trained)
+from fastppo.train import (AdaptiveKLController, FixedKLController, assemble, compute_advantages, make_rollout,
+                           per_token_rewards, ppo_losses, whiten_trained)
 
 F64 = torch.float64
 # fastppo computes in fp32 what the trainer hands it in fp32; the references are float64
@@ -332,6 +332,16 @@ def test_score_index_is_the_last_trained_position():
     rollout = rollout_of([8, 5, 1, 7, 6], 8, train_holes=[(3, 1), (3, 2), (4, 4), (4, 5), (1, 0)])
     assert rollout.score_index.tolist() == [7, 4, 0, 6, 3]
     assert rollout.score_index.tolist() == ref_last_trained(rollout.response_mask).tolist()
+
+
+def test_score_index_of_sampled_responses_is_the_stop_token():
+    """Responses cut after their stop token (make_rollout): the score goes on the stop token, or on the last token
+    of a response that never stopped."""
+    queries = torch.randint(3, 50, (4, 2), generator=gen(18))
+    responses = torch.tensor([[5, 6, 1, 7, 8], [1, 9, 9, 9, 9], [5, 6, 7, 8, 9], [5, 2, 6, 1, 9]])
+    rollout = make_rollout(queries, torch.ones(4, 2, dtype=torch.long), responses, stop_ids=[1, 2], pad_id=0)
+    assert rollout.lengths.tolist() == [3, 1, 5, 2]
+    assert rollout.score_index.tolist() == [2, 0, 4, 1]
 
 
 @PROPERTY
