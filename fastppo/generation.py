@@ -25,6 +25,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from fastppo.dist import all_reduce_min
 from fastppo.errors import SettingsError
+from fastppo.models import cache_keyword
 from fastppo.static_decode import StaticDecoder, accepts_logits_to_keep
 
 
@@ -83,13 +84,14 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
     stops = _stop_tensor(stop_ids, queries)
     keep = {"logits_to_keep": 1} if accepts_logits_to_keep(lm) else {}
     cache = DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
+    keyword = cache_keyword(lm)  # cache (transformers 5.2x on) or past_key_values (earlier)
     mask = query_mask
     positions = (query_mask.cumsum(1) - 1).clamp(min=0)  # a left-padded prompt starts at position 0
     inputs = queries * query_mask  # padding is never attended: fed as id 0 (TRL's), whatever the pad id
     tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=queries.device)
     done = torch.zeros(b, dtype=torch.bool, device=queries.device)
     for t in range(response_length):
-        logits = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        logits = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, **{keyword: cache},
                     use_cache=True, **keep).logits[:, -1]
         tokens[:, t], done, finished = draw_tokens(logits, temperature, done, stops, pad_id, synced)
         if finished:
@@ -109,8 +111,8 @@ def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, respon
     inputs, mask, positions, cache, key = decoder.prepare(queries, query_mask, response_length)
     tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=queries.device)
     done = torch.zeros(b, dtype=torch.bool, device=queries.device)
-    logits = lm(input_ids=inputs, attention_mask=mask[:, :width], position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = lm(input_ids=inputs, attention_mask=mask[:, :width], position_ids=positions,
+                **{cache_keyword(lm): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
     for t in range(response_length):
         tokens[:, t], done, finished = draw_tokens(logits[:b], temperature, done, stops, pad_id, synced)
         if finished or t + 1 == response_length:

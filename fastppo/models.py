@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
+import inspect
 import json
 import os
 import warnings
@@ -279,15 +281,15 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         """(lm_logits fp32, loss, value [B, L] fp32), and the past key values with ``return_past_key_values``:
         legacy TRL's outputs, in its argument order."""
         kwargs["output_hidden_states"] = True
-        if not self._prefix_tuning():  # prefix tuning supplies its own past key values
-            kwargs["past_key_values"] = past_key_values
+        if past_key_values is not None and not self._prefix_tuning():  # prefix tuning supplies its own
+            kwargs[cache_keyword(self.pretrained_model)] = past_key_values  # the installed transformers' name
         out = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         device = self.v_head.summary.weight.device
         value = self.v_head(out.hidden_states[-1].to(device))
         logits, loss = out.logits.float(), out.loss
         if self.is_sequential_parallel:  # legacy TRL returns everything on the head's device under a device_map
             logits, loss = logits.to(device), None if loss is None else loss.to(device)
-        return (logits, loss, value, out.past_key_values) if return_past_key_values else (logits, loss, value)
+        return (logits, loss, value, cache_of(out)) if return_past_key_values else (logits, loss, value)
 
     def _prefix_tuning(self) -> bool:
         config = getattr(self.pretrained_model, "active_peft_config", None) if self.is_peft_model else None
@@ -492,6 +494,36 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     if isinstance(model, AutoModelForCausalLMWithValueHead):
         model = model.pretrained_model
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache under: ``cache`` (transformers 5.2x on, where
+    ``past_key_values`` warns that it goes in 5.40) or ``past_key_values`` (earlier transformers, such as 5.17, and
+    models whose own code still names it so). Read from the causal LM's forward signature, once per class."""
+    return _cache_keyword(type(causal_lm_of(model)))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(cls: type) -> str:
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    # a forward of **kwargs only: the name the installed transformers' own models take
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def cache_of(output):
+    """The KV cache a forward returned (``cache`` from transformers 5.2x on, ``past_key_values`` before)."""
+    for name in ("cache", "past_key_values"):
+        if name in output:
+            return output[name]
+    return None
 
 
 def lm_of(model: nn.Module) -> nn.Module:

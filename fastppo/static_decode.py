@@ -34,7 +34,7 @@ import torch
 from transformers import StaticCache
 
 from fastppo.errors import SettingsError
-from fastppo.models import causal_lm_of
+from fastppo.models import cache_keyword, causal_lm_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,9 @@ def _promoting_layer_class(base: type) -> type:
     return _PROMOTING_LAYERS[base]
 
 
-def _decode_step(lm, input_ids, attention_mask, position_ids, cache):
-    # the last position's logits only: [B, V]
-    return lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+def _decode_step(lm, input_ids, attention_mask, position_ids, cache, keyword: str):
+    # the last position's logits only: [B, V]; the cache under ``keyword`` (models.cache_keyword, a constant)
+    return lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **{keyword: cache},
               use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
@@ -122,10 +122,11 @@ class StaticDecoder:
         step = self._compiled_step(input_ids.device)
         if input_ids.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        keyword = cache_keyword(self.lm)
         if key in self.compile_seconds:
-            return step(self.lm, input_ids, attention_mask, position_ids, cache)
+            return step(self.lm, input_ids, attention_mask, position_ids, cache, keyword)
         start = time.perf_counter()
-        logits = step(self.lm, input_ids, attention_mask, position_ids, cache)
+        logits = step(self.lm, input_ids, attention_mask, position_ids, cache, keyword)
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         self.compile_seconds[key] = time.perf_counter() - start
