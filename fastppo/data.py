@@ -108,12 +108,26 @@ def prompt_column(dataset, text_field: str, name: str) -> str:
     )
 
 
-def tokenize_prompts(dataset, column: str, tokenizer) -> list[list[int]]:
+def prompt_messages(messages: list[dict]) -> tuple[list[dict], bool]:
+    """The prompt of a conversation: its turns before the assistant's answer, and whether one was cut. A row of an
+    SFT-style chat set (``messages`` holding the user's turns and the assistant's answers) ends in the answer the
+    policy is to write: its trailing assistant turns are dropped, so the prompt ends with the last user (or tool,
+    or system) turn, where the chat template's generation prompt goes (TRL GRPO's rule for conversational
+    prompts). A conversation that ends in a user turn is the prompt as it is."""
+    end = len(messages)
+    while end and isinstance(messages[end - 1], dict) and messages[end - 1].get("role") == "assistant":
+        end -= 1
+    return list(messages[:end]), end < len(messages)
+
+
+def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dataset") -> list[list[int]]:
     """Token ids of every prompt (empty ones included): token-id lists as they are, chat messages through
-    the chat template. Pre-tokenized ids with an ``attention_mask`` column (``tokenizer(prompts, padding=True)``)
-    keep only their attended tokens: the padding is not prompt text."""
+    the chat template with its generation prompt, cut before a trailing assistant answer (``prompt_messages``;
+    ``log`` gets the number of rows cut, once). Pre-tokenized ids with an ``attention_mask`` column
+    (``tokenizer(prompts, padding=True)``) keep only their attended tokens: the padding is not prompt text."""
     masks = dataset["attention_mask"] if column == "input_ids" and "attention_mask" in dataset.column_names else None
     ids = []
+    cut = 0
     for row, value in enumerate(dataset[column]):
         if masks is not None:
             mask = masks[row]
@@ -122,7 +136,9 @@ def tokenize_prompts(dataset, column: str, tokenizer) -> list[list[int]]:
                                  f"got {mask!r}")
             value = [t for t, keep in zip(value, mask) if keep]
         if isinstance(value, list) and value and isinstance(value[0], dict):
-            tokens = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True)
+            value, answered = prompt_messages(value)
+            cut += answered
+            tokens = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True) if value else []
             if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
                 tokens = tokens["input_ids"]
         elif isinstance(value, list) and all(isinstance(t, int) for t in value):
@@ -134,6 +150,9 @@ def tokenize_prompts(dataset, column: str, tokenizer) -> list[list[int]]:
                 f"column {column!r} must hold strings, chat messages or token ids, got {type(value).__name__}"
             )
         ids.append(list(tokens))
+    if cut and log is not None:
+        log(f"{what}: {cut} of {len(ids)} conversation(s) in column {column!r} end in an assistant turn (an SFT-style "
+            "chat set); their prompts are the turns before it, with the chat template's generation prompt")
     return ids
 
 
@@ -200,7 +219,7 @@ def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=pr
     column = prompt_column(dataset, config.dataset_text_field, name)
     if len(dataset) == 0:
         raise SettingsError(f"no prompts in dataset {name!r} (it is empty)")
-    ids = tokenize_prompts(dataset, column, tokenizer)
+    ids = tokenize_prompts(dataset, column, tokenizer, log, what)
     vocab = len(tokenizer)
     bad = next(((row, t) for row, prompt in enumerate(ids) for t in prompt
                 if not isinstance(t, int) or not 0 <= t < vocab), None)
