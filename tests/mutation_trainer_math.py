@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TESTS = ["tests/test_trainer_math.py"]
+# the critic-free estimators' unit tests too (their end-to-end runs are marked slow and left out)
+DEFAULT_TESTS = ["tests/test_trainer_math.py", "tests/test_critic_free.py", "-m", "not slow"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,26 @@ MUTANTS = [
     Mutant("R05", "fastppo/rewards.py", "self.std = math.sqrt(self.var * total / (total - 1)) if total > 1 else math.inf",
            "self.std = math.sqrt(self.var * total / max(total - 1, 1))",
            "the std of a single score ~1e-12 (Bessel's divisor floored at 1): that score multiplied by ~1e7"),
+    # ---------------------------------------------------------------- the critic-free estimators (fastppo/train.py)
+    Mutant("C01", "fastppo/train.py", "baseline = (r.sum(1, keepdim=True) - r) / (k - 1)",
+           "baseline = r.sum(1, keepdim=True) / k", "rloo's baseline includes the sample itself (the group mean)"),
+    Mutant("C02", "fastppo/train.py", "std = r.std(1, keepdim=True).expand(-1, k).reshape(-1)",
+           "std = r.std(1, keepdim=True, unbiased=False).expand(-1, k).reshape(-1)",
+           "grpo's group std without Bessel's correction (TRL's is unbiased)"),
+    Mutant("C03", "fastppo/train.py", "if scale_rewards == \"none\":", "if scale_rewards == \"batch\":",
+           "scale_rewards batch and none swapped"),
+    Mutant("C04", "fastppo/train.py",
+           "_, returns = gae(rewards, torch.zeros_like(rewards), response_mask, gamma, 1.0)",
+           "_, returns = gae(rewards, torch.zeros_like(rewards), response_mask, 1.0, 1.0)",
+           "REINFORCE++'s return ignores gamma"),
+    Mutant("C05", "fastppo/train.py", "sequence_rewards = rewards.sum(1)",
+           "sequence_rewards = rewards.max(1).values", "the group estimators drop the KL from the sequence reward"),
+    Mutant("C06", "fastppo/train.py",
+           "kl_loss = masked_mean(kl_tokens * ratio if bias_correction_kl else kl_tokens, mask)",
+           "kl_loss = masked_mean(kl_tokens, mask)", "beta's KL without TRL's ratio weighting (bias correction)"),
+    Mutant("C07", "fastppo/train.py", "return advantage[:, None] * response_mask, None",
+           "return advantage[:, None].expand_as(rewards).clone(), None",
+           "a sequence advantage also on untrained (padding) positions"),
     # ---------------------------------------------------------------- the kernels' PyTorch statements the trainer runs
     Mutant("K01", "fastppo/kernels/ppo_loss.py", "return torch.max(unclipped, clipped), ratio, clipped > unclipped",
            "return torch.min(unclipped, clipped), ratio, clipped > unclipped",
