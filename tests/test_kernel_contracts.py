@@ -178,6 +178,87 @@ def test_masked_var_gradient_ignores_masked_values():
     torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter on the NaN rows
+def test_ignored_rows_nonfinite_values_reach_no_output_and_no_gradient(device):
+    """A sibling in the LM-head options: rows whose index is ignore_index (TRL's −100 on padding) may hold
+    inf/NaN hidden states or logits; they reached every gradient (0·NaN in the backward's products)."""
+    hidden, weight, bias, index = head(device=device, seed=18, lead=(6,))
+    index = index.clone()
+    index[[1, 4]] = -100
+    keep = index != -100
+    bad_hidden = hidden.clone()
+    bad_hidden[1], bad_hidden[4, :3] = float("nan"), float("inf")
+    g = _gen(19)
+    up_logp, up_ent = torch.randn(6, generator=g).to(device), torch.randn(6, generator=g).to(device)
+
+    def grads(h, w, b, logits_form):
+        leaves = [t.detach().requires_grad_() for t in (h, w, b)]
+        if logits_form:
+            logits = leaves[0] @ leaves[1].t() + leaves[2]
+            logp, ent = token_logprobs(logits, index, 0.5, return_entropy=True)
+        else:
+            logp, ent = fused_token_logprobs(leaves[0], leaves[1], index, 0.5, bias=leaves[2], return_entropy=True)
+        return (logp, ent), torch.autograd.grad((logp * up_logp + ent * up_ent).sum(), leaves)
+
+    # the oracle: float64, ignored rows dropped before anything is computed
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (hidden, weight, bias)]
+    want_logp, want_ent = oracle_token_stats(leaves[0][keep.cpu()], leaves[1], leaves[2], index[keep].cpu(), 0.5)
+    want_grads = torch.autograd.grad((want_logp * up_logp[keep].cpu() + want_ent * up_ent[keep].cpu()).sum(),
+                                     leaves)
+    for logits_form in (False, True):
+        (logp, ent), got = grads(bad_hidden, weight, bias, logits_form)
+        assert (logp[~keep] == 0).all() and (ent[~keep] == 0).all()
+        assert_close(logp[keep], want_logp, torch.float32)
+        assert_close(ent[keep], want_ent, torch.float32)
+        for name, g_, w in zip(("hidden", "weight", "bias"), got, want_grads):
+            if logits_form and name != "bias":
+                continue  # the caller's own matmul multiplies the NaN rows (token_logprobs sees logits only)
+            assert torch.isfinite(g_[keep] if name == "hidden" else g_).all(), (logits_form, name)
+            if name == "hidden":
+                assert (g_[~keep] == 0).all()
+                g_ = g_[keep]
+                w = w[keep.cpu()]
+            assert_grad_close(g_, w, torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter on the NaN row
+def test_token_logprobs_ignored_rows_nonfinite_logits(device):
+    g = _gen(20)
+    logits = (torch.randn(5, V, generator=g) * 2).to(device)
+    index = torch.randint(0, V, (5,), generator=g).to(device)
+    index[2] = -100
+    logits[2, :4] = float("nan")
+    logits[2, 7] = float("inf")
+    leaf = logits.clone().requires_grad_()
+    logp, ent = token_logprobs(leaf, index, 1.0, return_entropy=True)
+    (grad,) = torch.autograd.grad((logp + ent).sum(), leaf)
+    keep = index != -100
+    ref = logits[keep].double().requires_grad_()
+    want_logp, want_ent = oracle_token_stats(ref.cpu(), torch.eye(V, dtype=torch.float64), torch.zeros(V).double(),
+                                             index[keep].cpu(), 1.0)
+    (want,) = torch.autograd.grad((want_logp + want_ent).sum(), ref)
+    assert torch.isfinite(grad).all() and (grad[2] == 0).all()
+    assert_close(logp[keep], want_logp, torch.float32)
+    assert_grad_close(grad[keep], want, torch.float32)
+
+
+def test_gae_masked_nonfinite_values_reach_no_output(device):
+    """GAE's default semantics zero r and V on masked positions first: inf/NaN there change nothing."""
+    from fastppo.kernels import gae_reference
+
+    g = _gen(21)
+    rewards, values = torch.randn(2, 9, generator=g), torch.randn(2, 9, generator=g)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, 6:], mask[1, 3] = False, False
+    bad_r = torch.where(mask, rewards, float("nan"))
+    bad_v = torch.where(mask, values, float("inf"))
+    adv, ret = gae(bad_r.to(device), bad_v.to(device), mask.to(device), 0.9, 0.8)
+    want_adv, want_ret = gae_reference(rewards.double(), values.double(), mask, 0.9, 0.8)
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    torch.testing.assert_close(adv.cpu().double(), want_adv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ret.cpu().double(), want_ret, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------- the compute-dtype rule
 
 

@@ -135,6 +135,9 @@ if HAS_TRITON:
             # tile × scalar × scalar, never cap_in·cap_out as a scalar product: on a GPU that would be
             # rounded to fp32 (and off in an fp64 backward), under the interpreter formed in fp64
             dz = dz * cap_in * cap_out * (1.0 - capped * capped)
+        # A row with no upstream gradient (an ignored row) passes exactly 0, selected rather than multiplied:
+        # its logits may be inf/NaN.
+        dz = tl.where((g_logp != 0) | (g_ent != 0), dz, 0.0)
         store_dlogits(dx_ptr, stride_dxn, row, c, mask, dz, temperature)
 
     @triton.jit
@@ -394,6 +397,14 @@ def _prepare_index(index, lead_shape, device, wants, ignore_index):
     return torch.where(keep, index, torch.zeros((), dtype=index.dtype, device=index.device)), keep
 
 
+def _ignored_rows_zeroed(hidden, keep):
+    """hidden with the ignored rows replaced by 0 (a [N, H] select, no sync): their values, inf/NaN included,
+    then reach no output and no gradient (the backward's dxᵀ·h would multiply them by a zero dx)."""
+    if keep is None:
+        return hidden
+    return torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+
+
 def _finish(raw, wants, keep, shape, return_entropy, outputs):
     """The caller's form of the five raw [N] results: ignored rows zeroed (no gradient through them), shaped."""
     fields = []
@@ -464,7 +475,8 @@ def token_logprobs(logits, index, temperature=1.0, *, return_entropy=False, outp
         outputs: instead of ``return_entropy``, the fields to compute among "logprobs" and "entropy"
             ("entropy" alone needs no index); the result is then a ``TokenStats``.
         ignore_index: rows whose index equals it (TRL's -100 on prompt and padding positions) get
-            log-prob 0 and entropy 0 and pass no gradient; None turns this off.
+            log-prob 0 and entropy 0 and pass no gradient, whatever their logits hold (inf/NaN
+            included); None turns this off.
 
     Returns:
         ``logprobs`` [...] (fp32; fp64 for fp64 logits), or ``(logprobs, entropy)`` with
@@ -480,7 +492,7 @@ def token_logprobs(logits, index, temperature=1.0, *, return_entropy=False, outp
     safe_index, keep = _prepare_index(index, logits.shape[:-1], logits.device, wants, ignore_index)
     if not use_triton(logits, (temperature,)):
         check_index_range(safe_index, logits.shape[-1])
-        raw = _token_stats_reference(logits, safe_index, temperature, wants)
+        raw = _token_stats_reference(logits, safe_index, temperature, wants, keep)
         return _finish(raw, wants, keep, safe_index.shape, return_entropy, outputs)
     vocab = logits.shape[-1]
     if not logits.is_cuda:  # interpreter: the check is cheap here; on CUDA it would sync
@@ -510,7 +522,8 @@ def fused_token_logprobs(hidden, weight, index, temperature=1.0, *, bias=None, r
             ``OUTPUTS``: "logprobs", "entropy" (both differentiable), "log_sum_sq_probs",
             "mean_logits", "is_top1" (statistics of the same pass, no gradient).
         ignore_index: rows whose index equals it (default -100, TRL's label padding) hold 0 in every
-            output and pass no gradient; their targets are never read. None turns this off.
+            output and pass no gradient; their targets are never read, and their hidden states (inf/NaN
+            included) reach no output and no gradient. None turns this off.
         softcap, logit_scale: the model's final-logit soft-cap (Gemma 2/3) and logit multiplier:
             z = softcap·tanh(logit_scale·x / softcap) / temperature, x = hidden @ weight.T + bias (L7);
             without ``softcap``, z = logit_scale·x / temperature.
@@ -528,6 +541,7 @@ def fused_token_logprobs(hidden, weight, index, temperature=1.0, *, bias=None, r
     head = head_math(temperature, softcap, logit_scale)
     wants = requested_outputs(outputs, return_entropy)
     safe_index, keep = _prepare_index(index, hidden.shape[:-1], hidden.device, wants, ignore_index)
+    hidden = _ignored_rows_zeroed(hidden, keep)
     vocab, hdim = weight.shape
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes above are the ones computed in
         if not use_triton(hidden, head[:3]):
@@ -545,14 +559,18 @@ def fused_token_logprobs(hidden, weight, index, temperature=1.0, *, bias=None, r
 # --------------------------------------------------------------------------- references
 
 
-def _token_stats_reference(logits, index, temperature, wants):
+def _token_stats_reference(logits, index, temperature, wants, keep=None):
     """The five raw results of ``TokenStats`` from materialised logits, in fp32 (fp64 for fp64 logits).
 
     Never in a wider dtype than that, so a bf16 [N, V] input costs fp32 [N, V]
     temporaries, not fp64 ones. The statistics are detached, as the kernel's are.
+    ``keep``: the rows not ignored; an ignored row's logits are replaced by 0 first, so an inf/NaN there
+    reaches no gradient (log_softmax's backward would multiply it by the row's zero gradient).
     """
     want_logp, want_entropy, want_sum_sq, want_mean, want_top1 = wants
     z = logits.to(acc_dtype(logits.dtype)) / temperature
+    if keep is not None:
+        z = torch.where(keep[..., None], z, torch.zeros((), dtype=z.dtype, device=z.device))
     log_p = torch.log_softmax(z, dim=-1)
     logp = log_p.gather(-1, index.long().unsqueeze(-1)).squeeze(-1) if want_logp else None
     ent = sum_sq = mean = top1 = None
@@ -585,7 +603,7 @@ def token_logprobs_reference(logits, index, temperature=1.0, *, return_entropy=F
     wants = requested_outputs(outputs, return_entropy)
     safe_index, keep = _prepare_index(index, logits.shape[:-1], logits.device, wants, ignore_index)
     check_index_range(safe_index, logits.shape[-1])
-    raw = _token_stats_reference(logits, safe_index, temperature, wants)
+    raw = _token_stats_reference(logits, safe_index, temperature, wants, keep)
     return _finish(raw, wants, keep, safe_index.shape, return_entropy, outputs)
 
 
@@ -597,6 +615,7 @@ def fused_token_logprobs_reference(hidden, weight, index, temperature=1.0, *, bi
     head_math(temperature, softcap, logit_scale)  # the same checks
     wants = requested_outputs(outputs, return_entropy)
     safe_index, keep = _prepare_index(index, hidden.shape[:-1], hidden.device, wants, ignore_index)
+    hidden = _ignored_rows_zeroed(hidden, keep)
     check_index_range(safe_index, weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
         raw = _lm_head_stats_reference(hidden, weight, bias, safe_index, temperature, softcap, logit_scale, wants)
