@@ -113,7 +113,7 @@ def test_the_seam_equals_trls_and_is_exact_in_bf16(tmp_path, cache):
 
 
 def test_apply_checks_the_version_refuses_trl_0x_and_undoes(tmp_path):
-    """In the main environment (TRL 0.26): refused with the reason. In TRL 1.x's: patched, idempotent, undone."""
+    """In the main environment (TRL 0.26): refused with the reason. In TRL 1.x's: patched, held twice, undone."""
     from fastppo.integrations.trl import apply_fastppo_kernels_to_trl
 
     with pytest.raises(RuntimeError, match=r"TRL 1.x's fused LM head .* the installed TRL is 0\.26"):
@@ -125,7 +125,10 @@ def test_apply_checks_the_version_refuses_trl_0x_and_undoes(tmp_path):
         "with warnings.catch_warnings():\n"
         "    warnings.simplefilter('error')\n"
         "    p = apply_fastppo_kernels_to_trl()\n"
-        "assert apply_fastppo_kernels_to_trl() is p and p.active\n"
+        "again = apply_fastppo_kernels_to_trl()  # a second hold on the same routing, released on its own\n"
+        "assert again is not p and again.active and p.active\n"
+        "again.undo()\n"
+        "assert p.active and u._ChunkedLogProbFunction is FastppoChunkedLogProb\n"
         "assert u._ChunkedLogProbFunction is FastppoChunkedLogProb and u.selective_log_softmax is not orig[1]\n"
         "import torch\n"
         "x, i = torch.randn(2, 3, 11), torch.randint(0, 11, (2, 3))\n"

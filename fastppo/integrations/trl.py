@@ -18,8 +18,14 @@ What it routes (TRL 1.16's seams; the call refuses a TRL whose seams differ):
   tiles the vocabulary itself).
 * ``selective_log_softmax``, ``entropy_from_logits`` and ``selective_log_softmax_and_entropy``
   of ``trl.trainer.utils``, and the same functions wherever a loaded ``trl`` module imported
-  them by name (import the trainer modules you use first). Top-K gathers (``index`` with a K
-  axis) go to TRL's own function.
+  them by name; a trainer module imported while the patch is on imports fastppo's. Top-K
+  gathers (``index`` with a K axis) go to TRL's own function.
+
+Patches nest: a call while one is on, with the same options, returns another hold on it, and
+TRL's objects come back when the last hold is undone (leaving an inner ``with`` block keeps the
+outer one's routing); a call with other options is refused, naming the active patch. The last
+``undo()`` puts TRL's objects back in every loaded module that holds one of fastppo's, however
+late it was imported (``trl.experimental.cpo``, ``orpo``, a module of yours).
 
 Differences a user can see: fastppo's results are fp32 for 16-bit inputs (TRL rounds the
 logits of a bf16 GEMM to bf16 before its fp32 softmax, and its logits helpers return bf16),
@@ -103,24 +109,82 @@ def _make_helpers(originals: dict):
             "selective_log_softmax_and_entropy": selective_log_softmax_and_entropy}
 
 
-class TRLKernelPatch:
-    """What ``apply_fastppo_kernels_to_trl`` replaced; ``undo()`` puts TRL's own objects back."""
+class _Routing:
+    """The routing in place: TRL's objects it replaced, fastppo's objects standing for them, and how many patches
+    (holds) keep it on. Restoring puts TRL's objects back wherever fastppo's are, however late that was."""
 
-    def __init__(self, trl_version: str, replaced: list[tuple[object, str, object]]):
+    def __init__(self, trl_version: str, options: dict, replaced: list[tuple[object, str, object]], ours: dict):
         self.trl_version = trl_version
-        self.replaced = replaced  # (module, attribute, TRL's object)
+        self.options = options  # apply's keyword arguments
+        self.replaced = replaced  # (module, attribute, TRL's object), set at apply
+        self.ours = ours  # name -> (fastppo's object, TRL's object)
+        self.holds = 0
+        self.restored = False
+
+    def names(self) -> list[str]:
+        return sorted({f"{m.__name__}.{n}" for m, n, _ in self.replaced})
+
+    def restore(self) -> None:
+        """TRL's objects back: the attributes set at apply, then every attribute of every loaded module that
+        holds one of fastppo's objects (a module that imported a helper by name while the routing was on, such
+        as ``trl.experimental.cpo``, or under another name), except fastppo's own modules and the public name
+        ``FastppoChunkedLogProb`` (a user's import of it). Module dictionaries are read directly, so a lazy
+        module's ``__getattr__`` imports nothing."""
+        for module, name, original in reversed(self.replaced):
+            setattr(module, name, original)
+        back = {id(mine): (mine, original) for mine, original in self.ours.values()}
+        for module_name, module in list(sys.modules.items()):
+            if module_name == "fastppo" or str(module_name).startswith("fastppo."):
+                continue
+            try:
+                attributes = vars(module)
+            except TypeError:
+                continue
+            for name, value in list(attributes.items()):
+                pair = back.get(id(value))
+                if pair is not None and pair[0] is value and name != FastppoChunkedLogProb.__name__:
+                    setattr(module, name, pair[1])
+        self.replaced = []
+        self.restored = True
+
+
+class TRLKernelPatch:
+    """A hold on the routing ``apply_fastppo_kernels_to_trl`` set up. ``undo()`` (or leaving its ``with`` block)
+    releases this hold, once; TRL's own objects come back when the last hold is released, so nested blocks
+    leave the outer one's routing in place."""
+
+    def __init__(self, routing: _Routing):
+        self._routing = routing
+        self._held = True
+        routing.holds += 1
+
+    @property
+    def trl_version(self) -> str:
+        return self._routing.trl_version
+
+    @property
+    def options(self) -> dict:
+        return dict(self._routing.options)
+
+    @property
+    def replaced(self) -> list[tuple[object, str, object]]:
+        return list(self._routing.replaced) if self.active else []
 
     @property
     def active(self) -> bool:
-        return _active is self
+        return self._held and not self._routing.restored and _routing is self._routing
 
     def undo(self) -> None:
-        global _active
-        for module, name, original in reversed(self.replaced):
-            setattr(module, name, original)
-        self.replaced = []
-        if _active is self:
-            _active = None
+        global _routing
+        if not self._held:
+            return
+        self._held = False
+        routing = self._routing
+        routing.holds -= 1
+        if routing.holds <= 0 and not routing.restored:
+            routing.restore()
+            if _routing is routing:
+                _routing = None
 
     def __enter__(self) -> TRLKernelPatch:
         return self
@@ -129,11 +193,13 @@ class TRLKernelPatch:
         self.undo()
 
     def __repr__(self) -> str:
-        names = sorted({f"{m.__name__}.{n}" for m, n, _ in self.replaced})
-        return f"TRLKernelPatch(trl {self.trl_version}, {len(names)} names: {', '.join(names)})"
+        names = self._routing.names()
+        options = ", ".join(f"{k}={v}" for k, v in self._routing.options.items())
+        state = f"{self._routing.holds} hold(s)" if self.active else "undone"
+        return f"TRLKernelPatch(trl {self.trl_version}, {options}, {state}, {len(names)} names: {', '.join(names)})"
 
 
-_active: TRLKernelPatch | None = None
+_routing: _Routing | None = None
 
 
 def _check_trl():
@@ -167,32 +233,50 @@ def apply_fastppo_kernels_to_trl(*, fused_lm_head: bool = True, logits_helpers: 
     """Route TRL 1.x's fused-LM-head log-probs/entropy (``fused_lm_head``) and its logits helpers
     (``logits_helpers``) through ``fastppo.kernels``; returns the patch, whose ``undo()`` reverts it.
 
-    Applying twice returns the active patch (undo it first to change what is routed).
+    Calls nest: while a routing is on, another call with the same options returns a new hold on it (its
+    ``undo()`` or ``with`` block ends only that hold), and TRL's objects come back when the last hold is undone.
+    A call with other options is refused, naming the active patch (undo it first to change what is routed).
     """
-    global _active
-    if _active is not None:
-        return _active
+    global _routing
+    options = {"fused_lm_head": bool(fused_lm_head), "logits_helpers": bool(logits_helpers)}
+    if _routing is not None:
+        if _routing.options != options:
+            active = ", ".join(f"{k}={v}" for k, v in _routing.options.items())
+            asked = ", ".join(f"{k}={v}" for k, v in options.items())
+            raise RuntimeError(
+                f"fastppo's kernels are already routed into TRL {_routing.trl_version} with {active} "
+                f"({_routing.holds} hold(s) on {', '.join(_routing.names())}); this call asks for {asked}. "
+                "Undo the active patch (leave its with block) before applying other options")
+        return TRLKernelPatch(_routing)
     trl, utils = _check_trl()
-    replaced: list[tuple[object, str, object]] = []
+    originals = {}
+    ours = {}
     if fused_lm_head:
-        replaced.append((utils, "_ChunkedLogProbFunction", utils._ChunkedLogProbFunction))
-        utils._ChunkedLogProbFunction = FastppoChunkedLogProb
+        originals["_ChunkedLogProbFunction"] = utils._ChunkedLogProbFunction
+        ours["_ChunkedLogProbFunction"] = FastppoChunkedLogProb
     if logits_helpers:
-        originals = {name: getattr(utils, name) for name in HELPERS if hasattr(utils, name)}
-        ours = _make_helpers(originals)
-        for module in [m for n, m in list(sys.modules.items()) if n == "trl" or n.startswith("trl.")]:
-            for name, original in originals.items():
-                if getattr(module, name, None) is original:
-                    replaced.append((module, name, original))
-                    setattr(module, name, ours[name])
-    _active = TRLKernelPatch(trl.__version__, replaced)
-    return _active
+        helpers = {name: getattr(utils, name) for name in HELPERS if hasattr(utils, name)}
+        originals.update(helpers)
+        ours.update({k: v for k, v in _make_helpers(helpers).items() if k in helpers})
+    replaced: list[tuple[object, str, object]] = []
+    # every loaded trl module that holds TRL's object under its name (trl.trainer.utils, and the trainer modules
+    # that imported it by name); modules imported later import fastppo's from trl.trainer.utils
+    for module in [m for n, m in list(sys.modules.items()) if n == "trl" or n.startswith("trl.")]:
+        attributes = vars(module)
+        for name, original in originals.items():
+            if attributes.get(name) is original:
+                replaced.append((module, name, original))
+                setattr(module, name, ours[name])
+    _routing = _Routing(trl.__version__, options, replaced, {k: (ours[k], originals[k]) for k in ours})
+    return TRLKernelPatch(_routing)
 
 
 def remove_fastppo_kernels_from_trl() -> None:
-    """Undo the active patch, if any."""
-    if _active is not None:
-        _active.undo()
+    """Undo the routing, if any, whatever holds are left (each of them becomes inactive)."""
+    global _routing
+    if _routing is not None:
+        _routing.restore()
+        _routing = None
 
 
 __all__ = ["FastppoChunkedLogProb", "TESTED_TRL_VERSION", "TRLKernelPatch", "apply_fastppo_kernels_to_trl",
