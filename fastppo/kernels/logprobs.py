@@ -528,9 +528,10 @@ def fused_token_logprobs(hidden, weight, index, temperature=1.0, *, bias=None, r
             z = softcap·tanh(logit_scale·x / softcap) / temperature, x = hidden @ weight.T + bias (L7);
             without ``softcap``, z = logit_scale·x / temperature.
         compute_dtype: the dtype hidden, weight and bias are multiplied in; None is TRL 1.x's rule
-            (autocast's dtype when autocast is on for hidden's device, else hidden's dtype). Operands
-            of another dtype are cast first (a weight cast copies [V, H]). Accumulation is fp32
-            (fp64 for fp64) whatever it is, and the logits are never rounded to 16 bits.
+            (autocast's dtype when autocast is on for hidden's device and hidden is not fp64, else
+            hidden's dtype). Operands of another dtype are cast first (a weight cast copies [V, H]).
+            Accumulation is fp32 (fp64 for fp64) whatever it is, and the logits are never rounded to
+            16 bits: ``_lmhead.COMPUTE_DTYPE_RULE``, the rule of every LM-head entry point.
 
     Returns:
         ``logprobs`` [...] fp32 (fp64 for fp64 operands), or ``(logprobs, entropy)``, or a

@@ -12,8 +12,14 @@ o_n, clip range ε and entropy coefficient c:
     clipped_n = −A_n clip(ρ_n, 1 − ε, 1 + ε) > −A_n ρ_n  (the trainer's clipfrac)
 
 Masked tokens are selected out (``torch.where``, not multiplied by 0), so
-inf/NaN in their advantages or old log-probs cannot leak; an empty mask gives a
-NaN "token_mean" loss and zero gradients, as ``masked_mean`` does. The
+inf/NaN in their advantages or old log-probs reach neither the loss nor any
+gradient, on both paths; an empty mask gives a NaN "token_mean" loss and zero
+gradients, as ``masked_mean`` does. A ratio that overflows (logp − o > 88.7 in
+fp32) is inf; its token takes the clipped branch's gradient, 0 for A > 0 (the
+reference's autograd of exp would form 0·inf = NaN: ``clipped_surrogate``
+differentiates through a ratio whose overflowed entries are constants). The
+LM head follows ``_lmhead.COMPUTE_DTYPE_RULE`` (under autocast, operands in
+autocast's dtype, accumulation fp32) on both paths. The
 gradient with respect to logp_n follows autograd of (P3)-(P4): torch.maximum
 splits ties evenly and clamp passes its gradient on [1 − ε, 1 + ε] inclusive,
 
@@ -287,7 +293,8 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
     Args:
         hidden: [..., H] policy hidden states (fp16, bf16, fp32 or fp64).
         weight: [V, H] LM-head weight, same dtype; any strides (a tied
-            embedding's transposed view is read in place).
+            embedding's transposed view is read in place). Under autocast both are
+            multiplied in autocast's dtype (``_lmhead.COMPUTE_DTYPE_RULE``).
         index: [...] int32/int64 ids of the sampled tokens, ``hidden.shape[:-1]``.
         old_logprobs: [...] log-probs of those tokens under the rollout policy.
         advantages: [...] advantages A.
