@@ -326,10 +326,19 @@ class PPOConfig(TrainingArguments):
             if new in self.__dataclass_fields__ and getattr(self, new) is None:
                 setattr(self, new, getattr(self, old))
         deepspeed, self.deepspeed = self.deepspeed, None
+        # bf16 without a CUDA device is bf16 autocast on the CPU, which fastppo runs (its device is the CPU whenever
+        # there is no CUDA: _setup_devices); transformers refuses bf16 there unless use_cpu is set, and use_cpu
+        # would run exactly this, so its check is passed as use_cpu would pass it (a GPU without bf16 is still
+        # refused by it)
+        cpu_bf16 = bool(self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.cuda.is_available()
+        pin_memory = self.dataloader_pin_memory
         try:
+            self.use_cpu = self.use_cpu or cpu_bf16
             super().__post_init__()
         finally:
             self.deepspeed = deepspeed
+            if cpu_bf16:
+                self.use_cpu, self.dataloader_pin_memory = False, pin_memory
 
 
     @property
