@@ -31,6 +31,11 @@ def check_path(path: str | None, flag: str) -> None:
         raise MissingPathError(f"--{flag} {path!r}: no such directory")
 
 
+def _as_list(value) -> list:
+    """A setting that takes one value or several (reward_fn, reward_model_path) as a list."""
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def _is_finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -222,10 +227,10 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
     require(_is_finite(c.penalty_reward_value), f"penalty_reward_value must be finite, got {c.penalty_reward_value}")
     require(c.score_clip is None or (_is_finite(c.score_clip) and c.score_clip > 0),
             f"score_clip must be > 0, got {c.score_clip}")
-    require(c.reward_model_path is None or c.reward_fn is None,
-            "reward_model_path and reward_fn are mutually exclusive; set one")
-    require(c.reward_fn is None or ":" in c.reward_fn, f"reward_fn must look like 'module:function', got "
-            f"{c.reward_fn!r}")
+    for spec in _as_list(c.reward_fn):
+        require(isinstance(spec, str) and ":" in spec, f"reward_fn must look like 'module:function', got {spec!r}")
+    require(c.reward_weights is None or all(_is_finite(w) for w in c.reward_weights),
+            f"reward_weights must be finite numbers, got {c.reward_weights!r}")
     _check_estimator(c)
     # the loss
     for name in ("cliprange", "cliprange_value", "vf_coef"):
@@ -248,7 +253,8 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
     if check_output:
         _check_output_dir(c.output_dir)
     for flag, path in (("model_name_or_path", model_args.model_name_or_path), ("sft_model_path", c.sft_model_path),
-                       ("reward_model_path", c.reward_model_path), ("value_model_path", c.value_model_path)):
+                       *(("reward_model_path", p) for p in _as_list(c.reward_model_path)),
+                       ("value_model_path", c.value_model_path)):
         check_path(path, flag)
     notes += [f"--{name} is a TrainingArguments field with no meaning in PPO: ignored" for name in ignored_fields(c)]
     notes += check_deepspeed(c, peft or model_args.use_peft)

@@ -163,11 +163,19 @@ def build_trainer(script_args, training_args: PPOConfig, model_args, embedded: b
     if script_args.dataset_name and script_args.dataset_test_split in split_names(name, script_args.dataset_config):
         evals = load_prompt_dataset(name, script_args.dataset_test_split, script_args.dataset_config)
     # TRL's example starts the value model from the reward model; a critic-free estimator has none
-    value = None if training_args.critic_free else training_args.value_model_path or training_args.reward_model_path
+    reward_paths = as_list(training_args.reward_model_path)
+    value = None if training_args.critic_free else training_args.value_model_path or next(iter(reward_paths), None)
+    # every reward given, the models first (reward_weights' order); None: the config's default rule
+    rewards = reward_paths + as_list(training_args.reward_fn) or None
     return PPOTrainer(args=training_args, processing_class=tokenizer, model=model, ref_model=None,
-                      reward_model=training_args.reward_model_path or training_args.reward_fn, train_dataset=train,
+                      reward_model=rewards, train_dataset=train,
                       value_model=value, eval_dataset=evals, peft_config=get_peft_config(model_args),
                       model_args=model_args)
+
+
+def as_list(value) -> list:
+    """A flag that takes one value or, repeated, several (--reward_fn, --reward_model_path)."""
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def require_supported_model_args(model_args, script_args=None) -> None:

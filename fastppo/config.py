@@ -133,11 +133,15 @@ class PPOConfig(TrainingArguments):
     exp_name: str = field(default="ppo_config", metadata={
         "help": "Name of this experiment: tensorboard and wandb name the run <exp_name>__<seed>__<unix time>, as "
                 "TRL does, unless --run_name is set."})
+    # str | list[str] after parsing: the field's type stays str for HfArgumentParser (which reads no union of
+    # containers); the flag appends, and __post_init__ keeps one value as TRL's string
     reward_model_path: str | None = field(
         default=None,
-        metadata={"help": "Reward model: an AutoModelForSequenceClassification with one label sharing the policy's "
-                  "tokenizer, scored at the last real token (TRL's default names EleutherAI/pythia-160m; unset here: "
-                  "reward_fn). TRL's example also starts the value model from it; so does fastppo's CLI."},
+        metadata={"help": "Reward model: an AutoModelForSequenceClassification with one label, scored at the last real "
+                  "token; one with another tokenizer scores the decoded text re-tokenized with its own (TRL's default "
+                  "names EleutherAI/pythia-160m; unset here: reward_fn). Repeat the flag for several (a weighted sum "
+                  "with reward_weights). TRL's example also starts the value model from it; so does fastppo's CLI.",
+                  "action": "append"},
     )
     model_adapter_name: str | None = field(
         default=None, metadata={"help": "Multi-adapter PEFT (not supported: refused when set)."}
@@ -170,11 +174,18 @@ class PPOConfig(TrainingArguments):
     )
 
     # ------------------------------------------------------------ fastppo: models and data
-    reward_fn: str | None = field(
+    reward_fn: str | None = field(  # str | list[str]: see reward_model_path
         default=None,
         metadata={"help": "fastppo: the reward as 'module:function', called as TRL's GRPO calls reward functions "
-                  "(prompts=, completions=, prompt_ids=, completion_ids=, dataset columns) returning one float per "
-                  "completion. Default without a reward model: fastppo.rewards:positive_words."},
+                  "(prompts=, completions=, prompt_ids=, completion_ids=, dataset columns) returning one float (or "
+                  "None: not judged) per completion. Repeat the flag for several, beside reward models too. Default "
+                  "without a reward model: fastppo.rewards:positive_words.", "action": "append"},
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "TRL GRPO's: the weight of each reward (the reward models first, in order, then the "
+                  "functions on the command line; the list's order in the library), the score being Σ wᵢ·rᵢ over "
+                  "the rewards that judged a completion. Unset: all 1."},
     )
     value_model_path: str | None = field(
         default=None,
@@ -314,6 +325,10 @@ class PPOConfig(TrainingArguments):
             self.kl_coef = defaults["kl_coef"]
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"  # TRL's bool form
+        for name in ("reward_model_path", "reward_fn"):  # one given (an appended flag, too) is TRL's single string
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                setattr(self, name, value[0] if len(value) == 1 else list(value) or None)
         if isinstance(self.stop_token_id, int) and not isinstance(self.stop_token_id, bool):
             self.stop_token_id = [self.stop_token_id]  # TRL's type is one int; fastppo takes several
         # fastppo reads the DeepSpeed request itself (fastppo.zero) and fills its "auto" values from PPO's sizes,

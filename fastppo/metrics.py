@@ -3,6 +3,7 @@ metric names (and legacy TRL's ``step()`` stats); the loggers, the sample table 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -49,22 +50,30 @@ KL_IN_LOSS_METRIC = "kl"
 
 
 def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int, critic: bool = True,
-                   kl: bool = True, kl_in_loss: bool = False) -> dict[str, float]:
+                   kl: bool = True, kl_in_loss: bool = False,
+                   reward_columns: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration.
 
     ``critic=False``: no value terms; ``kl=False``: no reference ran, so no ``objective/kl``; ``kl_in_loss``:
-    + the mean per-token KL term of the loss under TRL GRPO's name ``kl``."""
+    + the mean per-token KL term of the loss under TRL GRPO's name ``kl``. ``reward_columns``: each reward's
+    scores (NaN where it did not judge), logged as TRL GRPO's ``rewards/<name>/mean`` and ``/std`` over the
+    completions it judged on every process (in the same all-reduce)."""
     stats = result.stats.flatten(1)  # [S, n]
     ran = torch.isfinite(stats)
     counts = ran.sum(1).float()
     sums = torch.where(ran, stats, torch.zeros_like(stats)).sum(1)
     ratio_row = stats[STAT["ratio"]]
     ratio = torch.where(ran[STAT["ratio"]], ratio_row, torch.zeros_like(ratio_row))
+    columns = reward_columns or {}
+    moments = [torch.stack([judged.sum(), (judged ** 2).sum(), torch.tensor(float(judged.numel()))]).double()
+               for judged in (c[~torch.isnan(c)].double().cpu() for c in columns.values())]
     packed = torch.cat([
         objective, sums, counts, (ratio**2).sum().reshape(1),
         torch.as_tensor(result.skipped_steps, dtype=torch.float32).to(objective.device).reshape(1),
+        *(m.to(objective.device, torch.float32) for m in moments),
     ])
     packed = all_reduce(packed).tolist()
+    reward_moments = packed[len(packed) - 3 * len(moments):] if moments else []
     n_obj, n = objective.numel(), len(STAT_NAMES)
     kl_sum, entropy, nsr, scores, num_eos = packed[:n_obj]
     sums, counts = packed[n_obj : n_obj + n], packed[n_obj + n : n_obj + 2 * n]
@@ -93,6 +102,12 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     }
     if kl_in_loss:
         metrics[KL_IN_LOSS_METRIC] = mean["kl_loss"]
+    for i, name in enumerate(columns):
+        total, squares, n = reward_moments[3 * i: 3 * i + 3]
+        mean_r = total / n if n else float("nan")
+        metrics[f"rewards/{name}/mean"] = mean_r
+        metrics[f"rewards/{name}/std"] = math.sqrt(max(squares - n * mean_r**2, 0.0) / (n - 1)) if n > 1 else \
+            float("nan")
     for name in (() if critic else VALUE_METRICS) + (() if kl else ("objective/kl",)):
         del metrics[name]
     return metrics
@@ -232,17 +247,23 @@ def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> N
     plt.close(fig)
 
 
-def print_samples(console, prompts, completions, scores, update: int, path: str | None, n: int = 6) -> None:
-    """A rich table of sample completions, also appended to ``path`` (samples.jsonl; None: printed only)."""
+def print_samples(console, prompts, completions, scores, update: int, path: str | None, n: int = 6,
+                  columns: dict[str, list[float]] | None = None) -> None:
+    """A rich table of sample completions, also appended to ``path`` (samples.jsonl; None: printed only).
+    ``columns``: each reward's own score beside the total (NaN: that reward did not judge the row)."""
+    columns = columns if columns and len(columns) > 1 else {}  # one reward: its column is the score
     table = Table(title=f"samples at iteration {update}", show_lines=False)
     table.add_column("query", overflow="fold")
     table.add_column("response", overflow="fold")
+    for name in columns:
+        table.add_column(name, justify="right")
     table.add_column("score", justify="right")
-    rows = list(zip(prompts, completions, scores))[:n]
-    for p, c, s in rows:
-        table.add_row(p, c, f"{s:.3f}")
+    rows = list(zip(prompts, completions, scores, *columns.values()))[:n]
+    for p, c, s, *each in rows:
+        table.add_row(p, c, *(f"{x:.3f}" for x in each), f"{s:.3f}")
     if path is not None:
         with open(path, "a") as f:
-            for p, c, s in rows:
-                f.write(json.dumps({"iteration": update, "query": p, "response": c, "score": s}) + "\n")
+            for p, c, s, *each in rows:
+                extra = {"rewards": dict(zip(columns, (None if x != x else x for x in each)))} if columns else {}
+                f.write(json.dumps({"iteration": update, "query": p, "response": c, "score": s, **extra}) + "\n")
     console.print(table)

@@ -994,18 +994,18 @@ def check_vocabulary(models: dict[str, nn.Module | None], tokenizer, loaded: set
                 "models that share one vocabulary")
 
 
-def prepare_models(policy, ref_model, value_model, reward_model, tokenizer, config, device, log):
+def prepare_models(policy, ref_model, value_model, reward_models, tokenizer, config, device, log):
     """Patch (Liger), zero dropout, place, freeze the frozen ones."""
     if config.use_liger_kernel:
         if device.type == "cuda":
             apply_liger([m for m in (policy, value_model) if m is not None], log)
         else:
             log("use_liger_kernel: Liger-Kernel's Triton kernels need a CUDA device; ignored on CPU")
-    for model in (policy, ref_model, value_model, reward_model):
+    for model in (policy, ref_model, value_model, *reward_models):
         if model is not None:
             disable_dropout(model)
             model.to(device)
-    for frozen in (ref_model, reward_model):
+    for frozen in (ref_model, *reward_models):
         if frozen is not None:
             frozen.eval().requires_grad_(False)
     if config.gradient_checkpointing:
@@ -1016,15 +1016,16 @@ def prepare_models(policy, ref_model, value_model, reward_model, tokenizer, conf
     check_lm_head(policy, len(tokenizer), device)
     if config.padding_free:  # every forward of these models runs on packed rows
         for what, model in (("policy", policy), ("reference model", ref_model), ("value model", value_model),
-                            ("reward model", reward_model)):
+                            *(("reward model", m) for m in reward_models)):
             if model is not None:
                 check_packing(model, device, what)
 
 
-def build_models(bound: dict, config, model_args, policy_path: str | None, tokenizer, reward_path: str | None,
-                 bf16: bool, device, log, largest_input_id: int = 0) -> tuple[nn.Module, nn.Module | None, nn.Module | None, nn.Module | None]:
-    """(policy, reference, value model, reward model) from the trainer's arguments (objects or paths),
-    falling back to the config's paths; prepared and placed on ``device``.
+def build_models(bound: dict, config, model_args, policy_path: str | None, tokenizer, bf16: bool, device, log,
+                 largest_input_id: int = 0) -> tuple[nn.Module, nn.Module | None, nn.Module | None, list[nn.Module]]:
+    """(policy, reference, value model, reward models) from the trainer's arguments (objects or paths),
+    falling back to the config's paths; prepared and placed on ``device``. ``bound["rewards"]``: the run's
+    ``fastppo.rewards.Reward`` list; each model among them is loaded (from its path) and told its tokenizer.
 
     The reference is None where the PEFT policy with its adapter disabled plays it; the value model
     is None where the value head sits on the policy's trunk (``shared_value_head``, or a policy passed as
@@ -1085,22 +1086,89 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
         value_model = load_seq_cls(value_path, model_args, tokenizer, "value model",
                                    fresh_head_ok=not explicit or config.allow_untrained_heads)
         loaded.add("value model")
-    reward = bound.get("reward_model")
-    reward_model = reward if isinstance(reward, nn.Module) else None
-    if reward_model is None and reward_path:
-        reward_model = load_seq_cls(reward_path, model_args, tokenizer, "reward model",
-                                    fresh_head_ok=config.allow_untrained_heads, frozen=True, bf16=bf16)
-        loaded.add("reward model")
-    for what, scalar in (("value model", value_model), ("reward model", reward_model)):
+        if "value model" in loaded and explicit:  # a value model reads the policy's tokens: never another's
+            check_value_tokenizer(value_path, tokenizer, model_args)
+    reward_models = []
+    for reward in bound.get("rewards") or ():  # fastppo.rewards.Reward: the models among them, loaded here
+        if reward.fn is not None:
+            continue
+        what = f"reward model {reward.name!r}"
+        if reward.model is None:
+            reward.model = load_seq_cls(reward.path, model_args, tokenizer, what,
+                                        fresh_head_ok=config.allow_untrained_heads, frozen=True, bf16=bf16)
+            loaded.add(what)
+        reward.tokenizer = reward_tokenizer(reward, bound.get("reward_processing_classes", {}).get(reward.name),
+                                            tokenizer, policy, model_args, log)
+        reward_models.append(reward.model)
+    # a reward model with its own tokenizer reads its own ids: the policy's vocabulary is none of its business
+    same_tokens = {f"reward model {r.name!r}": r.model for r in bound.get("rewards") or ()
+                   if r.model is not None and r.tokenizer is None}
+    for what, scalar in (("value model", value_model), *same_tokens.items(),
+                         *((f"reward model {r.name!r}", r.model) for r in bound.get("rewards") or ()
+                           if r.model is not None and r.tokenizer is not None)):
         if scalar is not None and what not in loaded:
             check_scalar_head(scalar, what)
     check_trainable_dtype({"policy": policy, "value model": value_model})
-    check_vocabulary({"policy": policy, "reference model": ref_model, "value model": value_model,
-                      "reward model": reward_model}, tokenizer, loaded, largest_input_id, log)
+    check_vocabulary({"policy": policy, "reference model": ref_model, "value model": value_model, **same_tokens},
+                     tokenizer, loaded, largest_input_id, log)
     if want_peft and not is_peft(policy):
         policy = apply_peft(policy, peft_config, model_args)
-    prepare_models(policy, ref_model, value_model, reward_model, tokenizer, config, device, log)
-    return policy, ref_model, value_model, reward_model
+    prepare_models(policy, ref_model, value_model, reward_models, tokenizer, config, device, log)
+    return policy, ref_model, value_model, reward_models
+
+
+def same_vocabulary(a, b) -> bool:
+    """Two tokenizers give the same ids to the same tokens (compared by vocabulary, not by object)."""
+    return len(a) == len(b) and a.get_vocab() == b.get_vocab()
+
+
+def _tokenizer_at(path: str | None, model_args):
+    if not path:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, revision=model_args.model_revision,
+                                             trust_remote_code=model_args.trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def reward_tokenizer(reward, given, tokenizer, policy, model_args, log):
+    """None when the reward model reads the policy's token ids (its tokenizer, ``given`` or found beside its
+    weights, has the policy's vocabulary); else its own tokenizer, with which the trainer re-tokenizes the text.
+
+    No tokenizer found: a model whose embedding has as many rows as the policy's is taken to share its
+    tokenizer (said once); any other is refused: it would read ids of another vocabulary."""
+    own = given if given is not None else _tokenizer_at(
+        reward.path or getattr(getattr(reward.model, "config", None), "_name_or_path", None), model_args)
+    if own is None:
+        rows, policy_rows = embedding_rows(reward.model), embedding_rows(policy)
+        if rows != policy_rows:
+            raise SettingsError(
+                f"reward model {reward.name!r}: no tokenizer found for it (none beside its weights, none in "
+                f"reward_processing_classes) and its vocabulary ({rows} rows) is not the policy's ({policy_rows}): "
+                "it cannot read the policy's token ids; pass its tokenizer (PPOTrainer(reward_processing_classes="
+                "[tokenizer]) or save it beside the model)")
+        log(f"reward model {reward.name!r}: no tokenizer beside it; its vocabulary has the policy's size "
+            f"({rows}), so it reads the policy's token ids (pass reward_processing_classes if it is another's)")
+        return None
+    if same_vocabulary(own, tokenizer):
+        return None
+    if own.pad_token_id is None and own.eos_token_id is not None:
+        own.pad_token = own.eos_token  # padding never reaches the model (it is masked); the id only fills rows
+    log(f"reward model {reward.name!r} has its own tokenizer ({len(own)} tokens, the policy's {len(tokenizer)}): "
+        "it scores the decoded text re-tokenized with it")
+    return own
+
+
+def check_value_tokenizer(path: str, tokenizer, model_args) -> None:
+    """The value model reads the policy's token ids: one whose checkpoint ships another tokenizer is refused."""
+    own = _tokenizer_at(path, model_args)
+    if own is not None and not same_vocabulary(own, tokenizer):
+        raise SettingsError(
+            f"the value model at {path!r} has its own tokenizer ({len(own)} tokens, the policy's {len(tokenizer)}), "
+            "but a value model reads the policy's token ids (one value per policy token); start it from a model "
+            "of the policy's tokenizer (--value_model_path), leave it unset (the policy's weights with a fresh "
+            "head), or use a critic-free --advantage_estimator")
 
 
 POSITION_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")

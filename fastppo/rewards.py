@@ -110,6 +110,8 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     # copies: a function that edits its arguments in place must not change the samples the run logs
     kwargs = _accepted_kwargs(fn, dict(prompts=list(prompts), completions=list(completions),
                                        **{k: list(v) if isinstance(v, list) else v for k, v in columns.items()}))
+    # None: the function does not judge that completion (TRL GRPO's convention); it stays NaN here, and only here
+    unjudged = []
     try:
         out = fn(**kwargs)
     except SystemExit as e:  # sys.exit() in a reward function must not end the run as a success
@@ -118,7 +120,11 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     except Exception as e:
         raise RewardFunctionError(f"reward_fn {name!r} raised {type(e).__name__}: {e}") from e
     try:
-        scores = torch.as_tensor(out if isinstance(out, torch.Tensor) else list(out), dtype=torch.float32)
+        if not isinstance(out, torch.Tensor):
+            out = list(out)
+            unjudged = [i for i, x in enumerate(out) if x is None]
+            out = [math.nan if x is None else x for x in out]
+        scores = torch.as_tensor(out, dtype=torch.float32)
     except (TypeError, ValueError) as e:
         raise SettingsTypeError(f"reward_fn {name!r} must return a list of floats or a tensor, got {type(out).__name__}") from e
     scores = scores.reshape(-1) if scores.dim() > 1 and scores.numel() == len(completions) else scores
@@ -127,7 +133,7 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
             f"reward_fn {name!r} returned {tuple(scores.shape)} scores for {len(completions)} completions; "
             "expected one float per completion"
         )
-    bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+    bad = [i for i in (~torch.isfinite(scores)).nonzero().flatten().tolist() if i not in set(unjudged)]
     if bad:
         raise SettingsError(
             f"reward_fn {name!r} returned non-finite scores at rows {bad[:8]} (e.g. {scores[bad[0]].item()}) for "
@@ -150,23 +156,6 @@ def reward_model_scores(reward_model, rollout, chunk: int, packed: bool = False)
             scores.append(head(last).squeeze(-1).float())
         out = torch.cat(scores)
     return out.clone()
-
-
-def resolve_reward(reward, config) -> tuple[Callable | None, str | None, str | None]:
-    """(reward function, its name, reward model path) from the trainer's ``reward_model`` argument
-    (a model: all None here; a function; ``"module:function"``; a path) or the config."""
-    if isinstance(reward, nn.Module):
-        return None, None, None
-    if callable(reward):
-        return reward, reward_fn_name(reward), None
-    if isinstance(reward, str):
-        if ":" in reward and not os.path.exists(reward):
-            return load_reward_fn(reward), reward, None
-        return None, None, reward
-    if config.reward_model_path is not None:
-        return None, None, config.reward_model_path
-    spec = config.reward_fn or DEFAULT_REWARD_FN
-    return load_reward_fn(spec), spec, None
 
 
 # what every call passes beside the dataset's columns

@@ -537,6 +537,7 @@ class RolloutBatch:
     prompts: list[str] | None = None
     completions: list[str] | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    reward_columns: dict[str, torch.Tensor] = field(default_factory=dict)  # each reward's [B] (NaN: not judged)
 
 
 @dataclass(frozen=True)
@@ -609,7 +610,8 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     objective = objective_sums(experience.kl, experience.logprobs, non_score_reward, rollout.response_mask,
                                batch.scores, batch.eos_count)
     metrics = gather_metrics(objective, update, sizes.world_size, critic=experience.values is not None,
-                             kl=experience.ref_logprobs is not None, kl_in_loss=bool(config.beta))
+                             kl=experience.ref_logprobs is not None, kl_in_loss=bool(config.beta),
+                             reward_columns=batch.reward_columns)
     if metrics["train/skipped_steps"]:
         learner.log(f"{metrics['train/skipped_steps']:g} optimizer step(s) skipped for a non-finite loss or gradient "
                     "(weights and optimizer state unchanged by them)")

@@ -36,8 +36,8 @@ from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import sample_responses, stop_ids_of
 from fastppo.metrics import MetricsLogger, plot_curves, print_samples
 from fastppo.models import lm_of
-from fastppo.rewards import (RewardFunctionError, RunningMoments, call_reward_fn, check_reward_fn_columns,
-                             resolve_reward, reward_fn_columns, reward_model_scores)
+from fastppo.reward_scores import resolve_rewards, score_rewards
+from fastppo.rewards import RewardFunctionError, RunningMoments, check_reward_fn_columns, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import ZeRO, deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.train import (AdaptiveKLController, FixedKLController, IterationResult, Learner, Rollout, RolloutBatch,
@@ -63,7 +63,8 @@ class PPOTrainer:
 
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
-                 optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None, loop: bool = True):
+                 optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None, loop: bool = True,
+                 reward_processing_classes=None):
         config = PPOConfig(output_dir=None) if args is None else args
         if not isinstance(config, PPOConfig):
             raise SettingsTypeError(f"args must be a fastppo.PPOConfig (TRL 0.26's fields; for legacy TRL's config use "
@@ -99,10 +100,11 @@ class PPOTrainer:
             self.log("bf16 on a CPU: runs, but usually slower than fp32")
 
         # --- reward, tokenizer and data first: bad input fails here, before any model is loaded
-        reward = reward_model
-        if reward is not None and not isinstance(reward, (nn.Module, str)) and not callable(reward):
-            raise SettingsTypeError(f"reward_model must be a model, a function or a path, got {type(reward).__name__}")
-        self.reward_fn, self.reward_fn_name, reward_path = resolve_reward(reward, config) if loop else (None,) * 3
+        # the rewards: one or a list of functions, models and paths (TRL GRPO's reward_funcs), weighted
+        self.rewards = resolve_rewards(reward_model, config) if loop else []
+        functions = [r for r in self.rewards if r.fn is not None]
+        self.reward_fn = functions[0].fn if functions else None  # the first function (TRL 0.26 has one reward)
+        self.reward_fn_name = reward_fn_name(self.reward_fn) if functions else None
         tokenizer = processing_class
         given_tokenizer = tokenizer is not None and not isinstance(tokenizer, str)
         if isinstance(tokenizer, str):
@@ -126,10 +128,10 @@ class PPOTrainer:
             self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log)
             self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log)
                                                  if eval_dataset is not None else (None, None))
-            if self.reward_fn is not None:
+            for reward in functions:
                 for what, rows in (("train_dataset", self.prompt_rows), ("eval_dataset", self.eval_rows)):
                     if rows is not None:
-                        check_reward_fn_columns(self.reward_fn, self.reward_fn_name, rows, what)
+                        check_reward_fn_columns(reward.fn, reward_fn_name(reward.fn), rows, what)
             self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
             if ds_request is not None:
                 self.ds_config, ds_notes = resolve_deepspeed_config(ds_request, config, self.sizes)
@@ -144,18 +146,21 @@ class PPOTrainer:
         fill_derived_sizes(config, self.sizes)
         if self.embedded:
             self.log(f"no model given: the embedded default (tiny Llama at {policy_path}, "
-                     f"reward {self.reward_fn_name})")
+                     f"reward {', '.join(r.name for r in self.rewards)})")
 
         # --- models
         torch.manual_seed(config.seed)  # the same fresh value head on every process
-        built = M.build_models(dict(model=model, ref_model=ref_model, value_model=value_model,
-                                    reward_model=reward_model, peft_config=peft_config),
-                               config, model_args, policy_path, tokenizer, reward_path, self.bf16, self.device,
+        built = M.build_models(dict(model=model, ref_model=ref_model, value_model=value_model, rewards=self.rewards,
+                                    reward_processing_classes=processing_classes_by_name(
+                                        reward_processing_classes, self.rewards),
+                                    peft_config=peft_config),
+                               config, model_args, policy_path, tokenizer, self.bf16, self.device,
                                self.log, max([0, *self.stop_ids, *(max(p) for p in (self.prompts or []) + (self.eval_prompts or []) if p)]))
-        self.policy, self.ref_model, self.value_model, self.reward_model = built
+        self.policy, self.ref_model, self.value_model, self.reward_models = built
+        self.reward_model = self.reward_models[0] if self.reward_models else None  # TRL 0.26's one reward model
         if loop:  # the models that read prompt + response beside the policy must have the positions for it
             for what, other in (("reference model", self.ref_model), ("value model", self.value_model),
-                                ("reward model", self.reward_model)):
+                                *(("reward model", r.model) for r in self.rewards if r.tokenizer is None)):
                 if other is not None:
                     M.check_positions(other, config, model_args, longest_prompt, what)
         self.actor_critic = M.PolicyAndValue(self.policy, self.value_model, critic=not config.critic_free)
@@ -173,7 +178,7 @@ class PPOTrainer:
         if optimizer is not None:
             check_optimizer_covers(optimizer, self.actor_critic)
         if self.ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
-            self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, self.reward_model],
+            self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, *self.reward_models],
                              self.device, self.log, ds_request[1])
             self.model = self.zero.engine
         self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
@@ -271,22 +276,16 @@ class PPOTrainer:
             )
         rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
         t1 = time.perf_counter()
-        prompts = completions = None
         with self.autocast():
-            if self.reward_model is not None:
-                scores = reward_model_scores(self.reward_model, rollout, config.local_rollout_forward_batch_size,
-                                             config.padding_free)
-            else:
-                prompt_ids, completion_ids = rollout.token_ids()
-                prompts, completions = self.decode(prompt_ids, completion_ids)
-                columns = reward_fn_columns(prompt_ids, completion_ids, rows)
-                scores = call_reward_fn(self.reward_fn, self.reward_fn_name, prompts, completions, self.device,
-                                        **columns)
+            scores, columns, prompts, completions = score_rewards(
+                self.rewards, rollout, self.tokenizer, rows, config.dataset_text_field,
+                config.local_rollout_forward_batch_size, config.padding_free, self.device)
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
         scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,
                                      config.penalty_reward_value)
         seconds = {"generation": t1 - t0, "reward": time.perf_counter() - t1}
-        return RolloutBatch(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds)
+        return RolloutBatch(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds,
+                            columns)
 
     def _decoder(self) -> StaticDecoder | None:
         """The compiled decode step of the policy (``compiled_decode``), built on first use and kept: its compiled
@@ -311,7 +310,7 @@ class PPOTrainer:
             raise SettingsError("generate_completions needs an eval_dataset (PPOTrainer(eval_dataset=...))")
         chunk = self.config.per_device_eval_batch_size
         starts = range(0, chunk if sampling else len(self.eval_prompts), chunk)
-        prompts, completions, scores = [], [], []
+        prompts, completions, scores, columns = [], [], [], {}
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             for start in starts:
@@ -321,10 +320,12 @@ class PPOTrainer:
                 prompts += texts[0]
                 completions += texts[1]
                 scores += batch.scores.tolist()
+                for name, column in batch.reward_columns.items():
+                    columns.setdefault(name, []).extend(column.tolist())
         if self.dist.is_main:  # samples.jsonl is the run's: written while train() holds the output_dir
             print_samples(self.console, prompts, completions, scores, self.state.global_step,
                           os.path.join(self.config.output_dir, "samples.jsonl") if self._training else None,
-                          n=len(prompts))
+                          n=len(prompts), columns=columns)
         return prompts, completions, scores
 
     def _lm(self):
@@ -457,7 +458,8 @@ class PPOTrainer:
                         prompts, completions = (batch.prompts, batch.completions) if batch.prompts is not None \
                             else self.decode(*batch.rollout.token_ids())
                         print_samples(self.console, prompts, completions, batch.scores.tolist(), update,
-                                      os.path.join(config.output_dir, "samples.jsonl"))
+                                      os.path.join(config.output_dir, "samples.jsonl"),
+                                      columns={k: v.tolist() for k, v in batch.reward_columns.items()})
                 self.control = self.callback_handler.on_step_end(config, state, self.control)
                 preempted = stop.requested_anywhere()
                 # transformers' flow asks for a checkpoint at save_steps and after the last iteration (as TRL's
@@ -662,6 +664,19 @@ class _StopSignals:
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         return False
+
+
+def processing_classes_by_name(classes, rewards) -> dict:
+    """TRL GRPO's ``reward_processing_classes``: one tokenizer (for a single reward) or a list aligned with the
+    rewards (None: the reward's own, found beside it) -> {reward name: tokenizer}."""
+    if classes is None:
+        return {}
+    if not isinstance(classes, (list, tuple)):
+        classes = [classes]
+    if len(classes) != len(rewards):
+        raise SettingsError(f"reward_processing_classes has {len(classes)} entries for {len(rewards)} reward(s) "
+                            f"({', '.join(r.name for r in rewards)}); give one per reward (None where not needed)")
+    return {r.name: c for r, c in zip(rewards, classes) if c is not None}
 
 
 def progress_line(metrics: dict) -> str:

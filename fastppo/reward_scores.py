@@ -1,0 +1,145 @@
+"""Step 1's scores from the run's list of rewards (TRL GRPO's ``reward_funcs``): functions, reward models on the
+policy's token ids, and reward models with their own tokenizer on the decoded text re-tokenized; their weighted
+sum (``reward_weights``) and each one's column for the logs.
+
+The pieces they are made of (calling one function, reading one model, the rules the embedded default trains on)
+are ``fastppo.rewards``'; this module only lists and combines them.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fastppo.data import left_pad, prompt_messages
+from fastppo.errors import SettingsError, SettingsTypeError
+from fastppo.rewards import (DEFAULT_REWARD_FN, call_reward_fn, load_reward_fn, reward_fn_columns, reward_fn_name,
+                             reward_model_scores)
+from fastppo.train import assemble
+
+
+@dataclass
+class Reward:
+    """One reward of the run's list: a function, or a sequence-classification model (an object, or a path the
+    trainer loads). ``tokenizer`` is the model's own where it is not the policy's (None: the policy's token ids
+    are the model's input, unchanged); the trainer sets it once the model is loaded."""
+
+    name: str
+    weight: float = 1.0
+    fn: Callable | None = None
+    model: nn.Module | None = None
+    path: str | None = None
+    tokenizer: object | None = None
+
+
+def reward_name(entry) -> str:
+    """TRL GRPO's name of a reward in its logs: a function's name, a model's checkpoint directory name."""
+    if isinstance(entry, nn.Module):
+        return (getattr(getattr(entry, "config", None), "_name_or_path", "") or type(entry).__name__).rstrip(
+            "/").split("/")[-1] or type(entry).__name__
+    if callable(entry):
+        return getattr(entry, "__name__", type(entry).__name__)
+    if ":" in entry and not os.path.exists(entry):
+        return entry.partition(":")[2]
+    return entry.rstrip("/").split("/")[-1]
+
+
+def resolve_rewards(reward, config) -> list[Reward]:
+    """The run's rewards from the trainer's ``reward_model`` argument (a model, a function, ``"module:function"``,
+    a path, or a list mixing them) or, without one, the config's reward model paths then reward functions; the
+    default rule without any. ``reward_weights`` in the same order (TRL GRPO's); names made unique."""
+    def as_list(value):
+        return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+    entries = as_list(reward) or as_list(config.reward_model_path) + as_list(config.reward_fn) or [DEFAULT_REWARD_FN]
+    weights = config.reward_weights if config.reward_weights is not None else [1.0] * len(entries)
+    if len(weights) != len(entries):
+        raise SettingsError(f"reward_weights has {len(weights)} weight(s) for {len(entries)} reward(s) "
+                            f"({', '.join(reward_name(e) for e in entries)}); give one per reward, in that order")
+    rewards, seen = [], {}
+    for entry, weight in zip(entries, weights):
+        if entry is None or not (isinstance(entry, (nn.Module, str)) or callable(entry)):
+            raise SettingsTypeError(f"reward_model must be a model, a function or a path (or a list of them), got "
+                                    f"{type(entry).__name__}")
+        name = reward_name(entry)
+        seen[name] = seen.get(name, 0) + 1
+        name = name if seen[name] == 1 else f"{name}_{seen[name]}"
+        if isinstance(entry, nn.Module):
+            rewards.append(Reward(name, float(weight), model=entry))
+        elif callable(entry):
+            rewards.append(Reward(name, float(weight), fn=entry))
+        elif ":" in entry and not os.path.exists(entry):
+            rewards.append(Reward(name, float(weight), fn=load_reward_fn(entry)))
+        else:
+            rewards.append(Reward(name, float(weight), path=entry))
+    return rewards
+
+
+def combine_rewards(columns: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+    """[B] Σ wᵢ·rᵢ over the rewards that judged each completion (TRL GRPO's nansum). A completion no reward
+    judged has no score: refused, naming the rows."""
+    stacked = torch.stack([columns[name] * weights[name] for name in columns], 1)
+    unjudged = torch.isnan(stacked).all(1).nonzero().flatten().tolist()
+    if unjudged:
+        raise SettingsError(f"no reward judged completion(s) {unjudged[:8]} (every reward function returned None for "
+                            f"them: {', '.join(columns)}); a completion needs at least one score")
+    return stacked.nansum(1)
+
+
+def retokenized_scores(reward: Reward, texts: list[str], completions: list[str], messages: list | None,
+                       chunk: int, packed: bool, device) -> torch.Tensor:
+    """[B] the score of a reward model with its own tokenizer, of the text it would score alone: conversational
+    prompts (``messages``, a dataset's chat rows) + the completion as an assistant turn through its chat template,
+    else ``texts`` (prompt + completion decoded together by the policy's tokenizer, so the spacing between them is
+    the one the policy wrote), tokenized without added special tokens (TRL GRPO's rule for reward models).
+    Batched and read at each row's last token through today's layout (packed with ``packed``)."""
+    tok = reward.tokenizer
+    texts = list(texts)
+    for i, completion in enumerate(completions):
+        turns = messages[i] if messages is not None else None
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict):
+            turns = prompt_messages(turns)[0] + [{"role": "assistant", "content": completion}]
+            texts[i] = tok.apply_chat_template(turns, tokenize=False)
+    ids = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+    empty = [i for i, row in enumerate(ids) if len(row) < 2]
+    if empty:
+        raise SettingsError(f"reward model {reward.name!r}: completion(s) {empty[:8]} are under two tokens in its "
+                            "own tokenizer (nothing to read a score from)")
+    # each sequence as a "query" of all but its last token and a one-token "response": the score's position
+    queries, query_mask = left_pad([row[:-1] for row in ids], tok.pad_token_id or 0)
+    last = torch.tensor([[row[-1]] for row in ids])
+    rollout = assemble(queries.to(device), query_mask.to(device), last.to(device),
+                       torch.ones_like(last, dtype=torch.bool, device=device),
+                       torch.zeros(len(ids), dtype=torch.bool, device=device))
+    return reward_model_scores(reward.model, rollout, chunk, packed)
+
+
+def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: str, chunk: int,
+                  packed: bool, device) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str] | None,
+                                                   list[str] | None]:
+    """Step 1's scores: each reward on the rollout (a model on the policy's token ids, or on its own tokens when it
+    has its own tokenizer; a function on the texts), then Σ wᵢ·rᵢ (``combine_rewards``). Returns (scores [B],
+    each reward's column [B] by name (NaN where a function did not judge), prompts, completions (texts, when
+    decoded))."""
+    columns, prompts, completions = {}, None, None
+    if any(r.fn is not None or r.tokenizer is not None for r in rewards):  # else no decode at all
+        prompt_ids, completion_ids = rollout.token_ids()
+        prompts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    for reward in rewards:
+        if reward.fn is not None:
+            columns[reward.name] = call_reward_fn(reward.fn, reward_fn_name(reward.fn), prompts, completions, device,
+                                                  **reward_fn_columns(prompt_ids, completion_ids, rows))
+        elif reward.tokenizer is None:  # the policy's tokenizer: today's token-id path, no decode
+            columns[reward.name] = reward_model_scores(reward.model, rollout, chunk, packed)
+        else:
+            messages = rows[text_field] if rows is not None and text_field in rows.column_names else None
+            texts = tokenizer.batch_decode([p + c for p, c in zip(prompt_ids, completion_ids)],
+                                           skip_special_tokens=True)
+            columns[reward.name] = retokenized_scores(reward, texts, completions, messages, chunk, packed, device)
+    if len(rewards) == 1 and rewards[0].weight == 1.0 and not torch.isnan(columns[rewards[0].name]).any():
+        return columns[rewards[0].name], columns, prompts, completions  # one reward: its scores, bit for bit
+    return combine_rewards(columns, {r.name: r.weight for r in rewards}), columns, prompts, completions

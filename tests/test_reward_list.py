@@ -1,0 +1,229 @@
+"""A list of rewards (TRL GRPO's reward_funcs, reward_weights, reward_processing_classes): weights and None, each
+reward's logs, a reward model with its own tokenizer scoring exactly what it scores alone, the token-id path kept
+when the tokenizers match, the refusals, the command line."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import pytest
+import torch
+
+from fastppo.errors import SettingsError
+from fastppo.reward_scores import combine_rewards, resolve_rewards
+from helpers import cli_trainer, make_trainer, small_config
+
+pytestmark = pytest.mark.usefixtures("reference_path")
+
+small = functools.partial(small_config, total_episodes=16, num_sample_generations=0)
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant> {% endif %}")
+
+
+def other_tokenizer(extra_words: int = 0, pad: bool = True, padding_side: str = "right"):
+    """A word-level tokenizer over the embedded vocabulary in reverse order (every shared word has another id),
+    plus ``extra_words`` new words and the chat template's role tags; optionally without a pad token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from fastppo.embedded import vocabulary
+
+    words = ["<eos>", "<unk>", *(["<pad>"] if pad else []), "<user>", "<assistant>", "<system>",
+             *[f"extra{i}" for i in range(extra_words)], *[w for w in reversed(vocabulary()) if not w.startswith("<")]]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(" ", "removed")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>",
+                                  pad_token="<pad>" if pad else None, padding_side=padding_side)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def reward_model_dir(tmp_path, tokenizer, seed: int = 1):
+    """A tiny Llama sequence classifier over ``tokenizer``'s vocabulary, saved with it."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id or 0)
+    model = LlamaForSequenceClassification(config)
+    path = tmp_path / f"rm-{seed}-{len(tokenizer)}"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), model.eval()
+
+
+def by_hand(model, tokenizer, text: str) -> float:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].item()
+
+
+# ---------------------------------------------------------------------------- weights, None, names
+
+
+def judges_short(prompts, completions, **kwargs):
+    return [float(len(c.split())) if len(c.split()) < 6 else None for c in completions]
+
+
+def counts_good(prompts, completions, **kwargs):
+    return [float(c.split().count("good")) for c in completions]
+
+
+def test_the_score_is_the_weighted_sum_over_the_rewards_that_judged(tmp_path):
+    config = small(tmp_path, reward_weights=[2.0, 0.5])
+    rewards = resolve_rewards([judges_short, counts_good], config)
+    assert [(r.name, r.weight) for r in rewards] == [("judges_short", 2.0), ("counts_good", 0.5)]
+    columns = {"judges_short": torch.tensor([1.0, math.nan, 3.0]), "counts_good": torch.tensor([2.0, 1.0, 0.0])}
+    torch.testing.assert_close(combine_rewards(columns, {"judges_short": 2.0, "counts_good": 0.5}),
+                               torch.tensor([2 * 1 + 0.5 * 2, 0.5 * 1, 2 * 3 + 0.0]))
+    with pytest.raises(SettingsError, match=r"no reward judged completion\(s\) \[1\]"):
+        combine_rewards({"judges_short": torch.tensor([1.0, math.nan])}, {"judges_short": 1.0})
+    with pytest.raises(SettingsError, match=r"reward_weights has 1 weight\(s\) for 2 reward\(s\)"):
+        resolve_rewards([judges_short, counts_good], small(tmp_path, reward_weights=[1.0]))
+    twice = resolve_rewards([counts_good, counts_good], small(tmp_path))
+    assert [r.name for r in twice] == ["counts_good", "counts_good_2"]
+
+
+def test_a_list_trains_and_logs_each_reward(tmp_path, model_dir):
+    trainer = make_trainer(small(tmp_path, reward_weights=[2.0, 0.5]), reward_model=[judges_short, counts_good])
+    batch = trainer.rollout()
+    short, good = batch.reward_columns["judges_short"], batch.reward_columns["counts_good"]
+    want = torch.where(short.isnan(), 0.0, 2 * short) + 0.5 * good
+    torch.testing.assert_close(batch.scores, want)
+    trainer.train()
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    for name in ("judges_short", "counts_good"):
+        assert all(f"rewards/{name}/mean" in m and f"rewards/{name}/std" in m for m in rows)
+    judged = short[~short.isnan()]
+    first = trainer.state.log_history[0]
+    if len(judged):  # iteration 1's column, over the completions it judged
+        assert first["rewards/judges_short/mean"] == pytest.approx(judged.mean().item(), rel=1e-5)
+
+
+def test_a_nan_is_refused_naming_the_reward(tmp_path, model_dir):
+    def broken(prompts, completions, **kwargs):
+        return [math.nan] + [1.0] * (len(completions) - 1)
+
+    trainer = make_trainer(small(tmp_path), reward_model=[counts_good, broken])
+    with pytest.raises(SettingsError, match="broken.* non-finite scores at rows \\[0\\]"):
+        trainer.rollout()
+
+
+# ---------------------------------------------------------------------------- a reward model with its own tokenizer
+
+
+@pytest.mark.parametrize("extra,pad,side", [(0, True, "right"), (40, True, "left"), (7, False, "right")],
+                         ids=["same-size-reordered", "larger-left-padded", "no-pad-token"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_reward_model_with_its_own_tokenizer_scores_what_it_scores_alone(tmp_path, model_dir, extra, pad, side,
+                                                                        packed):
+    tok = other_tokenizer(extra, pad, side)
+    path, model = reward_model_dir(tmp_path, tok)
+    trainer = make_trainer(small(tmp_path, padding_free=packed), reward_model=path)
+    reward = trainer.rewards[0]
+    assert reward.tokenizer is not None and len(reward.tokenizer) == len(tok)
+    batch = trainer.rollout()
+    prompt_ids, completion_ids = batch.rollout.token_ids()
+    texts = trainer.tokenizer.batch_decode([p + c for p, c in zip(prompt_ids, completion_ids)],
+                                           skip_special_tokens=True)
+    want = torch.tensor([by_hand(model, tok, t) for t in texts])
+    torch.testing.assert_close(batch.scores, want, rtol=1e-5, atol=1e-5)
+    # fed the policy's ids instead, the same model would score something else (the bug this replaces)
+    from fastppo.rewards import reward_model_scores
+
+    if extra == 0:
+        wrong = reward_model_scores(trainer.reward_model, batch.rollout, 64)
+        assert (wrong - want).abs().max() > 1e-3
+
+
+def test_chat_prompts_go_through_the_reward_models_chat_template(tmp_path, model_dir):
+    import datasets
+
+    tok = other_tokenizer(3)
+    path, model = reward_model_dir(tmp_path, tok)
+    rows = [[{"role": "user", "content": p}] for p in ("the movie was", "the plot is", "i think the cast")] * 6
+    dataset = datasets.Dataset.from_dict({"prompt": rows})
+    from transformers import AutoTokenizer
+
+    policy_tok = AutoTokenizer.from_pretrained(model_dir)
+    policy_tok.chat_template = CHAT_TEMPLATE.replace("<", "").replace(">", "")  # words of its own vocabulary
+    trainer = make_trainer(small(tmp_path), processing_class=policy_tok, reward_model=path, train_dataset=dataset)
+    batch = trainer.rollout()
+    _, completion_ids = batch.rollout.token_ids()
+    completions = policy_tok.batch_decode(completion_ids, skip_special_tokens=True)
+    def template_ids(turns):
+        out = policy_tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        return tuple(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5 returns a BatchEncoding
+
+    prompt_of = {template_ids(r): r for r in rows}
+    prompt_ids, _ = batch.rollout.token_ids()
+    want = []
+    for ids, completion in zip(prompt_ids, completions):
+        turns = prompt_of[tuple(ids)] + [{"role": "assistant", "content": completion}]
+        want.append(by_hand(model, tok, tok.apply_chat_template(turns, tokenize=False)))
+    torch.testing.assert_close(batch.scores, torch.tensor(want), rtol=1e-5, atol=1e-5)
+
+
+def test_matching_tokenizers_keep_the_token_id_path_without_decoding(tmp_path, model_dir, monkeypatch):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rm = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+    rm.save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "rm")
+    trainer = make_trainer(small(tmp_path, allow_untrained_heads=True), reward_model=str(tmp_path / "rm"))
+    assert trainer.rewards[0].tokenizer is None
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decoded on the token-id path")
+
+    monkeypatch.setattr(trainer.tokenizer, "batch_decode", no_decode)
+    from fastppo.rewards import reward_model_scores
+
+    batch = trainer.rollout()
+    torch.testing.assert_close(batch.scores, reward_model_scores(trainer.reward_model, batch.rollout, 64),
+                               rtol=0, atol=0)
+
+
+def test_a_reward_model_of_another_vocabulary_without_a_tokenizer_is_refused(tmp_path, model_dir):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    rm = LlamaForSequenceClassification(config)  # built in memory: no path, no tokenizer beside it
+    with pytest.raises(SettingsError, match="no tokenizer found for it .* reward_processing_classes"):
+        make_trainer(small(tmp_path), reward_model=rm)
+    # given its tokenizer, it is used on its own tokens
+    tok = other_tokenizer(500 - len(other_tokenizer()))
+    trainer = make_trainer(small(tmp_path), reward_model=rm, reward_processing_classes=[tok])
+    assert trainer.rewards[0].tokenizer is tok
+
+
+def test_a_value_model_with_another_tokenizer_is_refused(tmp_path, model_dir):
+    tok = other_tokenizer(10)
+    path, _ = reward_model_dir(tmp_path, tok)
+    with pytest.raises(SettingsError, match="the value model at .* has its own tokenizer"):
+        make_trainer(small(tmp_path, value_model_path=path), reward_model=counts_good)
+    # TRL's example (the value model from the reward model path) on the CLI: refused too, saying what to do
+    with pytest.raises(SettingsError, match="critic-free --advantage_estimator"):
+        cli_trainer(["--reward_model_path", path, "--output_dir", str(tmp_path / "cli"), "--total_episodes", "16"])
+    # critic-free, the same reward model is fine
+    trainer = cli_trainer(["--reward_model_path", path, "--advantage_estimator", "rloo", "--output_dir",
+                           str(tmp_path / "cli2"), "--total_episodes", "16"])
+    assert trainer.value_model is None and trainer.rewards[0].tokenizer is not None
+
+
+def test_the_command_line_takes_several_rewards(tmp_path, model_dir):
+    tok = other_tokenizer(5)
+    path, _ = reward_model_dir(tmp_path, tok)
+    trainer = cli_trainer(["--reward_fn", "fastppo.rewards:positive_words", "--reward_model_path", path,
+                           "--reward_fn", "fastppo.rewards:completion_length", "--reward_weights", "0.5", "1", "2",
+                           "--advantage_estimator", "grpo", "--num_generations", "4", "--output_dir",
+                           str(tmp_path / "out"), "--total_episodes", "16", "--response_length", "6",
+                           "--num_sample_generations", "0"])
+    assert [(r.name, r.weight) for r in trainer.rewards] == [
+        (path.rstrip("/").split("/")[-1], 0.5), ("positive_words", 1.0), ("completion_length", 2.0)]
+    trainer.train()
+    last = json.loads(open(tmp_path / "out" / "metrics.jsonl").read().splitlines()[-1])
+    assert {"rewards/positive_words/mean", "rewards/completion_length/std"} <= set(last)
