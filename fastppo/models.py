@@ -1089,10 +1089,10 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
         if "value model" in loaded and explicit:  # a value model reads the policy's tokens: never another's
             check_value_tokenizer(value_path, tokenizer, model_args)
     reward_models = []
-    for reward in bound.get("rewards") or ():  # fastppo.rewards.Reward: the models among them, loaded here
-        if reward.fn is not None:
-            continue
-        what = f"reward model {reward.name!r}"
+    rewards = [r for r in bound.get("rewards") or () if r.fn is None]  # fastppo.reward_scores.Reward: the models
+    label = {r.name: "reward model" if len(rewards) == 1 else f"reward model {r.name!r}" for r in rewards}
+    for reward in rewards:  # each model among the rewards, loaded here from its path and told its tokenizer
+        what = label[reward.name]
         if reward.model is None:
             reward.model = load_seq_cls(reward.path, model_args, tokenizer, what,
                                         fresh_head_ok=config.allow_untrained_heads, frozen=True, bf16=bf16)
@@ -1100,14 +1100,11 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
         reward.tokenizer = reward_tokenizer(reward, bound.get("reward_processing_classes", {}).get(reward.name),
                                             tokenizer, policy, model_args, log)
         reward_models.append(reward.model)
-    # a reward model with its own tokenizer reads its own ids: the policy's vocabulary is none of its business
-    same_tokens = {f"reward model {r.name!r}": r.model for r in bound.get("rewards") or ()
-                   if r.model is not None and r.tokenizer is None}
-    for what, scalar in (("value model", value_model), *same_tokens.items(),
-                         *((f"reward model {r.name!r}", r.model) for r in bound.get("rewards") or ()
-                           if r.model is not None and r.tokenizer is not None)):
+    for what, scalar in (("value model", value_model), *((label[r.name], r.model) for r in rewards)):
         if scalar is not None and what not in loaded:
             check_scalar_head(scalar, what)
+    # a reward model with its own tokenizer reads its own ids: the policy's vocabulary is none of its business
+    same_tokens = {label[r.name]: r.model for r in rewards if r.tokenizer is None}
     check_trainable_dtype({"policy": policy, "value model": value_model})
     check_vocabulary({"policy": policy, "reference model": ref_model, "value model": value_model, **same_tokens},
                      tokenizer, loaded, largest_input_id, log)
