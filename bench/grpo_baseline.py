@@ -1,0 +1,577 @@
+"""GRPO end to end: fastppo (``advantage_estimator="grpo"``) beside TRL 1.16's own ``GRPOTrainer`` (its files,
+unedited, from ``.trl1``), at equal settings, each run in a fresh process, interleaved; whole-process time and
+peak memory.
+
+    python bench/grpo_baseline.py                      # SmolLM2-135M-Instruct, 3 rounds x (beta 0, beta 0.04)
+    python bench/grpo_baseline.py --rounds 5 --iterations 20 --json out.json
+    python bench/grpo_baseline.py --smoke              # the embedded tiny model, 1 iteration, beta 0 (a test)
+
+Per round, for each case (beta 0.0: no reference model on either side; beta 0.04: both load one) and each side
+(``fastppo``: padded rows, the like-for-like row; ``fastppo-padfree``: ``padding_free=True``; ``trl``), this
+script starts ``python bench/grpo_baseline.py --child SIDE --case JSON``, which builds the trainer, trains
+``--iterations`` iterations (one generation batch and one optimizer step each) and exits. Measured:
+
+* **process**: wall time from launching the child to its exit (the parent's clock: interpreter start, imports,
+  model load, training, teardown), and its peak resident set (``os.wait4``'s ``ru_maxrss`` of that child);
+* inside the child: the trainer's construction, ``train()``, the training loop (``on_train_begin`` to the last
+  ``on_step_end``, the same ``transformers.TrainerCallback`` on both sides), each iteration, the time of
+  fastppo's final model save and curve plot (which its ``train()`` always does; TRL's does not save with
+  ``save_strategy="no"``), and the peak RSS above the post-import baseline (``e2e_measure.PeakMemory``);
+* the reward the shared rule reward function (:func:`minus_word_count`) returned, mean per iteration, and the
+  completions' mean length: recorded by the function itself, so both sides are read the same way.
+
+The side order alternates from round to round (fastppo first, then TRL first, ...) so that load drift and
+cache warmth hit both. TRL runs with ``PYTHONPATH=.trl1:REPO`` (``$FASTPPO_TRL1`` overrides ``.trl1``), fastppo
+with ``PYTHONPATH=REPO`` (the main environment's TRL 0.26 is not imported by either child).
+
+Set equal on both sides: the model and its dtype (fp32 weights, no autocast: TRL's ``bf16`` defaults to True even
+on a CPU, so it is set False), the prompts and their chat template, k, completions per step, one optimizer step
+per generation batch (TRL ``steps_per_generation=1``, ``gradient_accumulation_steps=1``, ``num_iterations=1``;
+fastppo ``num_mini_batches=1``, ``num_ppo_epochs=1``), max_completion_length = response_length, temperature
+(no top-k/top-p), learning rate and its linear decay to 0 over the run, AdamW (``adamw_torch_fused``, the
+TrainingArguments defaults), gradient clipping at 1.0 (both default), epsilon = cliprange, group-std reward
+scaling, beta with k3 and the ratio-weighted (bias-corrected) KL, the loss (TRL ``dapo``; fastppo's masked token
+mean, the same on one process and one micro-batch), stop at eos, no gradient checkpointing, no saves or eval,
+logging every step, the reward function, seed 0, torch threads. Differences that no setting removes (also
+printed under the table):
+
+* fastppo runs a no-grad forward for log π_θ_old every iteration; TRL skips it when the steps are aligned
+  (on-policy: old = detached current), so fastppo does one more policy forward per iteration;
+* fastppo's ``train()`` always saves the final model and plots curves (timed apart, in the table); TRL saves
+  nothing with ``save_strategy="no"``;
+* the samplers: fastppo's own decode loop vs transformers ``generate`` (both sample softmax(logits / T));
+  log-probs: TRL's chunked LM head vs fastppo's PyTorch reference on CPU tensors (the logits materialised);
+* the prompt order (each trainer's own seeded sampler) and the random streams differ, so the two sides draw
+  different samples: the reward trends are comparable in distribution, not sample by sample.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from e2e_common import CHAT_PROMPTS, REPO, smollm2_dir  # noqa: E402
+from e2e_measure import PeakMemory, _preimport  # noqa: E402
+
+SIDES = ("fastppo", "fastppo-padfree", "trl")
+FASTPPO_VARIANTS = {"fastppo": {"padding_free": False}, "fastppo-padfree": {"padding_free": True}}
+
+
+# ============================================================================ the case both sides train
+
+
+@dataclass
+class GRPOCase:
+    """One GRPO case; every field means the same for both trainers."""
+
+    model: str = "smollm2"  # "smollm2": SmolLM2-135M-Instruct, chat prompts; "embedded": the tiny Llama, text prompts
+    iterations: int = 10  # generation batches = optimizer steps
+    num_generations: int = 4  # k completions per prompt
+    prompts_per_step: int = 2  # completions per optimizer step = prompts_per_step x num_generations
+    max_completion_length: int = 16  # TRL's max_completion_length = fastppo's response_length
+    temperature: float = 1.0
+    learning_rate: float = 1e-6
+    beta: float = 0.0  # KL in the loss (k3, ratio-weighted: both sides' default); 0: no reference model
+    epsilon: float = 0.2  # TRL's epsilon = fastppo's cliprange
+    seed: int = 0
+    threads: int = 0  # torch.set_num_threads in the child; 0: torch's default on both sides
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.num_generations
+
+    def describe(self) -> str:
+        model = "SmolLM2-135M-Instruct" if self.model == "smollm2" else "the embedded tiny Llama"
+        return (f"{model} fp32 on the CPU, {self.iterations} iterations x {self.completions_per_step} completions "
+                f"({self.prompts_per_step} prompts x k={self.num_generations}), max_completion_length "
+                f"{self.max_completion_length}, T {self.temperature}, lr {self.learning_rate:g} (linear decay), "
+                f"beta {self.beta:g}, epsilon {self.epsilon:g}, seed {self.seed}, threads "
+                f"{self.threads or 'torch default'}")
+
+
+# what each side imports, imported before the memory baseline (as trl_baseline.PREIMPORTS)
+PREIMPORTS = {
+    "fastppo": ("fastppo.trainer", "fastppo.train", "fastppo.kernels", "datasets", "rich.console", "rich.progress",
+                "matplotlib.pyplot", "transformers.optimization"),
+    "trl": ("trl", "trl.trainer.grpo_trainer", "trl.trainer.grpo_config", "datasets", "accelerate",
+            "transformers.trainer"),
+}
+
+
+def prompts(case: GRPOCase) -> list:
+    """The dataset's ``prompt`` column: chat messages (both sides apply the chat template with
+    ``add_generation_prompt=True``) for SmolLM2, the built-in text prompts for the embedded model."""
+    if case.model == "smollm2":
+        return [[{"role": "user", "content": text}] for text in CHAT_PROMPTS]
+    from fastppo.embedded import PROMPTS_PATH
+
+    with open(PROMPTS_PATH) as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()][:16]
+
+
+def model_path(case: GRPOCase) -> str:
+    if case.model == "smollm2":
+        return smollm2_dir()
+    from fastppo.embedded import embedded_model_path
+
+    return embedded_model_path()
+
+
+# ============================================================================ the reward both sides call
+
+
+REWARD_CALLS: list[dict] = []  # one entry per call (= per iteration on both sides), read by the child
+
+
+def _text(completion) -> str:
+    if isinstance(completion, list):  # TRL's conversational completions: [{"role": "assistant", "content": ...}]
+        return " ".join(m.get("content", "") for m in completion if isinstance(m, dict))
+    return completion
+
+
+def minus_word_count(completions, completion_ids=None, **kwargs) -> list[float]:
+    """Minus the number of whitespace-separated words of the completion (special tokens skipped by both trainers'
+    decoding): shorter answers score higher. Called as TRL's GRPOTrainer calls reward functions, by both sides."""
+    scores = [-float(len(_text(c).split())) for c in completions]
+    lengths = [len(ids) for ids in completion_ids] if completion_ids is not None else []
+    REWARD_CALLS.append({"mean": sum(scores) / len(scores), "n": len(scores),
+                         "mean_length": sum(lengths) / len(lengths) if lengths else None})
+    return scores
+
+
+# ============================================================================ the two runners (in the child)
+
+
+class Clock:
+    def __init__(self):
+        self.start = None
+        self.stamps: list[float] = []
+        self.logs: list[dict] = []
+
+
+def _callback(clock: Clock):
+    from transformers import TrainerCallback
+
+    class Stamp(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            clock.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):  # once per iteration on both sides
+            clock.stamps.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs:
+                clock.logs.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
+
+    return Stamp()
+
+
+def _dataset(case: GRPOCase):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": prompts(case)})
+
+
+def build_fastppo(case: GRPOCase, output_dir: str, side: str, clock: Clock):
+    from fastppo import PPOConfig, PPOTrainer
+
+    config = PPOConfig(
+        output_dir=output_dir,
+        advantage_estimator="grpo",
+        num_generations=case.num_generations,
+        scale_rewards="group",
+        beta=case.beta,
+        kl_loss_type="k3",
+        use_bias_correction_kl=True,
+        kl_coef=0.0,  # no KL in the reward (grpo's default, said explicitly)
+        per_device_train_batch_size=case.completions_per_step,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        local_rollout_forward_batch_size=case.completions_per_step,
+        response_length=case.max_completion_length,
+        temperature=case.temperature,
+        learning_rate=case.learning_rate,
+        lr_scheduler_type="linear",
+        cliprange=case.epsilon,
+        stop_token="eos",
+        max_steps=case.iterations,
+        gradient_checkpointing=False,
+        bf16=False,
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        num_sample_generations=0,
+        report_to="none",
+        disable_tqdm=True,
+        seed=case.seed,
+        compiled_decode=False,  # its CPU default, said explicitly
+        **FASTPPO_VARIANTS[side],
+    )
+    trainer = PPOTrainer(args=config, model=model_path(case), reward_model=minus_word_count,
+                         train_dataset=_dataset(case), callbacks=[_callback(clock)])
+    settings = {
+        "generation": "fastppo's own sampler (eager decode loop over the KV cache)",
+        "padding_free": config.padding_free,
+        "old log-prob forward": "yes (a no-grad scoring forward every iteration, even at num_ppo_epochs=1)",
+        "reference model": trainer.ref_model is not None or trainer.reference is not None,
+        "value model": trainer.value_model is not None,
+        "max_grad_norm": config.max_grad_norm,
+        "optim": str(getattr(config.optim, "value", config.optim)),
+        "loss": "masked token mean over the batch (one process, one micro-batch: TRL's dapo)",
+        "log-probs": "PyTorch reference path on CPU tensors (the LM head's logits materialised; fastppo's Triton "
+                     "kernels run on CUDA)",
+    }
+    return trainer, settings
+
+
+def build_trl(case: GRPOCase, output_dir: str, side: str, clock: Clock):
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=output_dir,
+        num_generations=case.num_generations,
+        per_device_train_batch_size=case.completions_per_step,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=case.max_completion_length,
+        temperature=case.temperature,
+        learning_rate=case.learning_rate,
+        lr_scheduler_type="linear",
+        beta=case.beta,
+        epsilon=case.epsilon,
+        loss_type="dapo",
+        scale_rewards="group",
+        max_steps=case.iterations,
+        gradient_checkpointing=False,
+        bf16=False,  # TRL's default is True (bf16 autocast, also on a CPU): fp32 like fastppo's CPU default
+        use_cpu=True,
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        seed=case.seed,
+    )
+    trainer = GRPOTrainer(model=model_path(case), reward_funcs=minus_word_count, args=args,
+                          train_dataset=_dataset(case), callbacks=[_callback(clock)])
+    generate_every = args.steps_per_generation * args.num_iterations
+    settings = {
+        "trl_version": trl.__version__,
+        "generation": ("transformers continuous batching" if args.use_transformers_continuous_batching else
+                       "vLLM" if args.use_vllm else
+                       f"transformers generate ({type(trainer.model).__name__}.generate, DynamicCache, "
+                       f"cache_implementation={args.cache_implementation})"),
+        "use_transformers_continuous_batching": args.use_transformers_continuous_batching,
+        "use_transformers_paged": args.use_transformers_paged,
+        "use_vllm": args.use_vllm,
+        "padding_free": "no: prompts left-padded and completions right-padded to the batch's longest "
+                        f"(pad_to_multiple_of={args.pad_to_multiple_of})",
+        "old log-prob forward": ("yes" if args.gradient_accumulation_steps % generate_every else
+                                 "no (on-policy: old = detached current log-probs)"),
+        "reference model": trainer.ref_model is not None,
+        "max_grad_norm": args.max_grad_norm,
+        "optim": str(getattr(args.optim, "value", args.optim)),
+        "loss": f"loss_type {args.loss_type}",
+        "log-probs": "TRL's chunked LM head (add_fused_lm_head: log-probs and entropy without the full logits)",
+        "top_p/top_k/min_p/repetition_penalty": [args.top_p, args.top_k, args.min_p, args.repetition_penalty],
+        "shuffle_dataset": args.shuffle_dataset,
+        "disable_dropout": args.disable_dropout,
+        "cast_lm_head_to_fp32": args.cast_lm_head_to_fp32,
+        "log_completions": args.log_completions,
+    }
+    return trainer, settings
+
+
+BUILDERS = {"fastppo": build_fastppo, "fastppo-padfree": build_fastppo, "trl": build_trl}
+
+
+def _timed(obj, name: str, seconds: dict, key: str):
+    """Wrap ``obj.name`` so its time adds up in ``seconds[key]`` (behaviour unchanged)."""
+    original = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(obj, name, wrapper)
+
+
+def child(side: str, case: GRPOCase) -> dict:
+    """Build and train one side in this process; the summary the parent prints."""
+    import resource
+
+    t_enter = time.time()
+    import torch
+
+    if case.threads:
+        torch.set_num_threads(case.threads)
+    import transformers  # noqa: F401
+
+    kind = "trl" if side == "trl" else "fastppo"
+    _preimport(PREIMPORTS[kind])
+    t_imported = time.time()
+    memory = PeakMemory()
+    clock = Clock()
+    extra_s: dict = {}
+    with tempfile.TemporaryDirectory(prefix=f"grpo-{side}-") as out:
+        if kind == "fastppo":  # the final save and curve plot fastppo's train() always does, timed apart
+            import fastppo.trainer as fastppo_trainer
+
+            _timed(fastppo_trainer, "plot_curves", extra_s, "curve plot")
+        t0 = time.perf_counter()
+        trainer, settings = BUILDERS[side](case, out, side, clock)
+        t1 = time.perf_counter()
+        if kind == "fastppo":
+            _timed(trainer, "save_model", extra_s, "final save")
+        trainer.train()
+        t2 = time.perf_counter()
+        policy = trainer.policy if kind == "fastppo" else trainer.model
+        param = next(policy.parameters())
+        settings.update(dtype=str(param.dtype),
+                        attn_implementation=getattr(policy.config, "_attn_implementation", None),
+                        torch_threads=torch.get_num_threads(), torch=torch.__version__,
+                        transformers=transformers.__version__)
+    rss_delta = memory.rss_delta_bytes()
+    stamps = clock.stamps
+    if len(stamps) != case.iterations or len(REWARD_CALLS) != case.iterations:
+        raise RuntimeError(f"{side}: expected {case.iterations} iterations, got {len(stamps)} step ends and "
+                           f"{len(REWARD_CALLS)} reward calls")
+    iteration_s = [b - a for a, b in zip([clock.start, *stamps[:-1]], stamps)]
+    return {
+        "side": side,
+        "case": dataclasses.asdict(case),
+        "settings": settings,
+        "imports_s": t_imported - t_enter,
+        "child_start_unix": t_enter,
+        "build_s": t1 - t0,
+        "train_call_s": t2 - t1,
+        "loop_s": stamps[-1] - clock.start,
+        "iteration_s": iteration_s,
+        "extra_s": extra_s,
+        "peak_rss_delta_bytes": rss_delta,
+        "child_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "reward_mean": [c["mean"] for c in REWARD_CALLS],
+        "completion_length_mean": [c["mean_length"] for c in REWARD_CALLS],
+        "completions_per_call": [c["n"] for c in REWARD_CALLS],
+        "logged_reward": [m.get("reward", m.get("objective/scores")) for m in clock.logs
+                          if "reward" in m or "objective/scores" in m],
+    }
+
+
+# ============================================================================ the parent side
+
+
+def trl1_dir() -> str:
+    return os.environ.get("FASTPPO_TRL1", os.path.join(REPO, ".trl1"))
+
+
+def run_child(side: str, case: GRPOCase, timeout: float = 3600) -> dict:
+    """One side in a fresh process: its summary, plus the process's wall time and peak RSS (``os.wait4``)."""
+    env = dict(os.environ)
+    paths = ([trl1_dir()] if side == "trl" else []) + [REPO]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["TRITON_INTERPRET"] = "0"
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--case", json.dumps(dataclasses.asdict(case))]
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        t0_unix = time.time()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, text=True)
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            killer.cancel()
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        stdout.seek(0)
+        stderr.seek(0)
+        out, err = stdout.read(), stderr.read()
+    marker = "GRPO_RESULT "
+    lines = [line for line in out.splitlines() if line.startswith(marker)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{side} run failed (exit {proc.returncode}):\n{out[-3000:]}\n{err[-5000:]}")
+    result = json.loads(lines[-1][len(marker):])
+    result["process_wall_s"] = wall
+    result["process_maxrss_bytes"] = usage.ru_maxrss * 1024
+    result["process_cpu_s"] = usage.ru_utime + usage.ru_stime  # CPU time of the child: user + system
+    result["startup_to_imports_s"] = result["child_start_unix"] - t0_unix + result["imports_s"]
+    return result
+
+
+def compare(cases: list[GRPOCase], rounds: int, sides=SIDES, log=print) -> dict[str, dict[str, list[dict]]]:
+    """``rounds`` x each case x each side, interleaved; the side order flips every round."""
+    results = {_case_key(c): {s: [] for s in sides} for c in cases}
+    for r in range(rounds):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for case in cases:
+            for side in order:
+                res = run_child(side, case)
+                results[_case_key(case)][side].append(res)
+                log(f"round {r + 1}/{rounds} beta {case.beta:g} {side:<16} process {res['process_wall_s']:7.1f} s  "
+                    f"(CPU {res['process_cpu_s']:7.1f} s)  loop {res['loop_s']:7.1f} s  "
+                    f"peak RSS {res['process_maxrss_bytes'] / 2**20:6.0f} MiB  "
+                    f"reward {' '.join(f'{x:+.2f}' for x in res['reward_mean'])}")
+    return results
+
+
+def _case_key(case: GRPOCase) -> str:
+    return f"beta={case.beta:g}"
+
+
+# ============================================================================ the report
+
+
+def _med(runs, key, f=lambda x: x):
+    vals = [f(r[key]) for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _per_iteration(r) -> float:
+    its = r["iteration_s"][1:] or r["iteration_s"]  # the first iteration (warm-up) left out when there are more
+    return statistics.median(its)
+
+
+def _ratio(side: str, num, den, suffix: str) -> str:
+    if side == "trl":
+        return "1"
+    return "–" if not num or not den else f"{num / den:.2f}{suffix}"
+
+
+def _mib(b) -> str:
+    return "–" if b is None else f"{b / 2**20:,.0f}"
+
+
+def format_report(results: dict[str, dict[str, list[dict]]], case: GRPOCase) -> str:
+    lines = [f"Case: {case.describe()}.", ""]
+    for key, by_side in results.items():
+        sides = [s for s in by_side if by_side[s]]
+        if not sides:
+            continue
+        n = len(by_side[sides[0]])
+        lines += [f"### {key} ({n} round{'s' if n > 1 else ''}, medians)", "",
+                  "| side | process wall s | vs TRL | start + imports s | build s | train() s | loop s | vs TRL "
+                  "| s/iteration (after the 1st) | fastppo final save+plot s | process peak RSS MiB | vs TRL "
+                  "| peak RSS above imports MiB | reward first -> last | mean completion tokens |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        trl = by_side.get("trl") or []
+        trl_wall = _med(trl, "process_wall_s") if trl else None
+        trl_rss = _med(trl, "process_maxrss_bytes") if trl else None
+        trl_loop = _med(trl, "loop_s") if trl else None
+        for side in sides:
+            runs = by_side[side]
+            wall, loop, rss = (_med(runs, k) for k in ("process_wall_s", "loop_s", "process_maxrss_bytes"))
+            rewards = [statistics.mean(col) for col in zip(*[r["reward_mean"] for r in runs])]
+            lengths = [x for r in runs for x in r["completion_length_mean"] if x is not None]
+            save = statistics.median(sum(r["extra_s"].values()) for r in runs)
+            cells = [
+                side, f"{wall:.1f}", _ratio(side, trl_wall, wall, "x"), f"{_med(runs, 'startup_to_imports_s'):.1f}",
+                f"{_med(runs, 'build_s'):.1f}", f"{_med(runs, 'train_call_s'):.1f}", f"{loop:.1f}",
+                _ratio(side, trl_loop, loop, "x"), f"{statistics.median(_per_iteration(r) for r in runs):.2f}",
+                "–" if side == "trl" else f"{save:.2f}", _mib(rss), _ratio(side, rss, trl_rss, ""),
+                _mib(_med(runs, "peak_rss_delta_bytes")), f"{rewards[0]:+.2f} -> {rewards[-1]:+.2f}",
+                f"{statistics.mean(lengths):.1f}" if lengths else "–",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", "vs TRL: TRL's time / this side's (above 1: faster than TRL), for the whole process and for "
+                  "the training loop (on_train_begin to the last on_step_end); memory: this side's peak / TRL's. "
+                  "The first iteration is left out of s/iteration.", "",
+                  "Mean reward per iteration (mean over rounds; the reward function's own returns):", ""]
+        for side in sides:
+            rewards = [statistics.mean(col) for col in zip(*[r["reward_mean"] for r in by_side[side]])]
+            lines.append(f"    {side:<16} " + " ".join(f"{x:+.2f}" for x in rewards))
+        lines.append("")
+    lines += ["Settings each side ran with (read from its config and trainer after construction; a value that "
+              "differs between the cases is given per case):", ""]
+    per_side: dict[str, dict[str, dict]] = {}
+    for key, by_side in results.items():
+        for side, runs in by_side.items():
+            if runs:
+                per_side.setdefault(side, {})[key] = runs[0]["settings"]
+    for side, by_case in per_side.items():
+        names = list(dict.fromkeys(k for settings in by_case.values() for k in settings))
+        cells = []
+        for name in names:
+            values = {key: settings.get(name) for key, settings in by_case.items()}
+            if len({json.dumps(v, default=str) for v in values.values()}) == 1:
+                cells.append(f"{name}: {next(iter(values.values()))}")
+            else:
+                cells.append(f"{name}: " + ", ".join(f"{v} ({key})" for key, v in values.items()))
+        lines.append(f"* **{side}**: " + "; ".join(cells))
+    lines += ["", "Differences no setting removes: fastppo runs a no-grad forward for the old log-probs every "
+              "iteration (TRL skips it on-policy); fastppo's train() saves the final model and plots curves (timed "
+              "apart above; TRL saves nothing with save_strategy no); each side has its own sampler, log-prob path, "
+              "prompt order and random stream, so the samples differ and the reward trends compare in distribution."]
+    return "\n".join(lines)
+
+
+# ============================================================================ command line
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--betas", default="0,0.04", help="comma-separated cases (beta 0: no reference model)")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, from {', '.join(SIDES)}")
+    p.add_argument("--model", choices=("smollm2", "embedded"), default="smollm2")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0: torch's default)")
+    p.add_argument("--smoke", action="store_true",
+                   help="the embedded tiny model, 1 iteration, 1 round, beta 0, fastppo and trl: checks the bench runs")
+    p.add_argument("--json", help="write the raw results here")
+    p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    if args.child:
+        result = child(args.child, GRPOCase(**json.loads(args.case)))
+        print("GRPO_RESULT " + json.dumps(result), flush=True)
+        return
+    if args.smoke:
+        args.model, args.iterations, args.rounds, args.betas, args.sides = "embedded", 1, 1, "0", "fastppo,trl"
+    sides = tuple(args.sides.split(","))
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown:
+        raise SystemExit(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
+    if "trl" in sides and not os.path.isfile(os.path.join(trl1_dir(), "trl", "__init__.py")):
+        raise SystemExit(f"TRL 1.x is missing at {trl1_dir()}: "
+                         ".venv/bin/pip install --no-deps --target .trl1 trl==1.16.0")
+    cases = [GRPOCase(model=args.model, iterations=args.iterations, beta=float(b), threads=args.threads)
+             for b in args.betas.split(",")]
+    if args.model == "smollm2":
+        smollm2_dir()  # converted once here, so that no child's time includes it
+    print(f"case: {cases[0].describe().replace(f'beta {cases[0].beta:g}', 'beta ' + args.betas)}; sides "
+          f"{', '.join(sides)}; {args.rounds} round(s)" + ("  [SMOKE RUN: measures nothing]" if args.smoke else ""),
+          flush=True)
+    results = compare(cases, args.rounds, sides, log=lambda s: print(s, flush=True))
+    print()
+    print(format_report(results, cases[0]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
