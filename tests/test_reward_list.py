@@ -87,7 +87,8 @@ def test_the_score_is_the_weighted_sum_over_the_rewards_that_judged(tmp_path):
 
 
 def test_a_list_trains_and_logs_each_reward(tmp_path, model_dir):
-    trainer = make_trainer(small(tmp_path, reward_weights=[2.0, 0.5]), reward_model=[judges_short, counts_good])
+    trainer = make_trainer(small(tmp_path, reward_weights=[2.0, 0.5], num_sample_generations=2),
+                           reward_model=[judges_short, counts_good])
     batch = trainer.rollout()
     short, good = batch.reward_columns["judges_short"], batch.reward_columns["counts_good"]
     want = torch.where(short.isnan(), 0.0, 2 * short) + 0.5 * good
@@ -96,6 +97,12 @@ def test_a_list_trains_and_logs_each_reward(tmp_path, model_dir):
     rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
     for name in ("judges_short", "counts_good"):
         assert all(f"rewards/{name}/mean" in m and f"rewards/{name}/std" in m for m in rows)
+    samples = [json.loads(line) for line in open(tmp_path / "out" / "samples.jsonl")]
+    assert samples and all(set(row["rewards"]) == {"judges_short", "counts_good"} for row in samples)
+    for row in samples:  # each row's total is its weighted columns (None: not judged)
+        parts = row["rewards"]
+        want = (0 if parts["judges_short"] is None else 2 * parts["judges_short"]) + 0.5 * parts["counts_good"]
+        assert row["score"] == pytest.approx(want, rel=1e-5)
     judged = short[~short.isnan()]
     first = trainer.state.log_history[0]
     if len(judged):  # iteration 1's column, over the completions it judged
