@@ -108,6 +108,9 @@ def prompt_column(dataset, text_field: str, name: str) -> str:
     )
 
 
+ANSWER_MASKS = ("completion_mask", "assistant_masks")  # per-token answer flags beside input_ids (1: answer)
+
+
 def prompt_messages(messages: list[dict]) -> tuple[list[dict], bool]:
     """The prompt of a conversation: its turns before the assistant's answer, and whether one was cut. A row of an
     SFT-style chat set (``messages`` holding the user's turns and the assistant's answers) ends in the answer the
@@ -123,17 +126,30 @@ def prompt_messages(messages: list[dict]) -> tuple[list[dict], bool]:
 def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dataset") -> list[list[int]]:
     """Token ids of every prompt (empty ones included): token-id lists as they are, chat messages through
     the chat template with its generation prompt, cut before a trailing assistant answer (``prompt_messages``;
-    ``log`` gets the number of rows cut, once). Pre-tokenized ids with an ``attention_mask`` column
+    ``log`` gets the number of rows cut, once); token ids with a ``completion_mask`` or ``assistant_masks``
+    column likewise keep only the tokens before the answer. Pre-tokenized ids with an ``attention_mask`` column
     (``tokenizer(prompts, padding=True)``) keep only their attended tokens: the padding is not prompt text."""
     masks = dataset["attention_mask"] if column == "input_ids" and "attention_mask" in dataset.column_names else None
+    # an SFT-tokenized set marks its answer tokens (TRL SFT's completion_mask, transformers' assistant_masks): the
+    # prompt is what comes before the first of them
+    answer_column = next((c for c in ANSWER_MASKS if c in dataset.column_names), None) if column == "input_ids" else None
+    answers = dataset[answer_column] if answer_column is not None else None
     ids = []
-    cut = 0
+    cut = cut_ids = 0
     for row, value in enumerate(dataset[column]):
-        if masks is not None:
-            mask = masks[row]
-            if not isinstance(mask, list) or len(mask) != len(value):
-                raise SettingsError(f"row {row}: attention_mask must be a list as long as input_ids ({len(value)}), "
-                                 f"got {mask!r}")
+        mask = masks[row] if masks is not None else None
+        if masks is not None and (not isinstance(mask, list) or len(mask) != len(value)):
+            raise SettingsError(f"row {row}: attention_mask must be a list as long as input_ids ({len(value)}), "
+                                f"got {mask!r}")
+        if answers is not None:
+            flags = answers[row]
+            if not isinstance(flags, list) or len(flags) != len(value):
+                raise SettingsError(f"row {row}: {answer_column} must be a list as long as input_ids ({len(value)}), "
+                                    f"got {flags!r}")
+            first = next((i for i, flag in enumerate(flags) if flag), None)
+            if first is not None:
+                value, mask, cut_ids = value[:first], None if mask is None else mask[:first], cut_ids + 1
+        if mask is not None:
             value = [t for t, keep in zip(value, mask) if keep]
         if isinstance(value, list) and value and isinstance(value[0], dict):
             value, answered = prompt_messages(value)
@@ -150,6 +166,9 @@ def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dat
                 f"column {column!r} must hold strings, chat messages or token ids, got {type(value).__name__}"
             )
         ids.append(list(tokens))
+    if cut_ids and log is not None:
+        log(f"{what}: {cut_ids} of {len(ids)} row(s) mark answer tokens in {answer_column!r} (an SFT-tokenized set); "
+            "their prompts are the tokens before the answer")
     if cut and log is not None:
         log(f"{what}: {cut} of {len(ids)} conversation(s) in column {column!r} end in an assistant turn (an SFT-style "
             "chat set); their prompts are the turns before it, with the chat template's generation prompt")

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torch.utils.data import default_collate as torch_default_collate
 from transformers import DataCollatorForLanguageModeling
 
+from fastppo.checkpoint import refuse_foreign
 from fastppo.config import PPOConfig as CorePPOConfig
 from fastppo.data import left_pad, right_pad
 from fastppo.dist import all_reduce, barrier, is_distributed
@@ -648,7 +649,9 @@ class PPOTrainer:
         self._core.save_model(save_directory)
 
     def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
-        """A README.md in ``path`` saying how the model was trained (legacy TRL writes one beside its weights)."""
+        """A README.md in ``path`` saying how the model was trained (legacy TRL writes one beside its weights); a
+        directory holding a model no fastppo run wrote (its own model card beside it) is refused, as by save_model."""
+        refuse_foreign(path, "create_model_card:")
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "README.md"), "w") as f:
             f.write(f"# {model_name}\n\nTrained with PPO by [fastppo](https://pypi.org/project/fastppo/) "
