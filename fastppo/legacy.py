@@ -165,8 +165,17 @@ class PPOConfig:
             target_kl=self.target_kl, ratio_threshold=self.ratio_threshold, use_score_scaling=self.use_score_scaling,
             use_score_norm=self.use_score_norm, score_clip=self.score_clip, whiten_rewards=self.whiten_rewards,
             gradient_checkpointing=self.gradient_checkpointing, temperature=1.0, num_sample_generations=0,
-            group_by_length=False, bf16=False, disable_tqdm=True, optim="adamw_torch",
+            group_by_length=False, bf16=self._bf16(), disable_tqdm=True, optim="adamw_torch",
         )
+
+    def _bf16(self) -> bool:
+        """Legacy TRL's mixed precision is its Accelerator's: ``accelerator_kwargs={"mixed_precision": "bf16"}`` is
+        bf16 autocast (it was silently dropped); fp16/fp8 are refused as ``--fp16`` is (no loss scaling)."""
+        precision = str((self.accelerator_kwargs or {}).get("mixed_precision") or "no").lower()
+        if precision not in ("no", "bf16"):
+            raise SettingsError(f"accelerator_kwargs mixed_precision={precision!r}: fastppo runs fp32 or bf16 autocast "
+                                "(no loss scaling for fp16/fp8); use 'bf16'")
+        return precision == "bf16"
 
 
 _LEGACY_PARAMETERS = ("config", "model", "ref_model", "tokenizer", "dataset", "optimizer", "data_collator",

@@ -512,3 +512,22 @@ def test_an_sft_tokenized_set_gives_the_tokens_before_its_answer(tmp_path, model
                              train_dataset=datasets.Dataset.from_dict(rows))
         assert trainer.prompts == [prompt] * 8
         assert f"train_dataset: 6 of 8 row(s) mark answer tokens in {column!r}" in capsys.readouterr().out
+
+
+def test_legacy_mixed_precision_bf16_is_bf16_autocast(tmp_path, model_dir):
+    """A sibling: legacy TRL asks for bf16 through its Accelerator (accelerator_kwargs={"mixed_precision": "bf16"});
+    fastppo's legacy adapter dropped it silently and trained in fp32. It is bf16 autocast now (on a CPU too), and
+    fp16 is refused as --fp16 is."""
+    from fastppo.errors import SettingsError
+    from fastppo.legacy import PPOConfig as LegacyConfig
+    from fastppo.legacy import PPOTrainer as LegacyTrainer
+
+    def legacy(**kwargs):
+        return LegacyTrainer(LegacyConfig(model_name=model_dir, batch_size=4, mini_batch_size=2,
+                                          output_dir=str(tmp_path / "legacy"), **kwargs),
+                             AutoModelForCausalLM.from_pretrained(model_dir), None, AutoTokenizer.from_pretrained(model_dir))
+
+    assert legacy(accelerator_kwargs={"mixed_precision": "bf16"})._core.bf16
+    assert not legacy()._core.bf16 and not legacy(accelerator_kwargs={"mixed_precision": "no"})._core.bf16
+    with pytest.raises(SettingsError, match="mixed_precision='fp16'.*use 'bf16'"):
+        legacy(accelerator_kwargs={"mixed_precision": "fp16"})
