@@ -242,6 +242,10 @@ def resolve_checkpoint(spec: str, output_dir: str, required: bool = True, log=No
                                     f"checkpoint in {output_dir!r}")
         return None
     if not os.path.isfile(os.path.join(spec, STATE_FILE)):
+        if os.path.isfile(os.path.join(spec, FINAL_STATE_FILE)) and not is_fastppo_checkpoint(spec):
+            raise SettingsError(f"--resume_from_checkpoint {spec!r}: a transformers/TRL Trainer's checkpoint (its "
+                                f"{FINAL_STATE_FILE}), not a fastppo run's, so there is no PPO state to continue; "
+                                f"to start PPO from its weights, pass --sft_model_path {spec}")
         raise MissingPathError(f"--resume_from_checkpoint {spec!r}: not a complete fastppo checkpoint "
                                 f"(no {STATE_FILE})")
     problem = unreadable(spec) if log is not None else None

@@ -137,6 +137,15 @@ def test_other_directories_fastppo_did_not_write_are_refused(tmp_path, sft_dir, 
     assert (tmp_path / "mixed" / "checkpoint-7" / "trainer_state.json").is_file()
 
 
+def test_resuming_from_a_trainers_checkpoint_says_what_it_is(tmp_path, sft_dir):
+    """A sibling: --resume_from_checkpoint naming a transformers Trainer's checkpoint-N said only 'not a complete
+    fastppo checkpoint'; it says whose checkpoint it is and how to start PPO from its weights."""
+    with pytest.raises(ValueError, match=r"a transformers/TRL Trainer's checkpoint .*--sft_model_path .*checkpoint-2"):
+        PPOTrainer(args=config(tmp_path, resume_from_checkpoint=str(sft_dir / "checkpoint-2")),
+                   reward_model=length_reward)
+    assert not (tmp_path / "out").exists()
+
+
 def test_save_model_and_legacy_save_pretrained_never_replace_anothers_model(tmp_path, sft_dir, model_dir):
     """The library's siblings: save_model(path) and the legacy API's save_pretrained(path) into a directory that
     holds a model no fastppo run wrote are refused; into their own earlier save, or a fresh directory, they write."""
