@@ -29,6 +29,7 @@ class UpdateResult:
     skipped_steps: torch.Tensor | float  # optimizer steps skipped for a non-finite loss or gradient (on the device)
     optimizer_steps: torch.Tensor | float
     epochs_run: int
+    logprobs: torch.Tensor | None = None  # [B, T] π_θ_old's log-probs where the update measured them (no step 2)
 
 
 def objective_sums(kl, logprobs, non_score_reward, response_mask, raw_scores, eos_count) -> torch.Tensor:

@@ -164,27 +164,32 @@ class Experience:
 
 
 def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float, kl_estimator: str,
-                  chunk: int, packed: bool = False, seconds: dict | None = None) -> Experience:
+                  chunk: int, packed: bool = False, seconds: dict | None = None, policy: bool = True) -> Experience:
     """Step 2: log π_θ_old and V (one call of the trained module), log π_ref and the per-token KL, in
     chunks of ``chunk`` rows, under ``torch.inference_mode``.
 
     ``actor_critic`` is the same module and call as the training forward, on the same layout, so with
     dropout off the first PPO ratio is exactly 1. ``seconds`` collects the time of each model's forwards.
     ``reference=None``: no KL anywhere (critic-free at kl_coef = beta = 0): π_ref is never run, the KL is 0.
+    ``policy=False``: π_θ_old is not run here (``old_logprobs_in_update``): its log-probs and KL come back None
+    and 0, and the update fills them in.
     """
-    full = kl_estimator == "full" and reference is not None
+    full = kl_estimator == "full" and reference is not None and policy
     logprobs, ref_logprobs, values, kls = [], [], [], []
     clock = {"policy_value": 0.0, "reference": 0.0}
     with torch.inference_mode():
         for i in range(0, rollout.query_responses.shape[0], chunk):
             layout = rollout.layout(range(i, min(i + chunk, rollout.query_responses.shape[0])), packed)
             t0 = time.perf_counter()
-            out = actor_critic(layout, temperature, return_hidden=full)
-            logp, value, hidden = out.logprobs, out.values, out.hidden
+            if policy:
+                out = actor_critic(layout, temperature, return_hidden=full)
+                logp, value, hidden = out.logprobs, out.values, out.hidden
+            else:
+                logp, value, hidden = None, None, None
             t1 = time.perf_counter()
             ref_logp, ref_state = reference(layout, temperature, with_hidden=full) if reference else (None, None)
-            if reference is None:
-                kls.append(torch.zeros_like(logp))
+            if reference is None or logp is None:
+                kls.append(torch.zeros(layout.shape, device=rollout.response_mask.device))
             elif full:
                 ref_hidden, ref_head = ref_state
                 head = lm_head_of(actor_critic.policy)
@@ -202,7 +207,7 @@ def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float,
             ref_logprobs.append(ref_logp)
             values.append(value)
         mask = rollout.response_mask
-        out = [torch.cat(logprobs), None if reference is None else torch.cat(ref_logprobs),
+        out = [torch.cat(logprobs) if policy else None, None if reference is None else torch.cat(ref_logprobs),
                None if values[0] is None else torch.cat(values) * mask, torch.cat(kls) * mask]
     if seconds is not None:
         seconds.update(clock)
@@ -454,6 +459,9 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     on_device_skip = zero is None and bool(optimizer.defaults.get("fused")) and isinstance(
         optimizer, torch.optim.Adam | torch.optim.AdamW)
     skipped = torch.zeros((), device=device)
+    # no scoring forward ran (old_logprobs_in_update): every micro-batch is computed once, at θ_old, so its own
+    # log-probs are π_θ_old's; they are kept for the metrics
+    seen = torch.zeros_like(rollout.response_mask, dtype=torch.float32) if experience.logprobs is None else None
     total_lengths = [q + r for q, r in zip(rollout.query_lengths, rollout.response_lengths)]
     fused = getattr(config, "fused_policy_loss", False)
     epochs_run = config.num_ppo_epochs
@@ -477,6 +485,9 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 with ctx:
                     with autocast():
                         out = model(layout, config.temperature, return_entropy=True, policy_loss=policy_loss)
+                    if seen is not None:
+                        old_logprobs = out.logprobs.detach()
+                        seen[index] = old_logprobs.float()
                     loss, stats[:, epoch, mb, k] = ppo_losses(
                         out.logprobs, out.values, out.entropy, old_logprobs, old_values, advantages, returns, mask,
                         config.cliprange, config.cliprange_value, config.vf_coef, config.entropy_coef,
@@ -521,7 +532,24 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     if on_device_skip:
         optimizer.found_inf = None
     steps = epochs_run * sizes.num_mini_batches - skipped
-    return UpdateResult(stats, skipped, steps, epochs_run)
+    return UpdateResult(stats, skipped, steps, epochs_run, seen)
+
+
+def old_logprobs_in_update(config: PPOConfig) -> bool:
+    """Whether step 2 can skip π_θ_old's forward (TRL GRPO's shortcut at num_iterations 1): nothing reads its
+    log-probs before the update (no critic, no KL in the reward, no adaptive β), and the update computes each
+    sample exactly once before its only optimizer step (one epoch of one minibatch), so the training forward's
+    own log-probs are π_θ_old's, bit for bit. The fused loss takes them as an input: it keeps the forward."""
+    return (config.critic_free and config.kl_coef == 0 and not config.adaptive_kl and config.num_ppo_epochs == 1
+            and config.num_mini_batches == 1 and not config.fused_policy_loss and config.kl_estimator != "full")
+
+
+def with_old_logprobs(experience: Experience, logprobs: torch.Tensor, mask: torch.Tensor,
+                      kl_estimator: str) -> Experience:
+    """``experience`` with π_θ_old's log-probs the update measured, and their KL to π_ref (for the metrics)."""
+    kl = torch.zeros_like(logprobs) if experience.ref_logprobs is None else \
+        kl_penalty(logprobs, experience.ref_logprobs, kl_estimator) * mask
+    return Experience(logprobs, experience.ref_logprobs, experience.values, kl)
 
 
 # ============================================================================ 6. one iteration, steps 1-6 in order
@@ -585,10 +613,11 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     t0 = time.perf_counter()
     learner.actor_critic.eval()
     scoring_seconds = {}
+    in_update = old_logprobs_in_update(config)
     with learner.autocast():
         experience = score_rollout(learner.actor_critic, learner.reference, rollout, config.temperature,
                                    config.kl_estimator, config.local_rollout_forward_batch_size, config.padding_free,
-                                   scoring_seconds)
+                                   scoring_seconds, policy=not in_update)
     t_forward = time.perf_counter()
     # 3. rewards: R_t = −β·KL_t, + the (transformed) score on the last trained token
     scores = transform_scores(batch.scores, config.use_score_scaling, config.use_score_norm, config.score_clip,
@@ -606,6 +635,8 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     update = ppo_update(learner.model, learner.optimizer, rollout, experience, targets, config, sizes,
                         learner.shuffle, learner.autocast, learner.log, zero=learner.zero)
     t2 = time.perf_counter()
+    if in_update:  # π_θ_old's log-probs, and the KL they make with π_ref, as step 2 would have measured them
+        experience = with_old_logprobs(experience, update.logprobs, rollout.response_mask, config.kl_estimator)
     # 6. metrics (one all-reduce), then β and the learning-rate schedule move on
     objective = objective_sums(experience.kl, experience.logprobs, non_score_reward, rollout.response_mask,
                                batch.scores, batch.eos_count)

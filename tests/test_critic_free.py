@@ -411,3 +411,41 @@ def test_zero3_without_a_value_model_matches_ddp(tmp_path, monkeypatch):
     ddp, z3 = (load_file(tmp_path / run / "model.safetensors") for run in ("ddp", "z3"))
     assert ddp.keys() == z3.keys()
     assert max((ddp[k] - z3[k]).abs().max().item() for k in ddp) < ATOL
+
+
+@pytest.mark.parametrize("extra", [{}, {"beta": 0.1}, {"padding_free": True, "gradient_accumulation_steps": 2}],
+                         ids=["beta0", "beta", "packed-accumulated"])
+def test_one_epoch_of_one_minibatch_needs_no_forward_of_the_old_policy(tmp_path, model_dir, monkeypatch, extra):
+    """TRL GRPO's num_iterations-1 shortcut: π_θ_old's log-probs come from the update's own forward (each sample is
+    computed once, at θ_old): the same weights and metrics bit for bit as with step 2's forward, one forward less."""
+    import fastppo.train as T
+
+    kwargs = dict(advantage_estimator="grpo", num_generations=4, num_ppo_epochs=1, total_episodes=24, **extra)
+    calls = []
+    forward = T.score_rollout
+
+    def counted(*args, **kw):
+        calls.append(kw.get("policy", True))
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(T, "score_rollout", counted)
+    fast = make_trainer(small(tmp_path / "fast", **kwargs))
+    assert T.old_logprobs_in_update(fast.config)
+    fast.train()
+    assert calls and not any(calls)
+    monkeypatch.setattr(T, "old_logprobs_in_update", lambda config: False)
+    calls.clear()
+    slow = make_trainer(small(tmp_path / "slow", **kwargs))
+    slow.train()
+    assert calls and all(calls)
+    if not extra.get("padding_free"):
+        assert digest(fast.policy.state_dict()) == digest(slow.policy.state_dict())
+        assert (metrics_without_clock(tmp_path / "fast" / "out" / "metrics.jsonl")
+                == metrics_without_clock(tmp_path / "slow" / "out" / "metrics.jsonl"))
+    else:  # step 2 packs other rows together than the micro-batches do: its log-probs differ in the last bits
+        for name, p in fast.policy.state_dict().items():
+            torch.testing.assert_close(p, slow.policy.state_dict()[name], rtol=1e-4, atol=2e-5)
+    # and where something reads the old log-probs before the update, step 2 runs them
+    for other in (dict(num_ppo_epochs=2), dict(kl_coef=0.05), dict(advantage_estimator="gae"),
+                  dict(num_mini_batches=2), dict(fused_policy_loss=True)):
+        assert not T.old_logprobs_in_update(PPOConfig(output_dir=None, **{**kwargs, **other}))
