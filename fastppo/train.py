@@ -380,7 +380,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
         vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
     # clipped surrogate: max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε))
     log_ratio = new_logprobs - old_logprobs
-    pg_losses, ratio, clipped = clipped_surrogate(new_logprobs, old_logprobs, advantages, cliprange)
+    # masked: what a caller left in old_logprobs / advantages off the trained tokens reaches no gradient
+    pg_losses, ratio, clipped = clipped_surrogate(new_logprobs, old_logprobs, advantages, cliprange, mask=mask)
     pg_loss = masked_mean(pg_losses, mask)
     mean_entropy = masked_mean(entropy, mask)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss

@@ -645,3 +645,24 @@ def test_property_adaptive_kl_controller(beta, target, horizon, kls, n_steps):
         step = ctl.value / before - 1
         assert abs(step) <= 0.2 * n_steps / horizon + 1e-12
         assert step * (kl - target) >= 0
+
+
+def test_garbage_off_the_trained_tokens_reaches_no_gradient():
+    """A caller's NaN old log-probs and ±inf advantages where mask is 0 (legacy step() with padding garbage):
+    the loss and every gradient stay finite and equal the clean batch's (issue 36's sibling in ppo_losses)."""
+    g = torch.Generator().manual_seed(5)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    old = -torch.rand(2, 4, generator=g) - 0.5
+    adv = torch.randn(2, 4, generator=g)
+    new = (old + torch.randn(2, 4, generator=g) * 0.3).requires_grad_()
+    values, old_values, returns = (torch.randn(2, 4, generator=g) * mask for _ in range(3))
+    clean_loss, _ = ppo_losses(new, values, torch.rand(2, 4), old, old_values, adv, returns, mask, 0.2, 0.2, 0.1,
+                               0.0, 10.0)
+    (clean,) = torch.autograd.grad(clean_loss, new)
+    dirty_old = torch.where(mask, old, torch.full_like(old, float("nan")))
+    dirty_adv = torch.where(mask, adv, torch.tensor([float("inf"), -float("inf")])[:, None].expand(2, 4))
+    loss, _ = ppo_losses(new, values, torch.rand(2, 4), dirty_old, old_values, dirty_adv, returns, mask, 0.2, 0.2,
+                         0.1, 0.0, 10.0)
+    (grad,) = torch.autograd.grad(loss, new)
+    torch.testing.assert_close(loss, clean_loss)
+    torch.testing.assert_close(grad, clean)
