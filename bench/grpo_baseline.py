@@ -35,8 +35,8 @@ mean, the same on one process and one micro-batch), stop at eos, no gradient che
 logging every step, the reward function, seed 0, torch threads. Differences that no setting removes (also
 printed under the table):
 
-* fastppo runs a no-grad forward for log π_θ_old every iteration; TRL skips it when the steps are aligned
-  (on-policy: old = detached current), so fastppo does one more policy forward per iteration;
+* none in the forwards: both skip the no-grad forward of π_θ_old here (one epoch of one minibatch, no KL in the
+  reward: old = the update's detached current, ``fastppo.train.old_logprobs_in_update``);
 * fastppo's ``train()`` always saves the final model and plots curves (timed apart, in the table); TRL saves
   nothing with ``save_strategy="no"``;
 * the samplers: fastppo's own decode loop vs transformers ``generate`` (both sample softmax(logits / T));
@@ -517,8 +517,7 @@ def format_report(results: dict[str, dict[str, list[dict]]], case: GRPOCase) -> 
             else:
                 cells.append(f"{name}: " + ", ".join(f"{v} ({key})" for key, v in values.items()))
         lines.append(f"* **{side}**: " + "; ".join(cells))
-    lines += ["", "Differences no setting removes: fastppo runs a no-grad forward for the old log-probs every "
-              "iteration (TRL skips it on-policy); fastppo's train() saves the final model and plots curves (timed "
+    lines += ["", "Differences no setting removes: fastppo's train() saves the final model and plots curves (timed "
               "apart above; TRL saves nothing with save_strategy no); each side has its own sampler, log-prob path, "
               "prompt order and random stream, so the samples differ and the reward trends compare in distribution."]
     return "\n".join(lines)
