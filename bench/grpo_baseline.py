@@ -186,6 +186,7 @@ def _dataset(case: GRPOCase):
 
 def build_fastppo(case: GRPOCase, output_dir: str, side: str, clock: Clock):
     from fastppo import PPOConfig, PPOTrainer
+    from fastppo.train import old_logprobs_in_update
 
     config = PPOConfig(
         output_dir=output_dir,
@@ -225,7 +226,8 @@ def build_fastppo(case: GRPOCase, output_dir: str, side: str, clock: Clock):
     settings = {
         "generation": "fastppo's own sampler (eager decode loop over the KV cache)",
         "padding_free": config.padding_free,
-        "old log-prob forward": "yes (a no-grad scoring forward every iteration, even at num_ppo_epochs=1)",
+        "old log-prob forward": ("yes (a no-grad scoring forward every iteration)" if not old_logprobs_in_update(config)
+                                 else "no (on-policy: old = the update's detached current, old_logprobs_in_update)"),
         "reference model": trainer.ref_model is not None or trainer.reference is not None,
         "value model": trainer.value_model is not None,
         "max_grad_norm": config.max_grad_norm,
