@@ -155,6 +155,13 @@ def small_config(tmp_path, **overrides):
     return settings(**{**EMBEDDED_PRESET, **SMALL_RUN, "output_dir": str(tmp_path / "out"), **overrides})
 
 
+def quick_config(tmp_path, name: str = "out", **overrides):
+    """``small_config`` with one PPO epoch and 5-token responses, into ``tmp_path / name``: the run of the tests of
+    the library's surfaces (output directories, saves, datasets), where the training itself is not the point."""
+    return small_config(tmp_path, **{"output_dir": str(tmp_path / name), "num_ppo_epochs": 1, "response_length": 5,
+                                     **overrides})
+
+
 def make_trainer(config_or_kwargs, **kwargs):
     """PPOTrainer(args=config) or PPOTrainer(**settings(...)'s keywords), with ``kwargs`` added."""
     from fastppo.trainer import PPOTrainer

@@ -17,20 +17,14 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 
 from fastppo import PPOConfig, PPOTrainer, legacy
 from fastppo import checkpoint as C
-from fastppo.cli import EMBEDDED_PRESET
+from helpers import quick_config
 from fastppo.models import AutoModelForCausalLMWithValueHead
 from fastppo.train import whiten_trained
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
 
-def config(tmp_path, name="out", **overrides) -> PPOConfig:
-    base = {**EMBEDDED_PRESET, **dict(
-        output_dir=str(tmp_path / name), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_ppo_epochs=1, response_length=5, total_episodes=16, num_sample_generations=0, disable_tqdm=True,
-        local_rollout_forward_batch_size=8, logging_steps=1, save_steps=10**6)}
-    base.update(overrides)
-    return PPOConfig(**base)
+config = quick_config  # two iterations of 8 episodes
 
 
 def length_reward(completions, **kw):
