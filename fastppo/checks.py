@@ -10,7 +10,7 @@ import torch
 from transformers import TrainingArguments, get_scheduler
 
 from fastppo.config import (ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATOR_CHOICES, SCALE_REWARDS,
-                            PPOConfig)
+                            PPOConfig, as_list)
 from fastppo.data import looks_local
 from fastppo.errors import SettingsError, MissingPathError, require
 from fastppo.kernels import check_temperature
@@ -29,11 +29,6 @@ def check_path(path: str | None, flag: str) -> None:
         raise SettingsError(f"--{flag} {path!r} is a file; expected a model directory or a Hub id")
     if looks_local(path):
         raise MissingPathError(f"--{flag} {path!r}: no such directory")
-
-
-def _as_list(value) -> list:
-    """A setting that takes one value or several (reward_fn, reward_model_path) as a list."""
-    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _is_finite(x) -> bool:
@@ -146,6 +141,24 @@ def _check_estimator(c: PPOConfig) -> None:
         require(not c.shared_value_head, f"shared_value_head: {why}; drop it, or use advantage_estimator gae")
 
 
+# GAE's settings (the value model's, and λ's): a critic-free run reads none of them; γ only REINFORCE++ reads
+CRITIC_SETTINGS = ("whiten_rewards", "lam", "vf_coef", "cliprange_value")
+
+
+def unread_settings(c: PPOConfig, defaults: PPOConfig) -> list[str]:
+    """Notes for the settings given away from their defaults that this run's estimator never reads (no silent
+    no-op: the user is told)."""
+    if not c.critic_free:
+        return []
+    unread = [name for name in CRITIC_SETTINGS if getattr(c, name) != getattr(defaults, name)]
+    if c.advantage_estimator in GROUP_ESTIMATORS and c.gamma != defaults.gamma:
+        unread.append("gamma")
+    return [f"--{name} has no effect with advantage_estimator {c.advantage_estimator!r} (no value model, one "
+            "advantage per completion)" if name != "gamma" else
+            f"--gamma has no effect with advantage_estimator {c.advantage_estimator!r} (one sequence reward per "
+            "completion, undiscounted)" for name in unread]
+
+
 def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bool = False) -> list[str]:
     """Checks of the settings alone, before any model or dataset is loaded: a SettingsError naming the
     setting for anything that would crash later or silently train wrong. Returns notes to log."""
@@ -227,7 +240,7 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
     require(_is_finite(c.penalty_reward_value), f"penalty_reward_value must be finite, got {c.penalty_reward_value}")
     require(c.score_clip is None or (_is_finite(c.score_clip) and c.score_clip > 0),
             f"score_clip must be > 0, got {c.score_clip}")
-    for spec in _as_list(c.reward_fn):
+    for spec in as_list(c.reward_fn):
         require(isinstance(spec, str) and ":" in spec, f"reward_fn must look like 'module:function', got {spec!r}")
     require(c.reward_weights is None or all(_is_finite(w) for w in c.reward_weights),
             f"reward_weights must be finite numbers, got {c.reward_weights!r}")
@@ -253,10 +266,11 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
     if check_output:
         _check_output_dir(c.output_dir)
     for flag, path in (("model_name_or_path", model_args.model_name_or_path), ("sft_model_path", c.sft_model_path),
-                       *(("reward_model_path", p) for p in _as_list(c.reward_model_path)),
+                       *(("reward_model_path", p) for p in as_list(c.reward_model_path)),
                        ("value_model_path", c.value_model_path)):
         check_path(path, flag)
     notes += [f"--{name} is a TrainingArguments field with no meaning in PPO: ignored" for name in ignored_fields(c)]
+    notes += unread_settings(c, defaults)
     notes += check_deepspeed(c, peft or model_args.use_peft)
     if c.target_kl != PPOConfig.__dataclass_fields__["target_kl"].default and not c.early_stopping:
         notes.append("target_kl is the early-stopping threshold (legacy TRL); without --early_stopping it has no "

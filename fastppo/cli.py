@@ -24,7 +24,7 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
-from fastppo.config import ModelConfig, PPOConfig, ScriptArguments  # noqa: F401  (TRL's names, re-exported)
+from fastppo.config import ModelConfig, PPOConfig, ScriptArguments, as_list  # noqa: F401  (TRL's names, re-exported)
 from fastppo.data import load_prompt_dataset, split_names
 from fastppo.embedded import PROMPTS_PATH
 from fastppo.errors import SettingsError, settings_errors
@@ -171,11 +171,6 @@ def build_trainer(script_args, training_args: PPOConfig, model_args, embedded: b
                       reward_model=rewards, train_dataset=train,
                       value_model=value, eval_dataset=evals, peft_config=get_peft_config(model_args),
                       model_args=model_args)
-
-
-def as_list(value) -> list:
-    """A flag that takes one value or, repeated, several (--reward_fn, --reward_model_path)."""
-    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def require_supported_model_args(model_args, script_args=None) -> None:

@@ -381,6 +381,11 @@ class PPOConfig(TrainingArguments):
         return torch.device("cpu")
 
 
+def as_list(value) -> list:
+    """A setting that takes one value or, repeated, several (reward_fn, reward_model_path) as a list."""
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 # ============================================================================ sizes
 
 

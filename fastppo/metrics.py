@@ -66,12 +66,15 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     ratio_row = stats[STAT["ratio"]]
     ratio = torch.where(ran[STAT["ratio"]], ratio_row, torch.zeros_like(ratio_row))
     columns = reward_columns or {}
-    moments = [torch.stack([judged.sum(), (judged ** 2).sum(), torch.tensor(float(judged.numel()))]).double()
-               for judged in (c[~torch.isnan(c)].double().cpu() for c in columns.values())]
+    moments = []  # per reward: the sum, the sum of squares and the count of the completions it judged
+    for column in columns.values():
+        judged = ~torch.isnan(column)
+        x = torch.where(judged, column, torch.zeros_like(column)).double()
+        moments.append(torch.stack([x.sum(), (x ** 2).sum(), judged.sum().double()]))
     packed = torch.cat([
         objective, sums, counts, (ratio**2).sum().reshape(1),
         torch.as_tensor(result.skipped_steps, dtype=torch.float32).to(objective.device).reshape(1),
-        *(m.to(objective.device, torch.float32) for m in moments),
+        *(m.to(objective.device, objective.dtype) for m in moments),
     ])
     packed = all_reduce(packed).tolist()
     reward_moments = packed[len(packed) - 3 * len(moments):] if moments else []

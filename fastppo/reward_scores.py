@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from fastppo.config import as_list
 from fastppo.data import left_pad, prompt_messages
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.rewards import (DEFAULT_REWARD_FN, call_reward_fn, load_reward_fn, reward_fn_columns, reward_fn_name,
@@ -51,9 +52,8 @@ def resolve_rewards(reward, config) -> list[Reward]:
     """The run's rewards from the trainer's ``reward_model`` argument (a model, a function, ``"module:function"``,
     a path, or a list mixing them) or, without one, the config's reward model paths then reward functions; the
     default rule without any. ``reward_weights`` in the same order (TRL GRPO's); names made unique."""
-    def as_list(value):
-        return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-
+    if isinstance(reward, (list, tuple)) and not reward:  # not "no reward given": the default would train silently
+        raise SettingsError("reward_model is an empty list: give at least one reward (a function, a model or a path)")
     entries = as_list(reward) or as_list(config.reward_model_path) + as_list(config.reward_fn) or [DEFAULT_REWARD_FN]
     weights = config.reward_weights if config.reward_weights is not None else [1.0] * len(entries)
     if len(weights) != len(entries):
@@ -124,11 +124,14 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
     has its own tokenizer; a function on the texts), then Σ wᵢ·rᵢ (``combine_rewards``). Returns (scores [B],
     each reward's column [B] by name (NaN where a function did not judge), prompts, completions (texts, when
     decoded))."""
-    columns, prompts, completions = {}, None, None
+    columns, prompts, completions, texts = {}, None, None, None
     if any(r.fn is not None or r.tokenizer is not None for r in rewards):  # else no decode at all
         prompt_ids, completion_ids = rollout.token_ids()
         prompts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    if any(r.tokenizer is not None for r in rewards):  # prompt + completion as one text: the spacing the policy wrote
+        texts = tokenizer.batch_decode([p + c for p, c in zip(prompt_ids, completion_ids)], skip_special_tokens=True)
+    messages = rows[text_field] if rows is not None and text_field in rows.column_names else None
     for reward in rewards:
         if reward.fn is not None:
             columns[reward.name] = call_reward_fn(reward.fn, reward_fn_name(reward.fn), prompts, completions, device,
@@ -136,9 +139,6 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
         elif reward.tokenizer is None:  # the policy's tokenizer: today's token-id path, no decode
             columns[reward.name] = reward_model_scores(reward.model, rollout, chunk, packed)
         else:
-            messages = rows[text_field] if rows is not None and text_field in rows.column_names else None
-            texts = tokenizer.batch_decode([p + c for p, c in zip(prompt_ids, completion_ids)],
-                                           skip_special_tokens=True)
             columns[reward.name] = retokenized_scores(reward, texts, completions, messages, chunk, packed, device)
     if len(rewards) == 1 and rewards[0].weight == 1.0 and not torch.isnan(columns[rewards[0].name]).any():
         return columns[rewards[0].name], columns, prompts, completions  # one reward: its scores, bit for bit

@@ -133,7 +133,8 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
             f"reward_fn {name!r} returned {tuple(scores.shape)} scores for {len(completions)} completions; "
             "expected one float per completion"
         )
-    bad = [i for i in (~torch.isfinite(scores)).nonzero().flatten().tolist() if i not in set(unjudged)]
+    skipped = set(unjudged)
+    bad = [i for i in (~torch.isfinite(scores)).nonzero().flatten().tolist() if i not in skipped]
     if bad:
         raise SettingsError(
             f"reward_fn {name!r} returned non-finite scores at rows {bad[:8]} (e.g. {scores[bad[0]].item()}) for "

@@ -449,3 +449,15 @@ def test_one_epoch_of_one_minibatch_needs_no_forward_of_the_old_policy(tmp_path,
     for other in (dict(num_ppo_epochs=2), dict(kl_coef=0.05), dict(advantage_estimator="gae"),
                   dict(num_mini_batches=2), dict(fused_policy_loss=True)):
         assert not T.old_logprobs_in_update(PPOConfig(output_dir=None, **{**kwargs, **other}))
+
+
+def test_an_empty_reward_list_and_settings_a_critic_free_run_never_reads(tmp_path, model_dir, capsys):
+    with pytest.raises(SettingsError, match="reward_model is an empty list"):
+        make_trainer(small(tmp_path / "empty"), reward_model=[])
+    make_trainer(small(tmp_path / "notes", advantage_estimator="grpo", num_generations=4, whiten_rewards=True,
+                       vf_coef=0.5, gamma=0.9))
+    out = capsys.readouterr().out
+    for name in ("whiten_rewards", "vf_coef", "gamma"):
+        assert f"--{name} has no effect with advantage_estimator 'grpo'" in out
+    make_trainer(small(tmp_path / "gae", whiten_rewards=True, gamma=0.9))  # GAE reads them: no note
+    assert "has no effect" not in capsys.readouterr().out
