@@ -234,3 +234,13 @@ def test_the_command_line_takes_several_rewards(tmp_path, model_dir):
     trainer.train()
     last = json.loads(open(tmp_path / "out" / "metrics.jsonl").read().splitlines()[-1])
     assert {"rewards/positive_words/mean", "rewards/completion_length/std"} <= set(last)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(reward_weights=[float("nan")]), "reward_weights must be finite numbers"),
+    (dict(reward_fn=["fastppo.rewards:positive_words", "no_colon"]), "reward_fn must look like 'module:function'"),
+    (dict(reward_model_path=["./no/such/reward/model"]), "reward_model_path .*no such directory"),
+])
+def test_bad_reward_settings_are_refused_before_anything_loads(tmp_path, kwargs, message):
+    with pytest.raises(SettingsError, match=message):
+        make_trainer(small(tmp_path, **kwargs))
