@@ -78,6 +78,19 @@ def resolve_rewards(reward, config) -> list[Reward]:
     return rewards
 
 
+def processing_classes_by_name(classes, rewards) -> dict:
+    """TRL GRPO's ``reward_processing_classes``: one tokenizer (for a single reward) or a list aligned with the
+    rewards (None: the reward's own, found beside it) -> {reward name: tokenizer}."""
+    if classes is None:
+        return {}
+    if not isinstance(classes, (list, tuple)):
+        classes = [classes]
+    if len(classes) != len(rewards):
+        raise SettingsError(f"reward_processing_classes has {len(classes)} entries for {len(rewards)} reward(s) "
+                            f"({', '.join(r.name for r in rewards)}); give one per reward (None where not needed)")
+    return {r.name: c for r, c in zip(rewards, classes) if c is not None}
+
+
 def combine_rewards(columns: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
     """[B] Σ wᵢ·rᵢ over the rewards that judged each completion (TRL GRPO's nansum). A completion no reward
     judged has no score: refused, naming the rows."""

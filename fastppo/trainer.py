@@ -36,7 +36,7 @@ from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import sample_responses, stop_ids_of
 from fastppo.metrics import MetricsLogger, plot_curves, print_samples
 from fastppo.models import lm_of
-from fastppo.reward_scores import resolve_rewards, score_rewards
+from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, score_rewards
 from fastppo.rewards import RewardFunctionError, RunningMoments, check_reward_fn_columns, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import ZeRO, deepspeed_request, resolve_deepspeed_config, zero_stage_of
@@ -664,19 +664,6 @@ class _StopSignals:
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         return False
-
-
-def processing_classes_by_name(classes, rewards) -> dict:
-    """TRL GRPO's ``reward_processing_classes``: one tokenizer (for a single reward) or a list aligned with the
-    rewards (None: the reward's own, found beside it) -> {reward name: tokenizer}."""
-    if classes is None:
-        return {}
-    if not isinstance(classes, (list, tuple)):
-        classes = [classes]
-    if len(classes) != len(rewards):
-        raise SettingsError(f"reward_processing_classes has {len(classes)} entries for {len(rewards)} reward(s) "
-                            f"({', '.join(r.name for r in rewards)}); give one per reward (None where not needed)")
-    return {r.name: c for r, c in zip(rewards, classes) if c is not None}
 
 
 def progress_line(metrics: dict) -> str:
