@@ -2,14 +2,23 @@
 
 Semantics: exactly the policy part of the trainer's ``ppo_losses``
 (fastppo/train.py), per token n with mask m_n, advantage A_n, old log-prob
-o_n, clip range ε and entropy coefficient c:
+o_n, clip range ε (ε_h above 1, DAPO's clip-higher; ε by default), dual-clip
+bound δ (none by default), entropy coefficient c, token weight u_n (m_n by
+default) and normaliser d:
 
     logp_n = log softmax((h_n·Wᵀ + b) / T)[index_n],   H_n its entropy     (P1)
-    ρ_n = exp(logp_n − o_n)                                               (P2)
-    pg_n = max(−A_n ρ_n, −A_n clip(ρ_n, 1 − ε, 1 + ε))                     (P3)
-    loss = Σ m_n pg_n / Σ m_n − c · Σ m_n H_n / Σ m_n   ("token_mean")    (P4)
-           Σ m_n pg_n − c · Σ m_n H_n                    ("sum")
-    clipped_n = −A_n clip(ρ_n, 1 − ε, 1 + ε) > −A_n ρ_n  (the trainer's clipfrac)
+    ρ_n = exp(logp_n − o_n)                           ("token" level)     (P2)
+    ρ_n = exp(Σ_{t∈s(n)} m_t (logp_t − o_t) / max(Σ_{t∈s(n)} m_t, 1))
+                                     ("sequence" level, GSPO: s(n) is n's sequence)
+    pg_n = max(−A_n min(ρ_n, δ), −A_n clip(ρ_n, 1 − ε, 1 + ε_h))           (P3)
+    loss = Σ u_n pg_n / d − c · Σ m_n H_n / Σ m_n   ("token_mean"; d = Σ m_n by default)  (P4)
+           (with u or d given, or at the sequence level, Σ m_n counts at least 1: an empty mask gives 0)
+           Σ u_n pg_n / d − c · Σ m_n H_n           ("sum"; d = 1 by default)
+    clipped_n = −A_n clip(ρ_n, 1 − ε, 1 + ε_h) > −A_n min(ρ_n, δ)  (the trainer's clipfrac)
+
+u and d are how a caller aggregates (TRL GRPO's ``loss_type``: the trainer's
+``policy_loss_weights``); the entropy term is always the masked mean (or sum),
+as TRL GRPO's bonus is, whatever the aggregation.
 
 Masked tokens are selected out (``torch.where``, not multiplied by 0), so
 inf/NaN in their advantages or old log-probs reach neither the loss nor any
@@ -23,9 +32,12 @@ autocast's dtype, accumulation fp32) on both paths. The
 gradient with respect to logp_n follows autograd of (P3)-(P4): torch.maximum
 splits ties evenly and clamp passes its gradient on [1 − ε, 1 + ε] inclusive,
 
-    d1 = −A_n ρ_n,   d2 = d1 · [1 − ε ≤ ρ_n ≤ 1 + ε]
-    g_n = s·m_n · (d1 if pg1 > pg2; d2 if pg2 > pg1; (d1 + d2)/2 on a tie)  (P5)
+    d1 = −A_n ρ_n · [ρ_n ≤ δ],   d2 = −A_n ρ_n · [1 − ε ≤ ρ_n ≤ 1 + ε_h]
+    g_n = m_n u_n/d · (d1 if pg1 > pg2; d2 if pg2 > pg1; (d1 + d2)/2 on a tie)  (P5)
     g_H,n = −c·s·m_n,   s = 1/Σ m ("token_mean") or 1 ("sum")
+
+(at the sequence level, g_n = m_n/max(Σ_{t∈s(n)} m_t, 1) · Σ_{t∈s(n)} of the
+token terms of (P5): every token of a sequence moves its one ratio)
 
 and the gradient with respect to the logits is (L5)/T of the LM-head core
 (``_lmhead``) with (g_n, g_H,n).
@@ -81,6 +93,7 @@ from fastppo.kernels._common import check_index_range, check_same_device, check_
 from fastppo.kernels._common import check_tensor, launch, refuse_double_backward, tile_choice, tl, triton, use_triton
 from fastppo.kernels._lmhead import acc_dtype, addmm_acc_, check_lm_head_args, lm_head_logits_reference, mm_acc
 from fastppo.kernels._lmhead import lm_head_operands, no_autocast, row_tile, tl_dtype
+from fastppo.kernels.logprobs import HeadMath, _launch_softmax_dlogits, _launch_token_logprobs_fwd
 from fastppo.kernels.logprobs import token_logprobs_reference
 
 if HAS_TRITON:
@@ -109,9 +122,11 @@ if HAS_TRITON:
         dx_ptr, stride_dxn,  # ∂loss/∂x out [rows, V] in the weight's dtype; may alias x
         idx_ptr, old_ptr, adv_ptr, mask_ptr,  # [rows]
         count_ptr,  # 0-d Σ mask over the whole input (read for TOKEN_MEAN)
-        logp_ptr, ratio_ptr, clipped_ptr, ent_ptr, loss_ptr,  # [rows] outputs; loss: m·(pg − c·H) unscaled
-        n_cols, temperature, clip_low, clip_high, entropy_coef,
-        TOKEN_MEAN: tl.constexpr, NEEDS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
+        weight_ptr, norm_ptr,  # [rows] u and 0-d d of (P4) (read when WEIGHTED)
+        logp_ptr, ratio_ptr, clipped_ptr, ent_ptr, loss_ptr,  # [rows] outputs; loss: this token's term of (P4)
+        n_cols, temperature, clip_low, clip_high, delta, entropy_coef,
+        TOKEN_MEAN: tl.constexpr, WEIGHTED: tl.constexpr, HAS_DELTA: tl.constexpr, NEEDS_GRAD: tl.constexpr,
+        ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_xn
@@ -123,23 +138,34 @@ if HAS_TRITON:
         adv = tl.load(adv_ptr + row).to(ACC_DTYPE)
         real = tl.load(mask_ptr + row) != 0
         ratio = tl.exp(logp - old)
-        pg1 = -adv * ratio
+        if HAS_DELTA:
+            pg1 = -adv * tl.minimum(ratio, delta)
+        else:
+            pg1 = -adv * ratio
         pg2 = -adv * tl.minimum(tl.maximum(ratio, clip_low), clip_high)
+        pg = tl.maximum(pg1, pg2)
         tl.store(logp_ptr + row, logp)
         tl.store(ratio_ptr + row, ratio)
         tl.store(clipped_ptr + row, pg2 > pg1)
         tl.store(ent_ptr + row, ent)
-        tl.store(loss_ptr + row, tl.where(real, tl.maximum(pg1, pg2) - entropy_coef * ent, 0.0))
+        ent_scale = 1.0
+        if TOKEN_MEAN:
+            # count = 0 means no real token: every term below is 0 whatever the scale (no 1/0 needed).
+            ent_scale = 1.0 / tl.maximum(tl.load(count_ptr).to(ACC_DTYPE), 1.0)
+        if WEIGHTED:
+            pg_scale = tl.load(weight_ptr + row).to(ACC_DTYPE) / tl.load(norm_ptr).to(ACC_DTYPE)
+            tl.store(loss_ptr + row, tl.where(real, pg_scale * pg - entropy_coef * ent_scale * ent, 0.0))
+        else:
+            pg_scale = ent_scale
+            tl.store(loss_ptr + row, tl.where(real, pg - entropy_coef * ent, 0.0))
         if NEEDS_GRAD:
-            scale = 1.0
-            if TOKEN_MEAN:
-                # count = 0 means no real token: every g below is 0 whatever the scale (no 1/0 needed).
-                scale = 1.0 / tl.maximum(tl.load(count_ptr).to(ACC_DTYPE), 1.0)
             d1 = -adv * ratio
-            d2 = tl.where((ratio >= clip_low) & (ratio <= clip_high), d1, 0.0)
+            if HAS_DELTA:
+                d1 = tl.where(ratio <= delta, d1, 0.0)
+            d2 = tl.where((ratio >= clip_low) & (ratio <= clip_high), -adv * ratio, 0.0)
             g_pg = tl.where(pg1 > pg2, d1, tl.where(pg2 > pg1, d2, 0.5 * (d1 + d2)))  # (P5)
-            g_logp = tl.where(real, g_pg * scale, 0.0)
-            g_ent = tl.where(real, -entropy_coef * scale, 0.0)
+            g_logp = tl.where(real, g_pg * pg_scale, 0.0)
+            g_ent = tl.where(real, -entropy_coef * ent_scale, 0.0)
             # Pass 2 over V: ∂loss/∂x by (L5)/T.
             cols = tl.arange(0, BLOCK_V)
             for v0 in range(0, n_cols, BLOCK_V):
@@ -169,8 +195,41 @@ def _ppo_loss_tile(n_rows: int, vocab: int, device: torch.device) -> PPOLossTile
     return tile_choice("fused_ppo_policy_loss", PPOLossTile(chunk, block_v, num_warps))
 
 
-def _launch_ppo_policy_loss(hidden2d, weight, bias, index, old, adv, mask, clip_low, clip_high, entropy_coef,
-                            temperature, token_mean, needs):
+class PolicyTerms(NamedTuple):
+    """How (P2)-(P4) are formed beyond the plain clipped surrogate: the options of ``fused_ppo_policy_loss``,
+    checked, as the launcher and the reference take them."""
+
+    cliprange: float  # ε: ratios below 1 − ε are clipped
+    cliprange_high: float  # ε_h: ratios above 1 + ε_h are clipped
+    delta: float | None  # δ, the bound on the unclipped ratio (None: none)
+    entropy_coef: float
+    token_mean: bool  # reduction "token_mean" (else "sum")
+    sequence_lengths: list[int] | None  # tokens of each sequence in order: the sequence-level ratio; None: token level
+    token_weights: torch.Tensor | None  # [N] u (None: the mask)
+    normalizer: torch.Tensor | None  # 0-d d (None: Σ m for token_mean, 1 for sum)
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the kernel scales each token's term itself (u/d), rather than the sum by 1/Σ m at the end."""
+        return self.token_weights is not None or self.normalizer is not None or self.sequence_lengths is not None
+
+
+def _sequence_chunks(lengths: list[int], target: int) -> list[tuple[int, int, list[int]]]:
+    """(first token, end, sequence lengths) of chunks of whole sequences, each about ``target`` tokens: a
+    sequence's ratio needs all its log-probs before any of its gradients, so no chunk splits one; a longer
+    sequence is a chunk of its own (the logits buffer grows to it)."""
+    chunks, start, members = [], 0, []
+    for n in lengths:
+        if members and sum(members) + n > target:
+            chunks.append((start, start + sum(members), members))
+            start, members = start + sum(members), []
+        members.append(n)
+    if members:
+        chunks.append((start, start + sum(members), members))
+    return chunks
+
+
+def _launch_ppo_policy_loss(hidden2d, weight, bias, index, old, adv, mask, temperature, terms: PolicyTerms, needs):
     """Returns (loss, (logp, ratio, clipped, entropy), (grad_hidden, grad_weight, grad_bias))."""
     n_rows, hdim = hidden2d.shape
     vocab = weight.shape[0]
@@ -181,34 +240,53 @@ def _launch_ppo_policy_loss(hidden2d, weight, bias, index, old, adv, mask, clip_
     logp, ratio, ent, loss_rows = torch.empty(4, n_rows, dtype=acc, device=device).unbind(0)
     clipped = torch.empty(n_rows, dtype=torch.bool, device=device)
     count = (mask != 0).sum(dtype=acc)  # on the device: no sync
+    norm = None
+    if terms.weighted:  # at the sequence level, too: its kernel pair scales each token's term
+        norm = terms.normalizer if terms.normalizer is not None else count.clamp(min=1.0) if terms.token_mean \
+            else torch.ones((), dtype=acc, device=device)
+        norm = norm.to(acc)
+    weights = None if not terms.weighted else \
+        (mask != 0).to(acc) if terms.token_weights is None else terms.token_weights.to(acc)
 
     tile = _ppo_loss_tile(n_rows, vocab, device)
-    chunk = max(1, min(tile.chunk_rows, n_rows))
+    if terms.sequence_lengths is None:
+        step = max(1, tile.chunk_rows)
+        chunks = [(r0, min(n_rows, r0 + step), None) for r0 in range(0, n_rows, step)]
+    else:
+        chunks = _sequence_chunks(terms.sequence_lengths, tile.chunk_rows)
+    chunk = max(r1 - r0 for r0, r1, _ in chunks)
     x_buf = torch.empty(chunk, vocab, dtype=acc, device=device)
     dx_buf = x_buf if dtype == acc or not needs_grad else torch.empty(chunk, vocab, dtype=dtype, device=device)
     grad_h = torch.empty(n_rows, hdim, dtype=dtype, device=device) if need_h else None
     grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_w else None
     # grad_W over several chunks: in grad_w itself when it is fp32/fp64, else in an fp32 accumulator (docstring).
     acc_w = None
-    if need_w and weight.dtype != acc and chunk < n_rows:
+    if need_w and weight.dtype != acc and len(chunks) > 1:
         acc_w = torch.zeros(weight.shape, dtype=acc, device=device)
     grad_b = torch.zeros(vocab, dtype=acc, device=device) if need_b else None
 
-    for r0 in range(0, n_rows, chunk):
-        r1 = min(n_rows, r0 + chunk)
+    for r0, r1, lengths in chunks:
         h_c = hidden2d[r0:r1]
         x_c = mm_acc(h_c, weight.t(), out=x_buf[: r1 - r0])
         if bias is not None:
             x_c += bias
         dx_c = dx_buf[: r1 - r0]
-        launch(_ppo_policy_loss_rows_kernel, (r1 - r0,), device,
-               x_c, x_c.stride(0), dx_c, dx_c.stride(0), index[r0:r1], old[r0:r1], adv[r0:r1], mask[r0:r1], count,
-               logp[r0:r1], ratio[r0:r1], clipped[r0:r1], ent[r0:r1], loss_rows[r0:r1],
-               vocab, temperature, clip_low, clip_high, entropy_coef,
-               TOKEN_MEAN=token_mean, NEEDS_GRAD=needs_grad, ACC_DTYPE=tl_dtype(acc), BLOCK_V=tile.block_v,
-               num_warps=tile.num_warps)
+        rows = slice(r0, r1)
+        if terms.sequence_lengths is None:
+            launch(_ppo_policy_loss_rows_kernel, (r1 - r0,), device,
+                   x_c, x_c.stride(0), dx_c, dx_c.stride(0), index[rows], old[rows], adv[rows], mask[rows], count,
+                   weights[rows] if weights is not None else adv[rows], norm if norm is not None else count,
+                   logp[rows], ratio[rows], clipped[rows], ent[rows], loss_rows[rows],
+                   vocab, temperature, 1.0 - terms.cliprange, 1.0 + terms.cliprange_high,
+                   terms.delta if terms.delta is not None else 0.0, terms.entropy_coef,
+                   TOKEN_MEAN=terms.token_mean, WEIGHTED=weights is not None, HAS_DELTA=terms.delta is not None,
+                   NEEDS_GRAD=needs_grad, ACC_DTYPE=tl_dtype(acc), BLOCK_V=tile.block_v, num_warps=tile.num_warps)
+        else:
+            _sequence_rows(x_c, dx_c, index[rows], old[rows], adv[rows], mask[rows], count, weights[rows], norm,
+                           temperature, terms, lengths, (logp[rows], ratio[rows], clipped[rows], ent[rows],
+                                                         loss_rows[rows]), needs_grad)
         if need_h:
-            torch.mm(dx_c, weight, out=grad_h[r0:r1])
+            torch.mm(dx_c, weight, out=grad_h[rows])
         if acc_w is not None:
             addmm_acc_(acc_w, dx_c.t(), h_c)
         elif need_w and r0 == 0:
@@ -222,9 +300,42 @@ def _launch_ppo_policy_loss(hidden2d, weight, bias, index, old, adv, mask, clip_
     if grad_b is not None:
         grad_b = grad_b.to(bias.dtype)
     loss = loss_rows.sum()
-    if token_mean:
+    if terms.token_mean and weights is None:
         loss = loss / count
     return loss, (logp, ratio, clipped, ent), (grad_h, grad_w, grad_b)
+
+
+def _sequence_rows(x_c, dx_c, index, old, adv, mask, count, weights, norm, temperature, terms: PolicyTerms,
+                   lengths: list[int], outs, needs_grad: bool) -> None:
+    """One chunk of whole sequences at the sequence level: pass 1 over V gives each token's lse, entropy and
+    log-prob; (P2)-(P5) on those [rows] vectors by the reference's own PyTorch (``clipped_surrogate``, so the
+    math has one statement), its gradient by autograd; pass 2 over V forms ∂loss/∂x from it. Still two
+    passes over the logits and no extra GEMM: the chunk holds every token of its sequences."""
+    logp_out, ratio_out, clipped_out, ent_out, loss_out = outs
+    lp, lse, ent = _launch_token_logprobs_fwd(x_c, index, temperature, True)
+    real = mask != 0
+    ids = torch.repeat_interleave(torch.arange(len(lengths), device=x_c.device),
+                                  torch.as_tensor(lengths, device=x_c.device))
+    with torch.enable_grad():
+        lp_leaf = lp.detach().requires_grad_(needs_grad)
+        pg, ratio, clipped = clipped_surrogate(lp_leaf, old.to(lp.dtype), adv.to(lp.dtype), terms.cliprange,
+                                               mask=real, cliprange_high=terms.cliprange_high, delta=terms.delta,
+                                               sequence_ids=ids, num_sequences=len(lengths))
+        ent_scale = 1.0 / count.clamp(min=1.0) if terms.token_mean else 1.0
+        zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+        pg_term = pg * (weights / norm)
+        rows_loss = pg_term - terms.entropy_coef * torch.where(real, ent, zero) * ent_scale
+        if needs_grad:
+            (g_logp,) = torch.autograd.grad(pg_term.sum(), lp_leaf)
+    logp_out.copy_(lp)
+    ratio_out.copy_(ratio.detach())
+    clipped_out.copy_(clipped)
+    ent_out.copy_(ent)
+    loss_out.copy_(torch.where(real, rows_loss.detach(), zero))
+    if needs_grad:
+        g_ent = torch.where(real, -terms.entropy_coef * ent_scale * torch.ones_like(ent), zero)
+        _launch_softmax_dlogits(x_c, dx_c, index, lse, ent, torch.where(real, g_logp, zero), g_ent,
+                                HeadMath(temperature, 1.0, 1.0, False))
 
 
 def _scaled(grad: torch.Tensor, scale: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
@@ -245,11 +356,10 @@ def _scaled(grad: torch.Tensor, scale: torch.Tensor, chunk: int = 1 << 24) -> to
 
 class _FusedPPOPolicyLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, index, old, adv, mask, clip_low, clip_high, entropy_coef, temperature,
-                token_mean):
+    def forward(ctx, hidden2d, weight, bias, index, old, adv, mask, temperature, terms):
         loss, stats, grads = _launch_ppo_policy_loss(
-            hidden2d, weight, bias, index, old, adv, mask, clip_low, clip_high, entropy_coef, temperature,
-            token_mean, ctx.needs_input_grad[:3],  # all False under no_grad: no gradient is formed
+            hidden2d, weight, bias, index, old, adv, mask, temperature, terms,
+            ctx.needs_input_grad[:3],  # all False under no_grad: no gradient is formed
         )
         ctx.save_for_backward(*grads)
         ctx.mark_non_differentiable(*stats)
@@ -261,14 +371,17 @@ class _FusedPPOPolicyLoss(torch.autograd.Function):
         refuse_double_backward("fused_ppo_policy_loss")
         # The gradients were formed in the forward for an upstream gradient of 1: only scale them.
         grads = tuple(None if g is None else _scaled(g, g_loss) for g in ctx.saved_tensors)
-        return (*grads, *(None,) * 9)
+        return (*grads, *(None,) * 6)
 
 
 # --------------------------------------------------------------------------- public API
 
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
 
 def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef,
-                                temperature, bias, reduction):
+                                temperature, bias, reduction, cliprange_high, delta, importance_sampling_level,
+                                sequence_lengths, token_weights, normalizer):
     check_lm_head_args(hidden, weight, bias)
     check_tensor("index", index, dtypes=INDEX_DTYPES)
     check_tensor("old_logprobs", old_logprobs, dtypes=FLOAT_DTYPES)
@@ -278,16 +391,72 @@ def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages,
         raise ValueError(
             f"index has shape {tuple(index.shape)} but must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}"
         )
-    check_same_shape(index=index, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
-    check_same_device(hidden=hidden, index=index, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    if token_weights is not None:
+        check_tensor("token_weights", token_weights, dtypes=FLOAT_DTYPES)
+    check_same_shape(index=index, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                     token_weights=token_weights)
+    check_same_device(hidden=hidden, index=index, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                      token_weights=token_weights)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}; got {reduction!r}")
-    return (check_float("cliprange", cliprange, minimum=0.0), check_float("entropy_coef", entropy_coef),
-            check_temperature(temperature))
+    cliprange, cliprange_high, delta = check_clip_args(cliprange, cliprange_high, delta)
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}; "
+                         f"got {importance_sampling_level!r}")
+    lengths = None
+    if importance_sampling_level == "sequence":
+        lengths = _sequence_lengths(index, sequence_lengths)
+    elif sequence_lengths is not None:
+        raise ValueError("sequence_lengths is read only with importance_sampling_level='sequence'")
+    if normalizer is not None:
+        if isinstance(normalizer, torch.Tensor):
+            if normalizer.numel() != 1 or not normalizer.is_floating_point():
+                raise ValueError(f"normalizer must be a float or a 0-d float tensor; got shape "
+                                 f"{tuple(normalizer.shape)}, dtype {normalizer.dtype}")
+            check_same_device(hidden=hidden, normalizer=normalizer)
+            normalizer = normalizer.reshape(())
+        else:
+            value = check_float("normalizer", normalizer, minimum=0.0, exclusive_minimum=True)
+            normalizer = torch.tensor(value, dtype=acc_dtype(hidden.dtype), device=hidden.device)
+    terms = PolicyTerms(cliprange, cliprange_high, delta, check_float("entropy_coef", entropy_coef),
+                        reduction == "token_mean", lengths, token_weights, normalizer)
+    return terms, check_temperature(temperature)
+
+
+def _sequence_lengths(index: torch.Tensor, sequence_lengths) -> list[int]:
+    """Each sequence's token count, in order: ``sequence_lengths`` (flat tokens, e.g. packed), or by default the
+    rows of ``index`` (its last dimension is a sequence)."""
+    if sequence_lengths is None:
+        per_row = index.shape[-1] if index.dim() else 1
+        return [per_row] * (index.numel() // max(per_row, 1)) if per_row else [0] * (index.numel() or 1)
+    if isinstance(sequence_lengths, torch.Tensor):
+        sequence_lengths = sequence_lengths.tolist()
+    lengths = list(sequence_lengths)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths):
+        raise ValueError(f"sequence_lengths must be non-negative ints; got {lengths!r}")
+    if sum(lengths) != index.numel():
+        raise ValueError(f"sequence_lengths sum to {sum(lengths)} but index has {index.numel()} tokens")
+    return lengths
+
+
+def check_clip_args(cliprange, cliprange_high=None, delta=None) -> tuple[float, float, float | None]:
+    """ε >= 0; ε_h >= ε (ε when None); δ > 1 or None: refused by name otherwise."""
+    cliprange = check_float("cliprange", cliprange, minimum=0.0)
+    if cliprange_high is None:
+        cliprange_high = cliprange
+    cliprange_high = check_float("cliprange_high", cliprange_high, minimum=0.0)
+    if cliprange_high < cliprange:
+        raise ValueError(f"cliprange_high (ε_high, {cliprange_high}) must be >= cliprange (ε, {cliprange}): the "
+                         "upper clip is the wider one (DAPO's clip-higher)")
+    if delta is not None:
+        delta = check_float("delta", delta, minimum=1.0, exclusive_minimum=True)
+    return cliprange, cliprange_high, delta
 
 
 def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef=0.0,
-                          temperature=1.0, bias=None, reduction="token_mean") -> PPOPolicyLossOutput:
+                          temperature=1.0, bias=None, reduction="token_mean", *, cliprange_high=None, delta=None,
+                          importance_sampling_level="token", sequence_lengths=None, token_weights=None,
+                          normalizer=None) -> PPOPolicyLossOutput:
     """The clipped PPO policy loss with entropy bonus, from hidden states and the LM head (module docstring).
 
     Args:
@@ -299,37 +468,48 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
         old_logprobs: [...] log-probs of those tokens under the rollout policy.
         advantages: [...] advantages A.
         mask: [...] bool (or numbers, nonzero = real) marking the tokens the loss averages over.
-        cliprange: ε >= 0; ratios are clipped to [1 − ε, 1 + ε].
-        entropy_coef: c; the loss subtracts c times the mean entropy.
+        cliprange: ε >= 0; ratios are clipped below at 1 − ε (and above at 1 + ε unless ``cliprange_high``).
+        entropy_coef: c; the loss subtracts c times the mean (``"sum"``: the sum) entropy of the masked tokens.
         temperature: float > 0; the policy is softmax(logits / temperature).
         bias: optional [V] LM-head bias.
         reduction: "token_mean" (the mean over mask-true tokens of the whole
             input, as the trainer's ``masked_mean``) or "sum" (the masked sum,
             for a caller that normalises across micro-batches itself).
+        cliprange_high: ε_h >= ε, the upper clip 1 + ε_h (TRL GRPO's ``epsilon_high``, DAPO's clip-higher).
+        delta: δ > 1, an upper bound on the unclipped ratio (TRL GRPO's ``delta``, two-sided clipping).
+        importance_sampling_level: "token" (one ratio per token) or "sequence" (GSPO: each token's ratio is its
+            sequence's exp(masked mean of logp − old), TRL GRPO's ``importance_sampling_level``).
+        sequence_lengths: with "sequence", the token count of each sequence in order (ints summing to
+            ``index.numel()``; a packed batch's rows); default: each row of ``index``'s last dimension.
+        token_weights: [...] u, each token's weight in the policy term (default: the mask); masked tokens
+            count 0 whatever their weight.
+        normalizer: d > 0 (a float or a 0-d tensor, kept on the device), the policy term's divisor
+            (default Σ mask for "token_mean", 1 for "sum"). u and d express TRL GRPO's ``loss_type``s.
 
     Returns:
         ``PPOPolicyLossOutput(loss, logprobs, ratio, clipped, entropy)``: the
         0-d loss, differentiable in ``hidden``, ``weight`` and ``bias``
-        (``old_logprobs`` and ``advantages`` are constants), and per-token
-        statistics without gradient (fp32, or fp64 for fp64 inputs; ``clipped``
+        (``old_logprobs``, ``advantages``, ``token_weights`` and ``normalizer`` are constants), and
+        per-token statistics without gradient (fp32, or fp64 for fp64 inputs; ``clipped``
         bool), computed for every token, masked or not.
     """
-    cliprange, entropy_coef, temperature = _check_ppo_policy_loss_args(
-        hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction)
+    terms, temperature = _check_ppo_policy_loss_args(
+        hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction,
+        cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer)
     hidden, weight, bias = lm_head_operands(hidden, weight, bias)
     vocab, hdim = weight.shape
-    kernel_scalars = (1.0 - cliprange, 1.0 + cliprange, entropy_coef, temperature)
+    kernel_scalars = (1.0 - terms.cliprange, 1.0 + terms.cliprange_high, terms.entropy_coef, temperature,
+                      *(() if terms.delta is None else (terms.delta,)))
     if not use_triton(hidden, kernel_scalars) or index.numel() == 0:
-        return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, cliprange,
-                                     entropy_coef, temperature, bias, reduction)
+        return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias, terms)
     if not hidden.is_cuda:  # interpreter: cheap here; on CUDA it would sync
         check_index_range(index, vocab)
     flat = [t.reshape(-1).contiguous() for t in (index, old_logprobs.detach(), advantages.detach(), mask)]
+    if terms.token_weights is not None:
+        terms = terms._replace(token_weights=terms.token_weights.detach().reshape(-1))
     with no_autocast(hidden.device):
         loss, logp, ratio, clipped, ent = _FusedPPOPolicyLoss.apply(
-            hidden.reshape(-1, hdim), weight, bias, *flat, 1.0 - cliprange, 1.0 + cliprange, entropy_coef,
-            temperature, reduction == "token_mean",
-        )
+            hidden.reshape(-1, hdim), weight, bias, *flat, temperature, terms)
     shape = index.shape
     return PPOPolicyLossOutput(loss, logp.view(shape), ratio.view(shape), clipped.view(shape), ent.view(shape))
 
@@ -337,81 +517,128 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
 # --------------------------------------------------------------------------- references
 
 
-def _check_clipped_surrogate_args(logprobs, old_logprobs, advantages, cliprange, mask) -> float:
+def _check_clipped_surrogate_args(logprobs, old_logprobs, advantages, cliprange, mask, cliprange_high, delta,
+                                  sequence_ids):
     check_tensor("logprobs", logprobs, dtypes=FLOAT_DTYPES)
     check_tensor("old_logprobs", old_logprobs, dtypes=FLOAT_DTYPES)
     check_tensor("advantages", advantages, dtypes=FLOAT_DTYPES)
     if mask is not None:
         check_tensor("mask", mask, dtypes=MASK_DTYPES)
-    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
-    check_same_device(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
-    return check_float("cliprange", cliprange, minimum=0.0)
+    if sequence_ids is not None:
+        check_tensor("sequence_ids", sequence_ids, dtypes=INDEX_DTYPES)
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                     sequence_ids=sequence_ids)
+    check_same_device(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+                      sequence_ids=sequence_ids)
+    return check_clip_args(cliprange, cliprange_high, delta)
 
 
-def _surrogate(logprobs, old_logprobs, advantages, cliprange):
-    """(P2)-(P3) with a ratio that may overflow: where logp − old passes log(fp max), ρ = inf is a constant
-    (its gradient is the clipped branch's, 0: autograd of exp would form 0·inf = NaN there)."""
-    log_ratio = logprobs - old_logprobs
+def _surrogate(log_ratio, advantages, cliprange, cliprange_high, delta):
+    """(P2)-(P3) from the log-ratio, with a ratio that may overflow: where it passes log(fp max), ρ = inf is a
+    constant (its gradient is the clipped branch's, 0: autograd of exp would form 0·inf = NaN there)."""
     overflow = torch.exp(log_ratio.detach()) == float("inf")
     ratio = torch.where(overflow, float("inf"), torch.exp(torch.where(overflow, 0.0, log_ratio)))
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
+    unclipped = -advantages * (ratio if delta is None else ratio.clamp(max=delta))
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange_high)
     return torch.max(unclipped, clipped), ratio, clipped > unclipped
 
 
-def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                      cliprange: float, *, mask: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's per-token clipped surrogate loss, max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)) with ρ = exp(logp − old):
-    (the per-token loss, ρ, where the clipped term won). The one PyTorch statement of (P2)-(P3): the trainer,
-    the reference below and the tests use it; the Triton kernel computes the same per row and is tested
-    against it.
+def sequence_mean(x: torch.Tensor, real: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int):
+    """Per token, the mean of ``x`` over the real tokens of its sequence (0 for a sequence with none): GSPO's
+    length-normalised log-ratio. ``sequence_ids`` [x's shape] numbers the sequences 0..num_sequences − 1."""
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    ids = sequence_ids.reshape(-1).long()
+    sums = x.new_zeros(num_sequences).index_add(0, ids, torch.where(real, x, zero).reshape(-1))
+    counts = x.new_zeros(num_sequences).index_add(0, ids, real.reshape(-1).to(x.dtype))
+    return (sums / counts.clamp(min=1.0)).index_select(0, ids).view(x.shape)
 
-    The three tensors have one shape and device; ``cliprange`` ε >= 0 (checked as ``fused_ppo_policy_loss``
-    checks them). A ratio that overflows fp32 (logp − old > 88.7) is inf, and its token's gradient is the
-    clipped branch's (0 for A > 0), not NaN. ``mask`` (optional, bool or numbers, nonzero = real): masked
-    tokens get loss 0 and pass no gradient, and their ``old_logprobs`` and ``advantages`` never reach the
-    loss or a gradient (inf/NaN allowed there); ρ and the flag are still reported for every token.
+
+def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      cliprange: float, *, mask: torch.Tensor | None = None, cliprange_high: float | None = None,
+                      delta: float | None = None, sequence_ids: torch.Tensor | None = None,
+                      num_sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's per-token clipped surrogate loss, max(−A·min(ρ, δ), −A·clip(ρ, 1 − ε, 1 + ε_h)) with
+    ρ = exp(logp − old): (the per-token loss, ρ, where the clipped term won). The one PyTorch statement of
+    (P2)-(P3): the trainer, the reference below, the sequence-level kernel path and the tests use it; the
+    Triton kernel computes the same per row and is tested against it.
+
+    The three tensors have one shape and device; ``cliprange`` ε >= 0, ``cliprange_high`` ε_h >= ε (default ε),
+    ``delta`` δ > 1 (default none), checked as ``fused_ppo_policy_loss`` checks them. A ratio that overflows
+    fp32 (logp − old > 88.7) is inf, and its token's gradient is the clipped branch's (0 for A > 0), not NaN.
+    ``mask`` (optional, bool or numbers, nonzero = real): masked tokens get loss 0 and pass no gradient, and
+    their ``old_logprobs`` and ``advantages`` never reach the loss or a gradient (inf/NaN allowed there); ρ and
+    the flag are still reported for every token. ``sequence_ids`` (int, same shape; ``num_sequences`` of them,
+    counted when None): the sequence level (GSPO), ρ of every token of a sequence being
+    exp(``sequence_mean`` of its real tokens' logp − old).
     """
-    cliprange = _check_clipped_surrogate_args(logprobs, old_logprobs, advantages, cliprange, mask)
-    if mask is None:
-        return _surrogate(logprobs, old_logprobs, advantages, cliprange)
-    real = mask != 0
+    cliprange, cliprange_high, delta = _check_clipped_surrogate_args(
+        logprobs, old_logprobs, advantages, cliprange, mask, cliprange_high, delta, sequence_ids)
+    bounds = (cliprange, cliprange_high, delta)
+    if mask is None and sequence_ids is None:
+        return _surrogate(logprobs - old_logprobs, advantages, *bounds)
+    real = torch.ones_like(logprobs, dtype=torch.bool) if mask is None else mask != 0
     zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
-    loss, ratio, clipped = _surrogate(logprobs, torch.where(real, old_logprobs, logprobs.detach()),
-                                      torch.where(real, advantages, zero), cliprange)
+    log_ratio = logprobs - torch.where(real, old_logprobs, logprobs.detach())
+    if sequence_ids is not None:
+        count = int(sequence_ids.max()) + 1 if num_sequences is None and sequence_ids.numel() else num_sequences
+        log_ratio = sequence_mean(log_ratio, real, sequence_ids, count or 0)
+    loss, ratio, clipped = _surrogate(log_ratio, torch.where(real, advantages, zero), *bounds)
     with torch.no_grad():  # the statistics of the masked tokens, from their own values
-        _, raw_ratio, raw_clipped = _surrogate(logprobs.detach(), old_logprobs, advantages, cliprange)
+        raw_log_ratio = log_ratio.detach() if sequence_ids is not None else logprobs.detach() - old_logprobs
+        _, raw_ratio, raw_clipped = _surrogate(raw_log_ratio, advantages, *bounds)
     return (torch.where(real, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)),
             torch.where(real, ratio, raw_ratio), torch.where(real, clipped, raw_clipped))
 
 
+def clip_sides(ratio: torch.Tensor, advantages: torch.Tensor, cliprange: float, cliprange_high: float | None = None,
+               delta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL GRPO's clip_ratio/low and /high flags per token: the ratio (after δ's bound) below 1 − ε where A < 0,
+    above 1 + ε_h where A > 0 (where the clip took the gradient away)."""
+    cliprange, cliprange_high, delta = check_clip_args(cliprange, cliprange_high, delta)
+    bounded = ratio if delta is None else ratio.clamp(max=delta)
+    return (bounded < 1.0 - cliprange) & (advantages < 0), (bounded > 1.0 + cliprange_high) & (advantages > 0)
+
+
 def fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advantages, mask, cliprange,
-                                    entropy_coef=0.0, temperature=1.0, bias=None,
-                                    reduction="token_mean") -> PPOPolicyLossOutput:
+                                    entropy_coef=0.0, temperature=1.0, bias=None, reduction="token_mean", *,
+                                    cliprange_high=None, delta=None, importance_sampling_level="token",
+                                    sequence_lengths=None, token_weights=None,
+                                    normalizer=None) -> PPOPolicyLossOutput:
     """Plain PyTorch ``fused_ppo_policy_loss``: materialised fp32 (fp64) logits (``COMPUTE_DTYPE_RULE``), then
     (P1)-(P4) as the trainer writes them."""
-    cliprange, entropy_coef, temperature = _check_ppo_policy_loss_args(
-        hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction)
+    terms, temperature = _check_ppo_policy_loss_args(
+        hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction,
+        cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer)
     hidden, weight, bias = lm_head_operands(hidden, weight, bias)
-    return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef,
-                                 temperature, bias, reduction)
+    return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias, terms)
 
 
-def _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef,
-                          temperature, bias, reduction) -> PPOPolicyLossOutput:
+def _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias,
+                          terms: PolicyTerms) -> PPOPolicyLossOutput:
     logp, ent = token_logprobs_reference(lm_head_logits_reference(hidden, weight, bias), index, temperature,
                                          return_entropy=True, ignore_index=None)
     acc = logp.dtype
     old, adv, real = old_logprobs.detach().to(acc), advantages.detach().to(acc), mask != 0
+    ids = None
+    if terms.sequence_lengths is not None:
+        ids = torch.repeat_interleave(torch.arange(len(terms.sequence_lengths), device=logp.device),
+                                      torch.as_tensor(terms.sequence_lengths, device=logp.device)).view(index.shape)
     # masked tokens: their old log-probs and advantages reach neither the loss nor a gradient (inf/NaN allowed)
-    pg_losses, ratio, clipped = clipped_surrogate(logp, old, adv, cliprange, mask=real)
+    pg_losses, ratio, clipped = clipped_surrogate(
+        logp, old, adv, terms.cliprange, mask=real, cliprange_high=terms.cliprange_high, delta=terms.delta,
+        sequence_ids=ids, num_sequences=None if ids is None else len(terms.sequence_lengths))
     zero = torch.zeros((), dtype=acc, device=logp.device)
+    if terms.token_weights is not None:
+        pg_losses = pg_losses * torch.where(real, terms.token_weights.detach().to(acc), zero)
     pg_sum = pg_losses.sum()
     ent_sum = torch.where(real, ent, zero).sum()
-    if reduction == "token_mean":
+    normalizer = None if terms.normalizer is None else terms.normalizer.detach().to(acc)
+    if terms.token_mean and not terms.weighted:
         count = real.sum()
-        loss = pg_sum / count - entropy_coef * (ent_sum / count)
+        loss = pg_sum / count - terms.entropy_coef * (ent_sum / count)
+    elif terms.token_mean:  # u/d given: an empty mask gives 0, as the kernel's per-token terms do
+        loss = pg_sum / (real.sum().clamp(min=1) if normalizer is None else normalizer) \
+            - terms.entropy_coef * (ent_sum / real.sum().clamp(min=1))
     else:
-        loss = pg_sum - entropy_coef * ent_sum
+        loss = (pg_sum if normalizer is None else pg_sum / normalizer) - terms.entropy_coef * ent_sum
     return PPOPolicyLossOutput(loss, logp.detach(), ratio.detach(), clipped, ent.detach())
