@@ -9,8 +9,8 @@ import tempfile
 import torch
 from transformers import TrainingArguments, get_scheduler
 
-from fastppo.config import (ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATOR_CHOICES, SCALE_REWARDS,
-                            PPOConfig, as_list)
+from fastppo.config import (ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATOR_CHOICES,
+                            LOSS_TYPES, SCALE_REWARDS, PPOConfig, as_list)
 from fastppo.data import looks_local
 from fastppo.errors import SettingsError, MissingPathError, require
 from fastppo.kernels import check_temperature
@@ -141,6 +141,24 @@ def _check_estimator(c: PPOConfig) -> None:
         require(not c.shared_value_head, f"shared_value_head: {why}; drop it, or use advantage_estimator gae")
 
 
+def _check_policy_loss(c: PPOConfig) -> None:
+    """TRL GRPO's policy-loss settings: an aggregation it names, one ε, a wider upper clip, δ above 1, a level it
+    names, and a stop token for mask_truncated_completions to read."""
+    require(c.loss_type in LOSS_TYPES, f"unknown loss_type {c.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+    require(c.epsilon == c.cliprange, f"epsilon {c.epsilon} and cliprange {c.cliprange} are one setting (TRL GRPO's "
+            "and TRL PPO's name for the clip range ε) given two values: give one of them")
+    require(_is_finite(c.epsilon_high) and c.epsilon_high >= c.epsilon,
+            f"epsilon_high ({c.epsilon_high!r}) must be >= epsilon ({c.epsilon}): it is the upper clip 1 + ε_h, the "
+            "wider one (DAPO's clip-higher); unset, it is epsilon")
+    require(c.delta is None or (_is_finite(c.delta) and c.delta > 1),
+            f"delta must be > 1 (it bounds the ratio above; 1 + epsilon_high or more to matter), got {c.delta!r}")
+    require(c.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, f"importance_sampling_level must be one of "
+            f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}, got {c.importance_sampling_level!r}")
+    require(not c.mask_truncated_completions or c.stop_token is not None or bool(c.stop_token_id),
+            "mask_truncated_completions drops the completions that end without a stop token, and no stop token is "
+            "set (stop_token or stop_token_id): every completion would leave the loss")
+
+
 # GAE's settings (the value model's, and λ's): a critic-free run reads none of them; γ only REINFORCE++ reads
 CRITIC_SETTINGS = ("whiten_rewards", "lam", "vf_coef", "cliprange_value")
 
@@ -249,6 +267,7 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
     for name in ("cliprange", "cliprange_value", "vf_coef"):
         require(_is_finite(getattr(c, name)) and getattr(c, name) >= 0, f"{name} must be >= 0, got "
                 f"{getattr(c, name)}")
+    _check_policy_loss(c)
     require(_is_finite(c.entropy_coef), f"entropy_coef must be finite, got {c.entropy_coef}")
     require(isinstance(c.ratio_threshold, (int, float)) and c.ratio_threshold > 0,
             f"ratio_threshold must be > 0 (the mean ratio is about 1; {c.ratio_threshold} would zero every "

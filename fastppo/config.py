@@ -32,14 +32,19 @@ KL_ESTIMATOR_CHOICES = ("k1", "k2", "k3", "abs", "mse", "full")
 ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo", "reinforce_plus_plus")
 GROUP_ESTIMATORS = ("rloo", "grpo")  # a baseline over the num_generations samples of each prompt
 SCALE_REWARDS = ("group", "batch", "none")
+# TRL GRPO's loss_type (how the token losses of an optimizer step are aggregated); train.policy_loss_weights
+LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+CLIPRANGE_DEFAULT = 0.2  # TRL 0.26 PPO's cliprange, TRL GRPO's epsilon
 # Each estimator's defaults where its source differs from TRL 0.26's PPO: num_generations (TRL 1.16's RLOOConfig 2,
-# GRPOConfig 8; one sample per prompt for the others) and kl_coef, the per-token KL in the reward (TRL GRPO has
-# none: its KL, beta, is in the loss; TRL RLOO's beta is the summed k1 in the reward, which is kl_coef here)
+# GRPOConfig 8; one sample per prompt for the others), kl_coef, the per-token KL in the reward (TRL GRPO has
+# none: its KL, beta, is in the loss; TRL RLOO's beta is the summed k1 in the reward, which is kl_coef here), and
+# loss_type: bnpo is TRL 0.26 PPO's aggregation (a token mean per micro-batch), dapo TRL GRPO's default
 ESTIMATOR_DEFAULTS = {
-    "gae": {"num_generations": 1, "kl_coef": 0.05},
-    "rloo": {"num_generations": 2, "kl_coef": 0.05},
-    "grpo": {"num_generations": 8, "kl_coef": 0.0},
-    "reinforce_plus_plus": {"num_generations": 1, "kl_coef": 0.05},
+    "gae": {"num_generations": 1, "kl_coef": 0.05, "loss_type": "bnpo"},
+    "rloo": {"num_generations": 2, "kl_coef": 0.05, "loss_type": "dapo"},
+    "grpo": {"num_generations": 8, "kl_coef": 0.0, "loss_type": "dapo"},
+    "reinforce_plus_plus": {"num_generations": 1, "kl_coef": 0.05, "loss_type": "dapo"},
 }
 
 
@@ -162,7 +167,8 @@ class PPOConfig(TrainingArguments):
         metadata={"help": "Per-token KL(π‖π_ref) in the reward: k1 (logp − ref) or k3 as in TRL; fastppo adds k2 (½d²), "
                   "abs, mse (= k2) and full (exact, over the whole vocabulary, fused)."},
     )
-    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range ε."})
+    cliprange: float = field(default=CLIPRANGE_DEFAULT, metadata={"help": "Policy ratio clip range ε (TRL GRPO's "
+                                                                  "epsilon: the two are one setting)."})
     vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range around the rollout values."})
     gamma: float = field(default=1.0, metadata={"help": "Discount factor γ."})
@@ -268,7 +274,9 @@ class PPOConfig(TrainingArguments):
         default=False, metadata={"help": "fastppo (legacy TRL): with use_score_scaling, also subtract the mean."}
     )
     score_clip: float | None = field(default=None, metadata={"help": "fastppo: clip scores to [−score_clip, score_clip]."})
-    entropy_coef: float = field(default=0.0, metadata={"help": "fastppo: entropy bonus coefficient (0: none)."})
+    entropy_coef: float = field(
+        default=0.0, metadata={"help": "Entropy bonus (TRL GRPO's entropy_coef): the loss subtracts this times the mean "
+                               "entropy of each micro-batch's trained tokens, whatever loss_type (0: none)."})
     ratio_threshold: float = field(
         default=10.0, metadata={"help": "fastppo (legacy TRL): zero the loss of a micro-batch whose mean ratio "
                                 "exceeds this."}
@@ -310,6 +318,41 @@ class PPOConfig(TrainingArguments):
                   "unbiased for samples drawn from π_θ_old."},
     )
 
+    # ------------------------------------------------------------ the policy loss (TRL GRPO's names and meanings)
+    loss_type: str | None = field(
+        default=None,
+        metadata={"help": "How the token losses of an optimizer step are aggregated (TRL GRPO's loss_type): bnpo (a "
+                  "token mean per micro-batch: TRL 0.26 PPO's, the default for gae), dapo (the token sum over the "
+                  "active tokens of the whole rollout batch, on every process: TRL GRPO's default, the default of "
+                  "the critic-free estimators), grpo (each sequence's token mean, then the mean over sequences), "
+                  "dr_grpo (the token sum over sequences × response_length)."},
+    )
+    epsilon: float | None = field(
+        default=None,
+        metadata={"help": "TRL GRPO's name of cliprange, the lower clip ε (1 − ε); unset: cliprange's value. Giving "
+                  "both with different values is refused."},
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={"help": "The upper clip ε_h (1 + ε_h; TRL GRPO's name, DAPO's clip-higher, 0.28 recommended); "
+                  "unset: epsilon's value."},
+    )
+    delta: float | None = field(
+        default=None,
+        metadata={"help": "Two-sided clipping (TRL GRPO's delta): the unclipped ratio is bounded above by delta "
+                  "(> 1, above 1 + epsilon_high to matter); unset: no bound."},
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={"help": "token: one ratio per token; sequence: one per completion, exp of the mean log-ratio of "
+                  "its trained tokens (GSPO; TRL GRPO's name)."},
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={"help": "Completions that reached response_length without a stop token leave the loss (DAPO; "
+                  "TRL GRPO's name). Needs a stop token (stop_token or stop_token_id)."},
+    )
+
     # ------------------------------------------------------------ fastppo: DeepSpeed
     zero_stage: int | None = field(
         default=None,
@@ -323,6 +366,16 @@ class PPOConfig(TrainingArguments):
             self.num_generations = defaults["num_generations"]
         if self.kl_coef is None:
             self.kl_coef = defaults["kl_coef"]
+        if self.loss_type is None:
+            self.loss_type = defaults["loss_type"]
+        # cliprange (TRL PPO's) and epsilon (TRL GRPO's) are one ε: one given fills the other; two given that differ
+        # are left as they are for checks.check_settings to refuse, naming both
+        if self.epsilon is None:
+            self.epsilon = self.cliprange
+        elif self.cliprange == CLIPRANGE_DEFAULT:
+            self.cliprange = self.epsilon
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"  # TRL's bool form
         for name in ("reward_model_path", "reward_fn"):  # one given (an appended flag, too) is TRL's single string

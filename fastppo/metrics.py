@@ -18,7 +18,7 @@ from fastppo.dist import all_reduce
 STAT_NAMES = (
     "approxkl", "policykl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio",
     "advantages_mean", "returns_mean", "returns_var", "vpred_mean", "vf_error", "values_mean", "values_var",
-    "ratio_skipped", "kl_loss",
+    "ratio_skipped", "kl_loss", "clip_low", "clip_high", "clip_region",
 )
 STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 
@@ -94,6 +94,10 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
         "objective/scores": scores / w,
         "policy/approxkl_avg": mean["approxkl"],
         "policy/clipfrac_avg": mean["pg_clipfrac"],
+        # TRL GRPO's per-side clip fractions (fastppo.kernels.clip_sides)
+        "clip_ratio/low_mean": mean["clip_low"],
+        "clip_ratio/high_mean": mean["clip_high"],
+        "clip_ratio/region_mean": mean["clip_region"],
         "loss/policy_avg": mean["pg_loss"],
         "loss/value_avg": mean["vf_loss"],
         "val/clipfrac_avg": mean["vf_clipfrac"],

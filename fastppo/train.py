@@ -37,8 +37,8 @@ import torch.nn as nn
 
 from fastppo import dist as fdist
 from fastppo.config import PPOConfig, Sizes
-from fastppo.kernels import (clipped_surrogate, fused_full_kl, gae, kl_penalty, masked_mean, masked_var, masked_whiten,
-                             truncate_at_stop)
+from fastppo.kernels import (clip_sides, clipped_surrogate, fused_full_kl, gae, kl_penalty, masked_mean, masked_var,
+                             masked_whiten, truncate_at_stop)
 from fastppo.kernels.stats import WHITEN_EPS
 from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, gather_metrics, objective_sums
 from fastppo.models import gathered, lm_head_of, make_layout
@@ -360,50 +360,102 @@ def whiten_trained(x, mask, shift_mean: bool = True):
 # ============================================================================ 5. PPO update
 
 
+def aggregate(x: torch.Tensor, mask: torch.Tensor, token_weights: torch.Tensor | None = None, normalizer=None):
+    """(P4)'s aggregation of per-token terms: Σ u·x / d over the trained tokens, u the mask and d max(Σ mask, 1)
+    unless given (``policy_loss_weights``). With neither, ``masked_mean`` to the bit on a non-empty mask, and 0
+    (not NaN) on an empty one: a micro-batch whose completions were all masked (mask_truncated_completions)
+    adds nothing to the step instead of voiding it."""
+    real = mask != 0
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    total = torch.where(real, x if token_weights is None else x * token_weights, zero).sum()
+    return total / (real.sum().clamp(min=1) if normalizer is None else normalizer)
+
+
+def policy_loss_weights(loss_type: str, mask: torch.Tensor, response_length: int, dapo_tokens):
+    """TRL GRPO's ``loss_type`` for one micro-batch of [b, T] ``mask``, as (P4)'s token weights u and normaliser d
+    (None: the mask, and max(Σ mask, 1)). Each micro-batch's loss is on the scale of the optimizer step's (the
+    update divides it by the micro-steps), and DDP averages the processes' gradients, so:
+
+    * bnpo: the micro-batch's token mean (TRL 0.26 PPO's aggregation, and TRL GRPO's bnpo);
+    * grpo: each sequence's token mean, then the mean over the micro-batch's sequences (those with no trained
+      token count, as in TRL);
+    * dr_grpo: the token sum over sequences × response_length (TRL's max_completion_length);
+    * dapo: the token sum over ``dapo_tokens``, the active tokens of the whole rollout on every process divided
+      by the micro-batches that cover it (processes × minibatches × micro-steps): the step's gradient is then its
+      tokens' sum over the mean active tokens per step, however the batch was split (TRL GRPO's
+      num_items_in_batch).
+    """
+    if loss_type == "bnpo":
+        return None, None
+    rows = float(mask.shape[0])
+    if loss_type == "grpo":
+        per_row = mask.sum(1, keepdim=True).clamp(min=1)
+        return mask / per_row, rows
+    if loss_type == "dr_grpo":
+        return None, rows * response_length
+    if loss_type == "dapo":
+        return None, dapo_tokens
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
 def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask,
                cliprange: float, cliprange_value: float, vf_coef: float, entropy_coef: float,
                ratio_threshold: float, fused_policy_loss=None, *, ref_logprobs=None, beta: float = 0.0,
-               kl_loss_type: str = "k3", bias_correction_kl: bool = True):
-    """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]), all means over trained tokens.
+               kl_loss_type: str = "k3", bias_correction_kl: bool = True, cliprange_high: float | None = None,
+               delta: float | None = None, sequence_level: bool = False, token_weights=None, normalizer=None):
+    """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]); the statistics are means over trained
+    tokens.
 
     ``fused_policy_loss``: the policy part already computed by ``fused_ppo_policy_loss`` (its ``loss``
     is pg − c_H·H̄ with the gradient formed in the forward); ``new_logprobs`` and ``entropy`` are then its
     per-token values laid out as grids, for the statistics. ``new_values=None``: no critic, no value loss.
-    ``beta``: + β·E[KL_t(π‖π_ref)] by ``kl_loss_type`` (TRL GRPO's in-loss KL), each term weighted by ρ_t when
-    ``bias_correction_kl`` (TRL's default: the samples came from π_θ_old, not π_θ).
+    ``beta``: + β·KL_t(π‖π_ref) by ``kl_loss_type`` in each token's loss (TRL GRPO's in-loss KL), weighted by ρ_t
+    when ``bias_correction_kl`` (TRL's default: the samples came from π_θ_old, not π_θ).
+    ``cliprange_high``, ``delta``, ``sequence_level`` (one ratio per row: GSPO): ``clipped_surrogate``'s options.
+    ``token_weights`` and ``normalizer``: how the policy and KL terms are aggregated (``policy_loss_weights``);
+    the entropy bonus and the value loss are token means whatever they are (TRL GRPO's bonus is).
     """
     critic = new_values is not None
     if critic:  # clipped value loss: ½·max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²)
         v_clipped = old_values + (new_values - old_values).clamp(-cliprange_value, cliprange_value)
         vf_losses1 = (new_values - returns) ** 2
         vf_losses2 = (v_clipped - returns) ** 2
-        vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)
-    # clipped surrogate: max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε))
+        vf_loss = 0.5 * aggregate(torch.max(vf_losses1, vf_losses2), mask)
+    # clipped surrogate: max(−A·min(ρ, δ), −A·clip(ρ, 1 − ε, 1 + ε_h))
     log_ratio = new_logprobs - old_logprobs
+    rows = None
+    if sequence_level:
+        b, t = new_logprobs.shape
+        rows = torch.arange(b, device=new_logprobs.device)[:, None].expand(b, t)
     # masked: what a caller left in old_logprobs / advantages off the trained tokens reaches no gradient
-    pg_losses, ratio, clipped = clipped_surrogate(new_logprobs, old_logprobs, advantages, cliprange, mask=mask)
-    pg_loss = masked_mean(pg_losses, mask)
-    mean_entropy = masked_mean(entropy, mask)
+    pg_losses, ratio, clipped = clipped_surrogate(new_logprobs, old_logprobs, advantages, cliprange, mask=mask,
+                                                  cliprange_high=cliprange_high, delta=delta, sequence_ids=rows,
+                                                  num_sequences=None if rows is None else rows.shape[0])
+    pg_loss = aggregate(pg_losses, mask, token_weights, normalizer)
+    mean_entropy = aggregate(entropy, mask)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
     loss = policy_loss + vf_coef * vf_loss if critic else policy_loss
     if beta:
         kl_tokens = kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
-        kl_loss = masked_mean(kl_tokens * ratio if bias_correction_kl else kl_tokens, mask)
+        kl_loss = aggregate(kl_tokens * ratio if bias_correction_kl else kl_tokens, mask, token_weights, normalizer)
         loss = loss + beta * kl_loss
-    mean_ratio = masked_mean(ratio, mask)
     # legacy TRL's ratio_threshold: a micro-batch whose ratios blew up contributes nothing (no host sync);
     # its logged losses are the ones applied (0), and ratio_skipped counts it
-    kept = (mean_ratio <= ratio_threshold).to(loss.dtype)
+    kept = (aggregate(ratio, mask) <= ratio_threshold).to(loss.dtype)
     loss = loss * kept
     with torch.no_grad():
         stats = torch.full((len(STAT_NAMES),), float("nan"), device=loss.device)  # NaN: not computed (no critic)
+        clip_low, clip_high = clip_sides(ratio, advantages, cliprange, cliprange_high, delta)
         for name, value in (
             ("approxkl", 0.5 * masked_mean(log_ratio**2, mask)),
             ("policykl", masked_mean(-log_ratio, mask)),
             ("pg_clipfrac", masked_mean(clipped.float(), mask)),
+            ("clip_low", masked_mean(clip_low.float(), mask)),
+            ("clip_high", masked_mean(clip_high.float(), mask)),
+            ("clip_region", masked_mean((clip_low | clip_high).float(), mask)),
             ("pg_loss", pg_loss * kept),
-            ("entropy", mean_entropy),
-            ("ratio", mean_ratio),
+            ("entropy", masked_mean(entropy, mask)),
+            ("ratio", masked_mean(ratio, mask)),
             ("advantages_mean", masked_mean(advantages, mask)),
             ("ratio_skipped", 1.0 - kept),
         ):
@@ -465,6 +517,14 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     seen = torch.zeros_like(rollout.response_mask, dtype=torch.float32) if experience.logprobs is None else None
     total_lengths = [q + r for q, r in zip(rollout.query_lengths, rollout.response_lengths)]
     fused = getattr(config, "fused_policy_loss", False)
+    loss_mask = trained_mask(rollout, config.mask_truncated_completions)
+    dapo_tokens = None
+    if config.loss_type == "dapo":  # the rollout's active tokens on every process, per micro-batch that covers them
+        dapo_tokens = loss_mask.sum().float()
+        fdist.all_reduce(dapo_tokens)
+        dapo_tokens = dapo_tokens / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)
+    sequence_level = config.importance_sampling_level == "sequence"
+    clip = dict(cliprange_high=config.epsilon_high, delta=config.delta)
     epochs_run = config.num_ppo_epochs
     model.train()
     for epoch in range(config.num_ppo_epochs):
@@ -477,9 +537,17 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 old_logprobs, old_values, advantages, returns, mask, ref_logprobs = (
                     None if t is None else t.index_select(0, index) for t in (
                         experience.logprobs, experience.values, targets.advantages, targets.returns,
-                        rollout.response_mask, experience.ref_logprobs if config.beta else None))
-                policy_loss = dict(old_logprobs=old_logprobs, advantages=advantages, mask=mask,
-                                   cliprange=config.cliprange, entropy_coef=config.entropy_coef) if fused else None
+                        loss_mask, experience.ref_logprobs if config.beta else None))
+                token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length,
+                                                                dapo_tokens)
+                policy_loss = None
+                if fused:
+                    policy_loss = dict(
+                        old_logprobs=old_logprobs, advantages=advantages, mask=mask, cliprange=config.cliprange,
+                        entropy_coef=config.entropy_coef, token_weights=token_weights, normalizer=normalizer,
+                        importance_sampling_level=config.importance_sampling_level,
+                        sequence_lengths=[rollout.response_lengths[r] for r in rows] if sequence_level else None,
+                        **clip)
                 sync = k == sizes.micro_steps - 1  # DDP all-reduces gradients on the last micro-step only
                 ddp_accumulates = zero is None and hasattr(model, "no_sync") and not sync
                 ctx = model.no_sync() if ddp_accumulates else contextlib.nullcontext()
@@ -494,6 +562,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         config.cliprange, config.cliprange_value, config.vf_coef, config.entropy_coef,
                         config.ratio_threshold, out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
                         kl_loss_type=config.kl_loss_type, bias_correction_kl=config.use_bias_correction_kl,
+                        sequence_level=sequence_level, token_weights=token_weights, normalizer=normalizer, **clip,
                     )
                     finite = finite * torch.isfinite(loss.detach())
                     if zero is not None:
@@ -534,6 +603,15 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
         optimizer.found_inf = None
     steps = epochs_run * sizes.num_mini_batches - skipped
     return UpdateResult(stats, skipped, steps, epochs_run, seen)
+
+
+def trained_mask(rollout: Rollout, mask_truncated_completions: bool) -> torch.Tensor:
+    """[B, T] the tokens the loss reads: the rollout's trained tokens, less every token of a completion that ended
+    without a stop token when ``mask_truncated_completions`` (DAPO's overlong filtering, TRL GRPO's name). Their
+    rewards still count in their group's statistics, as in TRL."""
+    if not mask_truncated_completions:
+        return rollout.response_mask
+    return rollout.response_mask & rollout.has_stop[:, None]
 
 
 def old_logprobs_in_update(config: PPOConfig) -> bool:

@@ -11,6 +11,25 @@ import torch
 
 from fastppo.kernels._common import interpret_mode
 
+# TRL GRPO's policy-loss settings, by TRL's names (fastppo's are the same); each run unfused at beta 0.04 and fused
+# at beta 0
+TRL_GRPO_LOSS_VARIANTS = {
+    "bnpo": {"loss_type": "bnpo"},
+    "grpo": {"loss_type": "grpo"},
+    "dr_grpo": {"loss_type": "dr_grpo"},
+    "clip_higher": {"loss_type": "dapo", "epsilon_high": 0.28},
+    "delta": {"loss_type": "dapo", "delta": 1.25},
+    "gspo": {"loss_type": "dapo", "importance_sampling_level": "sequence"},
+    "gspo_grpo_narrow": {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.1,
+                         "epsilon_high": 0.15},
+    "truncated_dapo": {"loss_type": "dapo", "mask_truncated_completions": True},
+    "truncated_grpo": {"loss_type": "grpo", "mask_truncated_completions": True},
+    "truncated_dr_grpo_entropy": {"loss_type": "dr_grpo", "mask_truncated_completions": True, "entropy_coef": 0.1},
+    "entropy_bnpo": {"loss_type": "bnpo", "entropy_coef": 0.1},
+}
+TRL_GRPO_LOSS_VARIANT_BETAS = {"unfused": 0.04, "fused": 0.0}
+
+
 # Kernel output (fp32 accumulation) vs a float64 reference, per *input* dtype.
 TOLERANCE = {
     torch.float64: dict(atol=1e-9, rtol=1e-9),

@@ -73,8 +73,9 @@ def test_every_tile_choice_is_named_once_for_the_tuner():
 
 
 def test_every_public_kernel_has_a_reference_beside_it():
-    # plain PyTorch helpers (clipped_surrogate is itself the reference statement of the surrogate loss)
-    helpers = {"extension_backend", "masked_mean", "masked_var", "masked_whiten", "clipped_surrogate",
+    # plain PyTorch helpers (clipped_surrogate is itself the reference statement of the surrogate loss, clip_sides
+    # its per-side clip flags)
+    helpers = {"extension_backend", "masked_mean", "masked_var", "masked_whiten", "clipped_surrogate", "clip_sides",
                "check_temperature"}  # and the argument check every kernel taking a temperature shares
     public = [n for n in kernels.__all__ if callable(getattr(kernels, n)) and n[0].islower()]
     for name in public:

@@ -45,8 +45,18 @@ grpo, 0.05 = TRL's beta for rloo) and ``estimate_advantages``; then ``PolicyAndV
 critic=False)`` on ``rollout.layout(range(B))`` (entropy on) and ``ppo_losses`` with the config's values, as
 ``ppo_update`` calls it; ``backward()``.
 
-``OUT.pt``: ``{"grpo": {f"{scale}-{beta}": record}, "rloo": record, "batch": ..., "seconds": ...}``; each
-record holds both sides' advantages [B] (and for GRPO the loss and every gradient), plus the max differences.
+The policy-loss settings (``VARIANTS``): each is one dict of TRL GRPO's own names (loss_type, epsilon,
+epsilon_high, delta, importance_sampling_level, mask_truncated_completions, entropy_coef) handed unchanged to
+``GRPOConfig`` and to fastppo's ``PPOConfig``, with max_completion_length = response_length = the longest
+completion (dr_grpo's constant). fastppo's side runs as ``ppo_update`` does for one micro-batch of one
+minibatch on one process: ``trained_mask`` (mask_truncated_completions), the dapo normaliser from its tokens,
+``policy_loss_weights``, ``ppo_losses`` with the clip and level options. Twice: unfused at beta 0.04, and
+through the fused loss (``fused_ppo_policy_loss``, its plain-PyTorch path on a CPU) at beta 0 (the fused loss
+takes no in-loss KL), each against TRL at the same beta.
+
+``OUT.pt``: ``{"grpo": {f"{scale}-{beta}": record}, "variants": {f"{name}-{beta}": record}, "rloo": record,
+"batch": ..., "seconds": ...}``; each record holds both sides' advantages [B] (and for GRPO the loss and every
+gradient), plus the max differences.
 """
 from __future__ import annotations
 
@@ -66,11 +76,15 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
+from helpers import TRL_GRPO_LOSS_VARIANTS as VARIANTS  # noqa: E402  (tests/ is this script's directory)
+from helpers import TRL_GRPO_LOSS_VARIANT_BETAS as VARIANT_BETAS  # noqa: E402
+
 from fastppo import embedded  # noqa: E402
 from fastppo.config import PPOConfig  # noqa: E402
 from fastppo.kernels import kl_penalty  # noqa: E402
 from fastppo.models import PolicyAndValue, disable_dropout  # noqa: E402
-from fastppo.train import assemble, estimate_advantages, per_token_rewards, ppo_losses  # noqa: E402
+from fastppo.train import (assemble, estimate_advantages, per_token_rewards, policy_loss_weights,  # noqa: E402
+                           ppo_losses, trained_mask)
 
 P, K = 3, 4
 PROMPT_LENGTHS = [3, 5, 2]
@@ -82,6 +96,7 @@ NOISE = 0.3
 CLIPRANGE = 0.2  # TRL's epsilon (= epsilon_high by default)
 GRPO_BETAS = (0.0, 0.04)
 SCALES = ("group", "batch", "none")
+LONGEST = max(COMPLETION_LENGTHS)  # TRL's max_completion_length and fastppo's response_length (dr_grpo's constant)
 
 
 def make_batch(path: str, seed: int = 0) -> dict:
@@ -179,7 +194,41 @@ def fastppo_grpo(path, batch, old, ref, scale: str, beta: float) -> dict:
             "tokens": int(mask.sum())}
 
 
-def trl_grpo(path, batch, old, ref, scale: str, beta: float, workdir: str) -> dict:
+def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
+    """One micro-batch of ``ppo_update`` at TRL's settings (module docstring)."""
+    beta = VARIANT_BETAS["fused" if fused else "unfused"]
+    config = fastppo_config("grpo", beta=beta, response_length=LONGEST, stop_token="eos", fused_policy_loss=fused,
+                            **settings)
+    rollout, advantages = fastppo_advantages(batch, old, ref, config)
+    mask = trained_mask(rollout, config.mask_truncated_completions)
+    dapo_tokens = mask.sum().float()  # one process, one minibatch, one micro-step
+    token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length, dapo_tokens)
+    clip = dict(cliprange_high=config.epsilon_high, delta=config.delta)
+    policy = load_policy(path)
+    layout = rollout.layout(range(P * K))
+    fused_loss = None
+    if fused:
+        fused_loss = dict(old_logprobs=old, advantages=advantages, mask=mask, cliprange=config.cliprange,
+                          entropy_coef=config.entropy_coef, token_weights=token_weights, normalizer=normalizer,
+                          importance_sampling_level=config.importance_sampling_level,
+                          sequence_lengths=list(rollout.response_lengths)
+                          if config.importance_sampling_level == "sequence" else None, **clip)
+    out = PolicyAndValue(policy, None, critic=False)(layout, config.temperature, return_entropy=True,
+                                                    policy_loss=fused_loss)
+    loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask, config.cliprange,
+                             config.cliprange_value, config.vf_coef, config.entropy_coef, config.ratio_threshold,
+                             out.policy_loss, ref_logprobs=ref, beta=config.beta, kl_loss_type=config.kl_loss_type,
+                             bias_correction_kl=config.use_bias_correction_kl,
+                             sequence_level=config.importance_sampling_level == "sequence",
+                             token_weights=token_weights, normalizer=normalizer, **clip)
+    loss.backward()
+    from fastppo.metrics import STAT
+    return {"loss": loss.detach().clone(), "tokens": int(mask.sum()),
+            "grads": {n: p.grad.detach().clone() for n, p in policy.named_parameters()},
+            "clip_low": stats[STAT["clip_low"]].item(), "clip_high": stats[STAT["clip_high"]].item()}
+
+
+def trl_grpo(path, batch, old, ref, scale: str, beta: float, workdir: str, **settings) -> dict:
     b = P * K
     texts = [f"prompt {g}" for g in range(P)]
 
@@ -195,19 +244,25 @@ def trl_grpo(path, batch, old, ref, scale: str, beta: float, workdir: str) -> di
 
     args = GRPOConfig(
         output_dir=workdir, per_device_train_batch_size=b, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_generations=K, beta=beta, scale_rewards=scale, loss_type="dapo", temperature=1.0, use_cpu=True,
+        num_generations=K, beta=beta, scale_rewards=scale, temperature=1.0, use_cpu=True,
         bf16=False, report_to="none", save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        max_completion_length=LONGEST, **{"loss_type": "dapo", **settings},
     )
     assert not args.bf16 and not args.fp16  # TRL's configs default bf16 to True: autocast would round the forward
-    assert args.epsilon == CLIPRANGE and args.epsilon_high in (None, CLIPRANGE) and args.use_bias_correction_kl
-    assert args.num_iterations == 1 and args.entropy_coef == 0.0 and args.delta is None
+    assert args.use_bias_correction_kl and args.num_iterations == 1
+    if not settings:  # the defaults fastppo's grpo matches
+        assert args.epsilon == CLIPRANGE and args.epsilon_high in (None, CLIPRANGE)
+        assert args.entropy_coef == 0.0 and args.delta is None
     trainer = GRPOTrainer(model=path, reward_funcs=reward_func, args=args,
                           train_dataset=Dataset.from_dict({"prompt": texts}), rollout_func=rollout_func)
-    assert trainer.loss_type == "dapo" and trainer.temperature == 1.0 and trainer.scale_rewards == scale
+    assert trainer.loss_type == settings.get("loss_type", "dapo") and trainer.temperature == 1.0
+    assert trainer.scale_rewards == scale
     trainer.model.train()
     inputs = trainer._generate_and_score_completions([{"prompt": texts[i // K]} for i in range(b)])
     assert torch.equal(inputs["completion_ids"], batch["responses"])
-    assert torch.equal(inputs["completion_mask"].bool(), batch["real"])
+    truncated = settings.get("mask_truncated_completions", False)
+    expected_mask = batch["real"] & batch["has_stop"][:, None] if truncated else batch["real"]
+    assert torch.equal(inputs["completion_mask"].bool(), expected_mask)
     assert torch.equal(inputs["prompt_ids"], batch["queries"])
     assert torch.equal(inputs["prompt_mask"], batch["query_mask"])
     assert inputs.get("old_per_token_logps") is None  # one step per generation: TRL would use π_θ's, detached
@@ -308,6 +363,21 @@ def main():
                       f"rel {rec['grad_max_rel']:.2e} abs/scale {rec['grad_max_abs_over_global_scale']:.2e} "
                       f"clip active A>0/A<0 {ours['clip_active_pos']}/{ours['clip_active_neg']} of {ours['tokens']} "
                       f"[{time.perf_counter() - start:.0f} s]", flush=True)
+        record["variants"] = {}
+        for name, settings in VARIANTS.items():
+            for kind, beta in VARIANT_BETAS.items():
+                theirs = trl_grpo(path, batch, old, ref, "group", beta, workdir, **settings)
+                ours = fastppo_variant(path, batch, old, ref, settings, fused=kind == "fused")
+                diffs = grad_diffs(ours["grads"], theirs["grads"])
+                rec = {"trl": theirs, "fastppo": ours, "grad_diffs": diffs,
+                       "loss_abs": (ours["loss"] - theirs["loss"]).abs().item(),
+                       "grad_max_abs_over_global_scale": max(d["max_abs"] for d in diffs.values())
+                       / max(d["scale"] for d in diffs.values())}
+                record["variants"][f"{name}-{kind}"] = rec
+                print(f"{name:26s} {kind:7s}: loss {theirs['loss'].item():+.6f} diff {rec['loss_abs']:.2e} grad "
+                      f"abs/scale {rec['grad_max_abs_over_global_scale']:.2e} clip low/high "
+                      f"{ours['clip_low']:.3f}/{ours['clip_high']:.3f} [{time.perf_counter() - start:.0f} s]",
+                      flush=True)
         theirs = trl_rloo(path, batch, old, ref, workdir)
         config = fastppo_config("rloo")
         assert config.kl_coef == theirs["beta"] and config.kl_estimator == "k1"  # fastppo's rloo defaults: TRL's

@@ -24,7 +24,7 @@ from fastppo.kernels.logprobs import (
     token_logprobs_reference,
 )
 from fastppo.kernels.masking import extension_backend, truncate_at_stop, truncate_at_stop_reference
-from fastppo.kernels.ppo_loss import (PPOPolicyLossOutput, clipped_surrogate, fused_ppo_policy_loss,
+from fastppo.kernels.ppo_loss import (PPOPolicyLossOutput, clip_sides, clipped_surrogate, fused_ppo_policy_loss,
                                       fused_ppo_policy_loss_reference)
 from fastppo.kernels.stats import masked_mean, masked_var, masked_whiten
 
@@ -34,6 +34,7 @@ __all__ = [
     "PPOPolicyLossOutput",
     "TokenStats",
     "check_temperature",
+    "clip_sides",
     "clipped_surrogate",
     "extension_backend",
     "fused_full_kl",
