@@ -1,0 +1,214 @@
+"""TRL GRPO's policy-loss settings in the trainer: loss_type's normalisers across micro-batches and processes,
+mask_truncated_completions, the fused and unfused update agreeing on every setting, the settings from the
+library and the command line, and their bad values refused by name.
+
+The update tests run ``ppo_update`` in float64 (the embedded tiny model cast to double, SGD) on one scored
+GRPO rollout whose old log-probs sit N(0, 0.4²) off the policy's (every clip acts), so "equal" means equal to
+float64 rounding and "differs" is far above it. Against TRL 1.16's own loss: ``test_trl1_loss_match.py``.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from fastppo.config import PPOConfig, derive_sizes
+from fastppo.errors import SettingsError
+from fastppo.metrics import STAT
+from fastppo.train import (Experience, Targets, aggregate, estimate_advantages, per_token_rewards, policy_loss_weights,
+                           ppo_update, score_rollout, trained_mask)
+from helpers import cli_trainer, make_trainer, metrics_without_clock, small_config
+
+PROMPTS = ["The quick brown fox", "Hello", "Once upon a time in a land", "Why"]
+K = 2  # completions per prompt
+B = len(PROMPTS) * K
+LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo")
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory, model_dir):
+    """(trainer, rollout, experience, targets) of one GRPO rollout of B rows, in float64."""
+    tmp = tmp_path_factory.mktemp("loss-types")
+    # a fifth of the tiny model's vocabulary stops a response: ragged rows, some that stop and some that run to
+    # response_length (what mask_truncated_completions reads)
+    trainer = make_trainer(small_config(tmp, advantage_estimator="grpo", num_generations=K, response_length=8,
+                                        save_strategy="no", per_device_train_batch_size=B,
+                                        gradient_accumulation_steps=1, stop_token_id=list(range(10, 40))))
+    ids = [trainer.tokenizer(p)["input_ids"] for p in PROMPTS for _ in range(K)]
+    torch.manual_seed(7)
+    rollout = trainer.rollout(ids).rollout
+    assert len(set(rollout.response_lengths)) > 2, rollout.response_lengths
+    assert 0 < int(rollout.has_stop.sum()) < B, rollout.has_stop
+    module = trainer.actor_critic.double()
+    experience = score_rollout(module, trainer.reference, rollout, trainer.config.temperature, "k1", B)
+    g = torch.Generator().manual_seed(3)
+    mask = rollout.response_mask
+    old = experience.logprobs + 0.4 * torch.randn(experience.logprobs.shape, generator=g, dtype=torch.float64) * mask
+    experience = Experience(old, experience.ref_logprobs, None, experience.kl)
+    scores = torch.randn(B, generator=g, dtype=torch.float64)
+    rewards, nsr = per_token_rewards(experience.kl, scores, mask, rollout.score_index, 0.0)
+    advantages, _ = estimate_advantages("grpo", rewards, None, mask, trainer.config)
+    return trainer, rollout, experience, Targets(rewards, nsr, advantages, None)
+
+
+def update(scored, micro_batch_size: int, *, advantages=None, **settings):
+    """The parameter change of one ppo_update step (SGD, lr 1) with micro-batches of ``micro_batch_size`` rows,
+    and the update's statistics."""
+    trainer, rollout, experience, targets = scored
+    config = copy.copy(trainer.config)
+    for name, value in settings.items():
+        setattr(config, name, value)
+    if advantages is not None:
+        targets = Targets(targets.rewards, targets.non_score_reward, advantages, None)
+    sizes = derive_sizes(trainer.config, 1, len(PROMPTS))
+    sizes = dataclasses.replace(sizes, micro_batch_size=micro_batch_size, micro_steps=B // micro_batch_size)
+    module = copy.deepcopy(trainer.actor_critic)
+    before = [p.detach().clone() for p in module.parameters()]
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1.0)
+    result = ppo_update(module, optimizer, rollout, experience, targets, config, sizes,
+                        torch.Generator().manual_seed(0))
+    assert float(result.skipped_steps) == 0
+    return torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(module.parameters(), before)]), result.stats
+
+
+def rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_step_does_not_depend_on_how_its_batch_is_split_except_bnpo(scored, loss_type):
+    """dapo (one global token count), grpo (a mean of sequences) and dr_grpo (a constant per sequence) give the one
+    step's gradient however the rows are cut into micro-batches; bnpo, a token mean per micro-batch (TRL 0.26
+    PPO's and TRL GRPO's bnpo), weighs micro-batches of fewer tokens more, as TRL's does."""
+    whole, _ = update(scored, B, loss_type=loss_type)
+    for micro in (4, 1):
+        split, _ = update(scored, micro, loss_type=loss_type)
+        if loss_type == "bnpo":
+            assert rel(split, whole) > 1e-3, micro
+        else:
+            assert rel(split, whole) < 1e-12, (micro, rel(split, whole))
+
+
+def test_dapo_over_processes_is_the_global_token_mean():
+    """DDP averages the processes' gradients and the update divides each micro-batch's loss by the micro-steps:
+    with dapo's normaliser (the rollout's active tokens over processes × minibatches × micro-steps) the step's
+    gradient is the token mean of the whole minibatch, whatever the processes' token counts."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(8, 5, generator=g) > 0.4
+    mask[0] = True
+    mask[5] = False
+    processes, micro_steps, minibatches = 2, 2, 1
+    dapo_tokens = mask.sum() / (processes * minibatches * micro_steps)
+    steps = []
+    for p in range(processes):
+        for k in range(micro_steps):
+            rows = slice(4 * p + 2 * k, 4 * p + 2 * k + 2)
+            weights, normalizer = policy_loss_weights("dapo", mask[rows], 9, dapo_tokens)
+            steps.append(aggregate(x[rows], mask[rows], weights, normalizer) / micro_steps)
+    (ddp,) = torch.autograd.grad(torch.stack(steps).sum() / processes, x)
+    (whole,) = torch.autograd.grad(torch.where(mask, x, 0.0).sum() / mask.sum(), x)
+    torch.testing.assert_close(ddp, whole, rtol=1e-14, atol=1e-16)
+
+
+def test_policy_loss_weights_state_trls_normalisers():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    x = torch.tensor([[1.0, 3.0, 9.0, 9.0], [2.0, 2.0, 2.0, 6.0], [9.0, 9.0, 9.0, 9.0]], dtype=torch.float64)
+    assert aggregate(x, mask, *policy_loss_weights("bnpo", mask, 4, None)).item() == 16 / 6
+    assert aggregate(x, mask, *policy_loss_weights("grpo", mask, 4, None)).item() == (2 + 3 + 0) / 3
+    assert aggregate(x, mask, *policy_loss_weights("dr_grpo", mask, 4, None)).item() == 16 / (3 * 4)
+    assert aggregate(x, mask, *policy_loss_weights("dapo", mask, 4, torch.tensor(8.0))).item() == 16 / 8
+    empty = torch.zeros_like(mask)
+    assert aggregate(x, empty).item() == 0  # nothing trained: adds nothing (not NaN, which would void the step)
+
+
+def test_masked_truncated_completions_leave_the_loss(scored):
+    """With mask_truncated_completions, what the rows that never stopped hold (their advantages) moves nothing;
+    without it, it moves the step. The stopped rows still train."""
+    _, rollout, _, targets = scored
+    truncated = ~rollout.has_stop
+    other = targets.advantages.clone()
+    other[truncated] = other[truncated] * -3.0 + 1.0
+    for loss_type in ("dapo", "grpo"):  # a global normaliser that shrinks, and a mean over every sequence
+        kept, _ = update(scored, 4, loss_type=loss_type, mask_truncated_completions=True)
+        moved, _ = update(scored, 4, loss_type=loss_type, mask_truncated_completions=True, advantages=other)
+        assert rel(moved, kept) < 1e-13, loss_type
+        assert kept.abs().max() > 0
+        plain, _ = update(scored, 4, loss_type=loss_type)
+        plain_moved, _ = update(scored, 4, loss_type=loss_type, advantages=other)
+        assert rel(plain_moved, plain) > 1e-3, loss_type
+    mask = trained_mask(rollout, True)
+    assert not mask[truncated].any() and torch.equal(mask[~truncated], rollout.response_mask[~truncated])
+
+
+# each setting with a loss_type beside it, so that every loss_type and every setting meet the fused loss
+SETTINGS = {
+    "clip_higher": dict(epsilon_high=0.28, loss_type="dapo"),
+    "delta": dict(delta=1.25, loss_type="bnpo"),
+    "sequence": dict(importance_sampling_level="sequence", loss_type="grpo"),
+    "sequence_narrow": dict(importance_sampling_level="sequence", epsilon=0.05, cliprange=0.05, epsilon_high=0.08,
+                            loss_type="dapo"),
+    "entropy": dict(entropy_coef=0.1, loss_type="dr_grpo"),
+    "truncated": dict(mask_truncated_completions=True, loss_type="dr_grpo"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_fused_update_equals_unfused_update(scored, name, padding_free):
+    """The fused loss (its PyTorch path on a CPU; its Triton path is held to the same reference in
+    test_policy_loss_options) and the unfused one give the same step for every setting and layout, and the
+    setting moves the step away from its loss_type's plain one."""
+    settings = dict(SETTINGS[name], padding_free=padding_free)
+    plain, stats = update(scored, 4, **settings)
+    fused, fused_stats = update(scored, 4, fused_policy_loss=True, **settings)
+    assert rel(fused, plain) < 1e-11, rel(fused, plain)
+    torch.testing.assert_close(fused_stats, stats, rtol=1e-10, atol=1e-12, equal_nan=True)
+    base, base_stats = update(scored, 4, loss_type=settings["loss_type"], padding_free=padding_free)
+    assert rel(plain, base) > 1e-4, name
+    if name == "clip_higher":  # fewer tokens clipped above: ε_h widens the upper side only
+        assert stats[STAT["clip_high"]].nanmean() < base_stats[STAT["clip_high"]].nanmean()
+        assert stats[STAT["clip_low"]].nanmean() == base_stats[STAT["clip_low"]].nanmean()
+
+
+def test_defaults_follow_the_estimator_and_epsilon_is_cliprange():
+    assert PPOConfig(output_dir=None).loss_type == "bnpo"  # TRL 0.26 PPO's aggregation: GAE runs unchanged
+    for estimator in ("grpo", "rloo", "reinforce_plus_plus"):
+        assert PPOConfig(output_dir=None, advantage_estimator=estimator).loss_type == "dapo"  # TRL GRPO's default
+    c = PPOConfig(output_dir=None, epsilon=0.3)
+    assert (c.cliprange, c.epsilon, c.epsilon_high) == (0.3, 0.3, 0.3)
+    c = PPOConfig(output_dir=None, cliprange=0.1, epsilon_high=0.28)
+    assert (c.cliprange, c.epsilon, c.epsilon_high) == (0.1, 0.1, 0.28)
+    assert PPOConfig(output_dir=None, advantage_estimator="grpo", loss_type="grpo").loss_type == "grpo"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(loss_type="token-mean"), "unknown loss_type 'token-mean'; choose one of bnpo, dapo, grpo, dr_grpo"),
+    (dict(epsilon=0.3, cliprange=0.1), "epsilon 0.3 and cliprange 0.1 are one setting"),
+    (dict(epsilon_high=0.1), r"epsilon_high \(0.1\) must be >= epsilon \(0.2\)"),
+    (dict(delta=1.0), "delta must be > 1"),
+    (dict(delta=float("nan")), "delta must be > 1"),
+    (dict(importance_sampling_level="seq"), "importance_sampling_level must be one of token, sequence"),
+    (dict(mask_truncated_completions=True, stop_token=None, stop_token_id=None),
+     "mask_truncated_completions .* no stop token is set"),
+])
+def test_bad_policy_loss_settings_are_refused_naming_the_setting(tmp_path, kwargs, message):
+    with pytest.raises(SettingsError, match=message):
+        make_trainer(small_config(tmp_path, advantage_estimator="grpo", num_generations=2, **kwargs))
+
+
+def test_the_settings_train_from_the_command_line(tmp_path, model_dir):
+    cli = cli_trainer(["--advantage_estimator", "grpo", "--num_generations", "2", "--output_dir", str(tmp_path / "cli"),
+                       "--total_episodes", "16", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
+                       "2", "--response_length", "6", "--num_sample_generations", "0", "--loss_type", "dr_grpo",
+                       "--epsilon", "0.15", "--epsilon_high", "0.28", "--delta", "2.0", "--importance_sampling_level",
+                       "sequence", "--mask_truncated_completions", "--stop_token", "eos", "--entropy_coef", "0.01",
+                       "--fused_policy_loss", "--padding_free"])
+    c = cli.config
+    assert (c.loss_type, c.cliprange, c.epsilon, c.epsilon_high, c.delta, c.importance_sampling_level,
+            c.mask_truncated_completions, c.entropy_coef) == ("dr_grpo", 0.15, 0.15, 0.28, 2.0, "sequence", True, 0.01)
+    cli.train()
+    rows = metrics_without_clock(tmp_path / "cli" / "metrics.jsonl")
+    assert {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"} <= set(rows[-1])
