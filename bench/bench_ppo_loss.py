@@ -18,12 +18,22 @@ the reference on the same inputs before it is timed:
 
 Floor (``% floor``): the bare bf16 GEMMs, timed in the same run: hidden @ weight.T, dX @ weight and
 dXᵀ @ hidden.
+
+The options (TRL GRPO's loss settings, ``test_fused_ppo_policy_loss_options_gpu``), each beside the same floor
+and checked against ``fused_ppo_policy_loss_reference`` with the same options:
+  * clip-higher (ε_h 0.28), δ 1.5 and dapo's normaliser (a 0-d device tensor): the same one kernel, a few
+    more instructions per row;
+  * GSPO (``importance_sampling_level="sequence"``, sequences of 256 tokens) with grpo's token weights: chunks
+    of whole sequences, each through the row-statistics kernel, the per-token loss on [rows] vectors in
+    PyTorch, and the gradient kernel: the same two passes over each chunk's logits and the same three GEMMs,
+    plus a few small launches per chunk.
 """
 import pytest
 import torch
 
 from benchutil import assert_agrees, bench_dtype, dtype_name, gemm_floor
-from fastppo.kernels import fused_ppo_policy_loss, fused_token_logprobs, masked_mean, token_logprobs_reference
+from fastppo.kernels import fused_ppo_policy_loss, fused_ppo_policy_loss_reference, fused_token_logprobs, masked_mean
+from fastppo.kernels import token_logprobs_reference
 
 CLIPRANGE, ENTROPY_COEF = 0.2, 0.01
 
@@ -78,3 +88,43 @@ def test_fused_ppo_policy_loss_gpu(measure, gpu_device, ppo_loss_shape, impl):
     measure(call, group=f"ppo_loss: fused_ppo_policy_loss fwd+bwd {gpu_device} N={n_tokens} H={hid} V={vocab} "
                         f"{dtype_name(dtype)}",
             impl=impl, device=gpu_device, floor_s=floor_s, rounds=10)
+
+
+SEQUENCE = 256  # GSPO case: tokens per completion
+
+
+def _options(name: str, n_tokens: int, mask: torch.Tensor) -> dict:
+    if name == "clip-higher + delta + dapo":
+        return dict(cliprange_high=0.28, delta=1.5, normalizer=mask.sum().float() / 2)
+    lengths = [min(SEQUENCE, n_tokens - s) for s in range(0, n_tokens, SEQUENCE)]
+    per_token = torch.repeat_interleave(torch.tensor([float(m.sum()) for m in mask.split(lengths)],
+                                                     device=mask.device), torch.tensor(lengths, device=mask.device))
+    return dict(importance_sampling_level="sequence", sequence_lengths=lengths,
+                token_weights=mask / per_token.clamp(min=1), normalizer=float(len(lengths)))
+
+
+@pytest.mark.parametrize("option", ["clip-higher + delta + dapo", "GSPO + grpo weights"])
+def test_fused_ppo_policy_loss_options_gpu(measure, gpu_device, ppo_loss_shape, option):
+    n_tokens, hid, vocab = ppo_loss_shape
+    dtype = bench_dtype(gpu_device)
+    hidden = torch.randn(n_tokens, hid, device=gpu_device, dtype=dtype).requires_grad_()
+    weight = (torch.randn(vocab, hid, device=gpu_device, dtype=dtype) / hid**0.5).requires_grad_()
+    index = torch.randint(0, vocab, (n_tokens,), device=gpu_device)
+    with torch.no_grad():
+        old = fused_token_logprobs(hidden, weight, index) + 0.2 * torch.randn(n_tokens, device=gpu_device)
+    adv = torch.randn(n_tokens, device=gpu_device)
+    mask = torch.rand(n_tokens, device=gpu_device) > 0.1
+    options = _options(option, n_tokens, mask)
+
+    def call_of(fn):
+        def call():
+            loss = fn(hidden, weight, index, old, adv, mask, CLIPRANGE, ENTROPY_COEF, **options).loss
+            return (loss, *torch.autograd.grad(loss, (hidden, weight)))
+        return call
+
+    call = call_of(fused_ppo_policy_loss)
+    assert_agrees(call(), call_of(fused_ppo_policy_loss_reference)(), option, rtol=5e-2, atol_of_max=3e-2)
+    floor_s = gemm_floor(gpu_device, [(hidden, weight)], (hidden, weight))
+    measure(call, group=f"ppo_loss options: fused_ppo_policy_loss fwd+bwd {gpu_device} N={n_tokens} H={hid} "
+                        f"V={vocab} {dtype_name(dtype)}",
+            impl=f"fastppo triton, {option}", device=gpu_device, floor_s=floor_s, rounds=10)
