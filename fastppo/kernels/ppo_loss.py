@@ -58,6 +58,14 @@ memory stays bounded whatever N is):
     grad_W   += dx_cᵀ @ h_c
     grad_b   += Σ_rows dx_c
 
+At the sequence level a token's gradient needs its whole sequence's log-probs
+(its one ratio), so the chunks hold whole sequences (a sequence longer than C
+is a chunk of its own: the logits buffer grows to it), and the one row kernel
+is split in two launches with the per-token math between them: pass 1 (lse, H,
+logp per row), then (P2)-(P5) on the chunk's [rows] vectors by
+``clipped_surrogate`` and autograd, then pass 2 (dx). The same two passes over
+the logits and the same three GEMMs.
+
 The autograd backward only multiplies the saved gradients by the upstream
 scalar. The saved gradients are the size of the gradients themselves (they
 are held from the forward to the backward).
