@@ -26,7 +26,7 @@ V, H = 29, 12
 
 
 def oracle(hidden, weight, bias, index, old, adv, mask, eps, eps_high, delta, level, lengths, weights, normalizer,
-           entropy_coef, temperature, reduction):
+           entropy_coef, temperature, reduction, entropy_weights=None):
     """(loss, ratio per token) in float64, sequence by sequence, as TRL GRPO writes the loss."""
     logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t() + (0 if bias is None else bias)) / temperature
     logp_all = torch.log_softmax(logits, -1)
@@ -54,8 +54,11 @@ def oracle(hidden, weight, bias, index, old, adv, mask, eps, eps_high, delta, le
     pg = torch.cat(pg_terms).sum()
     ent = torch.where(real, entropy, 0.0).sum()
     count = real.sum().double()
-    plain = weights is None and normalizer is None and level == "token"
-    if reduction == "token_mean":
+    plain = weights is None and normalizer is None and level == "token" and entropy_weights is None
+    if entropy_weights is not None:  # each token's own weight in the entropy term
+        d = normalizer if normalizer is not None else count.clamp(min=1) if reduction == "token_mean" else 1.0
+        loss = pg / d - entropy_coef * torch.where(real, entropy_weights.reshape(-1) * entropy, 0.0).sum()
+    elif reduction == "token_mean":
         d = (count if plain else count.clamp(min=1)) if normalizer is None else normalizer
         loss = pg / d - entropy_coef * ent / (count if plain else count.clamp(min=1))
     else:
@@ -94,6 +97,8 @@ OPTIONS = {
     "normalizer": dict(normalizer=7.0),
     "sequence_weights_normalizer": dict(importance_sampling_level="sequence", token_weights="grpo", normalizer=3.0),
     "sum": dict(reduction="sum", cliprange_high=0.375),
+    "entropy_weights": dict(entropy_weights="random", normalizer=5.0),
+    "sequence_entropy_weights": dict(importance_sampling_level="sequence", entropy_weights="random"),
 }
 LENGTHS = [5, 3, 0, 9, 1, 6]  # a zero-length sequence, a one-token one, and sequences over an 8-token chunk
 
@@ -106,11 +111,20 @@ def grpo_weights(case, lengths):
     return (real / counts).to(case["hidden"].dtype)
 
 
+def entropy_weights(case):
+    """Fresh positive per-token weights of the entropy term (what token-budget micro-batches hand the kernel)."""
+    g = torch.Generator().manual_seed(11)
+    return (torch.rand(case["mask"].shape, generator=g, dtype=torch.float64) + 0.5).to(case["hidden"].device,
+                                                                                       case["hidden"].dtype)
+
+
 def run(fn, case, lengths, options, entropy_coef=0.125, temperature=0.75):
     leaves = {k: case[k].detach().clone().requires_grad_(True) for k in ("hidden", "weight", "bias")}
     kw = dict(options)
     if kw.get("token_weights") == "grpo":
         kw["token_weights"] = grpo_weights(case, lengths)
+    if kw.get("entropy_weights") == "random":
+        kw["entropy_weights"] = entropy_weights(case)
     if kw.get("importance_sampling_level") == "sequence":
         kw["sequence_lengths"] = lengths
     out = fn(leaves["hidden"], leaves["weight"], case["index"], case["old_logprobs"], case["advantages"],
@@ -122,11 +136,13 @@ def run(fn, case, lengths, options, entropy_coef=0.125, temperature=0.75):
 def run_oracle(case, lengths, options, entropy_coef=0.125, temperature=0.75):
     leaves = {k: case[k].detach().double().clone().requires_grad_(True) for k in ("hidden", "weight", "bias")}
     weights = grpo_weights(case, lengths).double() if options.get("token_weights") == "grpo" else None
+    ent_weights = entropy_weights(case).double() if options.get("entropy_weights") == "random" else None
     level = options.get("importance_sampling_level", "token")
     loss, ratio = oracle(leaves["hidden"], leaves["weight"], leaves["bias"], case["index"],
                          case["old_logprobs"].double(), case["advantages"].double(), case["mask"], 0.25,
                          options.get("cliprange_high", 0.25), options.get("delta"), level, lengths, weights,
-                         options.get("normalizer"), entropy_coef, temperature, options.get("reduction", "token_mean"))
+                         options.get("normalizer"), entropy_coef, temperature, options.get("reduction", "token_mean"),
+                         ent_weights)
     return loss, ratio, torch.autograd.grad(loss, list(leaves.values()))
 
 
@@ -231,6 +247,7 @@ def test_property_reference_equals_oracle(lengths, seed, option, entropy_coef):
     (dict(token_weights=torch.ones(8, dtype=torch.long)), "token_weights"),
     (dict(normalizer=0.0), "normalizer"),
     (dict(normalizer=torch.ones(2, dtype=torch.float64)), "normalizer"),
+    (dict(entropy_weights=torch.ones(5, dtype=torch.float64)), "entropy_weights"),
 ])
 def test_bad_options_are_refused_by_name(kwargs, message):
     case = make([4, 4], seed=1)

@@ -130,10 +130,11 @@ if HAS_TRITON:
         dx_ptr, stride_dxn,  # ∂loss/∂x out [rows, V] in the weight's dtype; may alias x
         idx_ptr, old_ptr, adv_ptr, mask_ptr,  # [rows]
         count_ptr,  # 0-d Σ mask over the whole input (read for TOKEN_MEAN)
-        weight_ptr, norm_ptr,  # [rows] u and 0-d d of (P4) (read when WEIGHTED)
+        weight_ptr, norm_ptr, ent_weight_ptr,  # [rows] u, 0-d d of (P4) (WEIGHTED); [rows] e (ENTROPY_WEIGHTED)
         logp_ptr, ratio_ptr, clipped_ptr, ent_ptr, loss_ptr,  # [rows] outputs; loss: this token's term of (P4)
         n_cols, temperature, clip_low, clip_high, delta, entropy_coef,
-        TOKEN_MEAN: tl.constexpr, WEIGHTED: tl.constexpr, HAS_DELTA: tl.constexpr, NEEDS_GRAD: tl.constexpr,
+        TOKEN_MEAN: tl.constexpr, WEIGHTED: tl.constexpr, ENTROPY_WEIGHTED: tl.constexpr, HAS_DELTA: tl.constexpr,
+        NEEDS_GRAD: tl.constexpr,
         ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -160,6 +161,8 @@ if HAS_TRITON:
         if TOKEN_MEAN:
             # count = 0 means no real token: every term below is 0 whatever the scale (no 1/0 needed).
             ent_scale = 1.0 / tl.maximum(tl.load(count_ptr).to(ACC_DTYPE), 1.0)
+        if ENTROPY_WEIGHTED:
+            ent_scale = tl.load(ent_weight_ptr + row).to(ACC_DTYPE)
         if WEIGHTED:
             pg_scale = tl.load(weight_ptr + row).to(ACC_DTYPE) / tl.load(norm_ptr).to(ACC_DTYPE)
             tl.store(loss_ptr + row, tl.where(real, pg_scale * pg - entropy_coef * ent_scale * ent, 0.0))
@@ -215,11 +218,13 @@ class PolicyTerms(NamedTuple):
     sequence_lengths: list[int] | None  # tokens of each sequence in order: the sequence-level ratio; None: token level
     token_weights: torch.Tensor | None  # [N] u (None: the mask)
     normalizer: torch.Tensor | None  # 0-d d (None: Σ m for token_mean, 1 for sum)
+    entropy_weights: torch.Tensor | None = None  # [N] e, the entropy term's weights (None: by the reduction)
 
     @property
     def weighted(self) -> bool:
         """Whether the kernel scales each token's term itself (u/d), rather than the sum by 1/Σ m at the end."""
-        return self.token_weights is not None or self.normalizer is not None or self.sequence_lengths is not None
+        return self.token_weights is not None or self.normalizer is not None or self.sequence_lengths is not None \
+            or self.entropy_weights is not None
 
 
 def _sequence_chunks(lengths: list[int], target: int) -> list[tuple[int, int, list[int]]]:
@@ -284,14 +289,17 @@ def _launch_ppo_policy_loss(hidden2d, weight, bias, index, old, adv, mask, tempe
             launch(_ppo_policy_loss_rows_kernel, (r1 - r0,), device,
                    x_c, x_c.stride(0), dx_c, dx_c.stride(0), index[rows], old[rows], adv[rows], mask[rows], count,
                    weights[rows] if weights is not None else adv[rows], norm if norm is not None else count,
+                   terms.entropy_weights[rows] if terms.entropy_weights is not None else adv[rows],
                    logp[rows], ratio[rows], clipped[rows], ent[rows], loss_rows[rows],
                    vocab, temperature, 1.0 - terms.cliprange, 1.0 + terms.cliprange_high,
                    terms.delta if terms.delta is not None else 0.0, terms.entropy_coef,
-                   TOKEN_MEAN=terms.token_mean, WEIGHTED=weights is not None, HAS_DELTA=terms.delta is not None,
+                   TOKEN_MEAN=terms.token_mean, WEIGHTED=weights is not None,
+                   ENTROPY_WEIGHTED=terms.entropy_weights is not None, HAS_DELTA=terms.delta is not None,
                    NEEDS_GRAD=needs_grad, ACC_DTYPE=tl_dtype(acc), BLOCK_V=tile.block_v, num_warps=tile.num_warps)
         else:
+            ent_w = None if terms.entropy_weights is None else terms.entropy_weights[rows]
             _sequence_rows(x_c, dx_c, index[rows], old[rows], adv[rows], mask[rows], count, weights[rows], norm,
-                           temperature, terms, lengths, (logp[rows], ratio[rows], clipped[rows], ent[rows],
+                           ent_w, temperature, terms, lengths, (logp[rows], ratio[rows], clipped[rows], ent[rows],
                                                          loss_rows[rows]), needs_grad)
         if need_h:
             torch.mm(dx_c, weight, out=grad_h[rows])
@@ -313,8 +321,8 @@ def _launch_ppo_policy_loss(hidden2d, weight, bias, index, old, adv, mask, tempe
     return loss, (logp, ratio, clipped, ent), (grad_h, grad_w, grad_b)
 
 
-def _sequence_rows(x_c, dx_c, index, old, adv, mask, count, weights, norm, temperature, terms: PolicyTerms,
-                   lengths: list[int], outs, needs_grad: bool) -> None:
+def _sequence_rows(x_c, dx_c, index, old, adv, mask, count, weights, norm, entropy_weights, temperature,
+                   terms: PolicyTerms, lengths: list[int], outs, needs_grad: bool) -> None:
     """One chunk of whole sequences at the sequence level: pass 1 over V gives each token's lse, entropy and
     log-prob; (P2)-(P5) on those [rows] vectors by the reference's own PyTorch (``clipped_surrogate``, so the
     math has one statement), its gradient by autograd; pass 2 over V forms ∂loss/∂x from it. Still two
@@ -330,6 +338,8 @@ def _sequence_rows(x_c, dx_c, index, old, adv, mask, count, weights, norm, tempe
                                                mask=real, cliprange_high=terms.cliprange_high, delta=terms.delta,
                                                sequence_ids=ids, num_sequences=len(lengths))
         ent_scale = 1.0 / count.clamp(min=1.0) if terms.token_mean else 1.0
+        if entropy_weights is not None:
+            ent_scale = entropy_weights.to(lp.dtype)
         zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
         pg_term = pg * (weights / norm)
         rows_loss = pg_term - terms.entropy_coef * torch.where(real, ent, zero) * ent_scale
@@ -341,7 +351,7 @@ def _sequence_rows(x_c, dx_c, index, old, adv, mask, count, weights, norm, tempe
     ent_out.copy_(ent)
     loss_out.copy_(torch.where(real, rows_loss.detach(), zero))
     if needs_grad:
-        g_ent = torch.where(real, -terms.entropy_coef * ent_scale * torch.ones_like(ent), zero)
+        g_ent = torch.where(real, -terms.entropy_coef * (ent_scale * torch.ones_like(ent)), zero)
         _launch_softmax_dlogits(x_c, dx_c, index, lse, ent, torch.where(real, g_logp, zero), g_ent,
                                 HeadMath(temperature, 1.0, 1.0, False))
 
@@ -389,7 +399,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef,
                                 temperature, bias, reduction, cliprange_high, delta, importance_sampling_level,
-                                sequence_lengths, token_weights, normalizer):
+                                sequence_lengths, token_weights, normalizer, entropy_weights=None):
     check_lm_head_args(hidden, weight, bias)
     check_tensor("index", index, dtypes=INDEX_DTYPES)
     check_tensor("old_logprobs", old_logprobs, dtypes=FLOAT_DTYPES)
@@ -399,12 +409,13 @@ def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages,
         raise ValueError(
             f"index has shape {tuple(index.shape)} but must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}"
         )
-    if token_weights is not None:
-        check_tensor("token_weights", token_weights, dtypes=FLOAT_DTYPES)
+    for name, t in (("token_weights", token_weights), ("entropy_weights", entropy_weights)):
+        if t is not None:
+            check_tensor(name, t, dtypes=FLOAT_DTYPES)
     check_same_shape(index=index, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
-                     token_weights=token_weights)
+                     token_weights=token_weights, entropy_weights=entropy_weights)
     check_same_device(hidden=hidden, index=index, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
-                      token_weights=token_weights)
+                      token_weights=token_weights, entropy_weights=entropy_weights)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}; got {reduction!r}")
     cliprange, cliprange_high, delta = check_clip_args(cliprange, cliprange_high, delta)
@@ -427,7 +438,7 @@ def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages,
             value = check_float("normalizer", normalizer, minimum=0.0, exclusive_minimum=True)
             normalizer = torch.tensor(value, dtype=acc_dtype(hidden.dtype), device=hidden.device)
     terms = PolicyTerms(cliprange, cliprange_high, delta, check_float("entropy_coef", entropy_coef),
-                        reduction == "token_mean", lengths, token_weights, normalizer)
+                        reduction == "token_mean", lengths, token_weights, normalizer, entropy_weights)
     return terms, check_temperature(temperature)
 
 
@@ -464,7 +475,7 @@ def check_clip_args(cliprange, cliprange_high=None, delta=None) -> tuple[float, 
 def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef=0.0,
                           temperature=1.0, bias=None, reduction="token_mean", *, cliprange_high=None, delta=None,
                           importance_sampling_level="token", sequence_lengths=None, token_weights=None,
-                          normalizer=None) -> PPOPolicyLossOutput:
+                          normalizer=None, entropy_weights=None) -> PPOPolicyLossOutput:
     """The clipped PPO policy loss with entropy bonus, from hidden states and the LM head (module docstring).
 
     Args:
@@ -493,17 +504,20 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
             count 0 whatever their weight.
         normalizer: d > 0 (a float or a 0-d tensor, kept on the device), the policy term's divisor
             (default Σ mask for "token_mean", 1 for "sum"). u and d express TRL GRPO's ``loss_type``s.
+        entropy_weights: [...] e, each masked token's weight in the entropy term, which becomes −c·Σ e·H
+            (default: the reduction's mean or sum; the trainer's token-budget micro-batches give each token the
+            weight it has in row-count micro-batches).
 
     Returns:
         ``PPOPolicyLossOutput(loss, logprobs, ratio, clipped, entropy)``: the
         0-d loss, differentiable in ``hidden``, ``weight`` and ``bias``
-        (``old_logprobs``, ``advantages``, ``token_weights`` and ``normalizer`` are constants), and
+        (``old_logprobs``, ``advantages`` and the weights and normaliser are constants), and
         per-token statistics without gradient (fp32, or fp64 for fp64 inputs; ``clipped``
         bool), computed for every token, masked or not.
     """
     terms, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction,
-        cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer)
+        cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer, entropy_weights)
     hidden, weight, bias = lm_head_operands(hidden, weight, bias)
     vocab, hdim = weight.shape
     kernel_scalars = (1.0 - terms.cliprange, 1.0 + terms.cliprange_high, terms.entropy_coef, temperature,
@@ -513,8 +527,9 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
     if not hidden.is_cuda:  # interpreter: cheap here; on CUDA it would sync
         check_index_range(index, vocab)
     flat = [t.reshape(-1).contiguous() for t in (index, old_logprobs.detach(), advantages.detach(), mask)]
-    if terms.token_weights is not None:
-        terms = terms._replace(token_weights=terms.token_weights.detach().reshape(-1))
+    for name in ("token_weights", "entropy_weights"):
+        if getattr(terms, name) is not None:
+            terms = terms._replace(**{name: getattr(terms, name).detach().reshape(-1)})
     with no_autocast(hidden.device):
         loss, logp, ratio, clipped, ent = _FusedPPOPolicyLoss.apply(
             hidden.reshape(-1, hdim), weight, bias, *flat, temperature, terms)
@@ -610,13 +625,13 @@ def clip_sides(ratio: torch.Tensor, advantages: torch.Tensor, cliprange: float, 
 def fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advantages, mask, cliprange,
                                     entropy_coef=0.0, temperature=1.0, bias=None, reduction="token_mean", *,
                                     cliprange_high=None, delta=None, importance_sampling_level="token",
-                                    sequence_lengths=None, token_weights=None,
-                                    normalizer=None) -> PPOPolicyLossOutput:
+                                    sequence_lengths=None, token_weights=None, normalizer=None,
+                                    entropy_weights=None) -> PPOPolicyLossOutput:
     """Plain PyTorch ``fused_ppo_policy_loss``: materialised fp32 (fp64) logits (``COMPUTE_DTYPE_RULE``), then
     (P1)-(P4) as the trainer writes them."""
     terms, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction,
-        cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer)
+        cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer, entropy_weights)
     hidden, weight, bias = lm_head_operands(hidden, weight, bias)
     return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias, terms)
 
@@ -641,7 +656,12 @@ def _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask,
     pg_sum = pg_losses.sum()
     ent_sum = torch.where(real, ent, zero).sum()
     normalizer = None if terms.normalizer is None else terms.normalizer.detach().to(acc)
-    if terms.token_mean and not terms.weighted:
+    if terms.entropy_weights is not None:
+        pg_part = pg_sum / (real.sum().clamp(min=1) if normalizer is None and terms.token_mean else
+                            1.0 if normalizer is None else normalizer)
+        entropy_part = torch.where(real, terms.entropy_weights.detach().to(acc) * ent, zero).sum()
+        loss = pg_part - terms.entropy_coef * entropy_part
+    elif terms.token_mean and not terms.weighted:
         count = real.sum()
         loss = pg_sum / count - terms.entropy_coef * (ent_sum / count)
     elif terms.token_mean:  # u/d given: an empty mask gives 0, as the kernel's per-token terms do
