@@ -14,7 +14,12 @@ they share lives here, once, so the copies cannot drift (issue 14):
   vocabulary split plan and the merge of split states, ``dot_precision``,
   ``sm_count``, GEMMs with an fp32 (fp64) *output* (``mm_acc``,
   ``addmm_acc_``), and the vocabulary-chunked backward
-  ``vocab_chunked_backward(hidden, weight, bias, dlogits_fn)``.
+  ``vocab_chunked_backward(hidden, weight, bias, dlogits_fn)``;
+* the chunked PyTorch path, what an LM-head call runs without Triton (on a
+  CPU): ``chunked_lm_head_stats`` (the five per-token statistics, log-probs and
+  entropy differentiable) and ``chunked_logprobs_entropy`` (log-probs and
+  entropy only), the same equations over [rows, cols] logits tiles; its section
+  says why it chunks the vocabulary and how its passes are arranged.
 
 Math, for one row with target token i (cited as (L1)-(L6) by the kernel modules):
 
@@ -518,6 +523,343 @@ def vocab_chunked_backward(
     if grad_h is not None:
         grad_h = grad_h.to(hidden2d.dtype)
     return grad_h, grad_w, grad_b
+
+
+# --------------------------------------------------------------------------- the chunked PyTorch path (CPU)
+#
+# What a call takes when it does not take the Triton path (``_common.use_triton`` False: CPU tensors without
+# the interpreter, and fp64 calls with a scalar fp32 cannot hold): the same (L1)-(L7) in plain PyTorch, over
+# tiles of [rows, cols] logits, so the fp32 (fp64) [N, V] logits never exist in the forward or the backward.
+#
+# Why vocabulary chunks with an online log-sum-exp (the fused kernel's (L3)) and not chunks of tokens
+# (Liger's): the backward then writes each chunk's grad_W slice completely (no accumulation across chunks, so
+# no fp32 [V, H] buffer for a 16-bit weight, and for an fp32 weight the gradient is written in place), grad_h
+# is an [N, H] accumulator (small: N·H ≪ V·H), and all rows go through one GEMM per chunk, the shape at which
+# a CPU GEMM runs at full rate. Token blocks are added only when N alone would pass the tile budget.
+#
+# Per tile the forward is one GEMM (operands upcast to the accumulation dtype: exact, as the reference does),
+# the reference's elementwise transform in place, and a fold of a few in-place passes into [N] states
+# (m, s, t, q, Σz, the target's z, the running first argmax); the backward recomputes the tile and forms
+# (L5)·(L7) with the per-row lse and H the forward saved, in three passes without entropy and five with it:
+#
+#     u = z − (lse − H) = log p + H,   p' = e^u = p·e^H,
+#     ∂L/∂x = k·p'·(a'·u + b') + k·g·δ_i,   a' = −g_H·e^{−H},  b' = −g·e^{−H},  k = logit_scale / T   (no cap)
+#
+# (with a cap, k = logit_scale / T times (1 − tanh²), (L7)). A −inf logit (a −inf bias entry, no cap) has
+# p' = 0 and u = −inf; u is clamped to −1e4 after the exp (where p' is already exactly 0) so 0·(−inf) never
+# forms; the clamp runs only when the bias holds a −inf.
+
+
+class LogitTransform(NamedTuple):
+    """The reference's transform of raw logits x, (L7): z = softcap·tanh(logit_scale·x / softcap) / T, or
+    z = logit_scale·x / T without a cap."""
+
+    temperature: float = 1.0
+    softcap: float | None = None
+    logit_scale: float = 1.0
+
+
+class ChunkPlan(NamedTuple):
+    """Rows and vocabulary columns of one logits tile of the chunked path."""
+
+    rows: int
+    cols: int
+
+
+# Elements of one [rows, cols] logits tile (fp32: 16 MiB; two such buffers live at once). Measured on the
+# project's 2-core Xeon (bench/cpu_lmhead_memory.py, bench/RESULTS.md): 2^22 runs at the chunked GEMM's rate
+# at both heads measured (N 1,024 × V 151,936 and N 2,048 × V 49,152).
+CHUNK_ELEMENTS = 1 << 22
+MIN_CHUNK_COLS = 1024  # below this a CPU GEMM loses rate: more rows are split off into token blocks instead
+
+
+def chunk_plan(n_rows: int, vocab: int, chunk: int | tuple[int, int] | None = None) -> ChunkPlan:
+    """The tile of the chunked path: ``chunk`` given as (rows, cols) or as cols (all rows), else the default:
+    all rows and CHUNK_ELEMENTS / N columns while that is at least MIN_CHUNK_COLS, else token blocks too."""
+    if chunk is None:
+        rows = max(1, min(n_rows, CHUNK_ELEMENTS // MIN_CHUNK_COLS))
+        cols = CHUNK_ELEMENTS // rows
+    elif isinstance(chunk, int):
+        rows, cols = max(1, n_rows), chunk
+    else:
+        rows, cols = chunk
+    if rows < 1 or cols < 1:
+        raise ValueError(f"chunk must give at least one row and one column, got {chunk!r}")
+    return ChunkPlan(rows, min(vocab, cols))
+
+
+def _tile(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous [rows, cols] view of the front of a flat buffer (GEMMs write into it with out=)."""
+    return buffer[:rows * cols].view(rows, cols)
+
+
+class _Operands(NamedTuple):
+    hidden: torch.Tensor  # [N, H] in the accumulation dtype (an upcast copy of a 16-bit hidden)
+    weight: torch.Tensor  # [V, H] as given (any strides)
+    bias: torch.Tensor | None
+    acc: torch.dtype
+    hidden_dtype: torch.dtype  # the caller's: grad_hidden's dtype
+    wbuf: torch.Tensor | None  # [cols·H] for a 16-bit weight's chunk, upcast
+
+    def weight_chunk(self, v0: int, v1: int) -> torch.Tensor:
+        w_c = self.weight[v0:v1]
+        if self.wbuf is None:
+            return w_c
+        return _tile(self.wbuf, v1 - v0, w_c.shape[1]).copy_(w_c)  # exact upcast, no allocation
+
+    def logits_(self, x: torch.Tensor, r0: int, r1: int, v0: int, v1: int, w_c: torch.Tensor) -> torch.Tensor:
+        """x ← hidden[r0:r1] @ weight[v0:v1]ᵀ (+ bias[v0:v1]) in the accumulation dtype."""
+        torch.mm(self.hidden[r0:r1], w_c.t(), out=x)
+        if self.bias is not None:
+            x.add_(self.bias[v0:v1])
+        return x
+
+
+def _operands(hidden2d, weight, bias, plan: ChunkPlan) -> _Operands:
+    acc = acc_dtype(hidden2d.dtype)
+    wbuf = None
+    if weight.dtype != acc:
+        wbuf = torch.empty(plan.cols * weight.shape[1], dtype=acc, device=weight.device)
+    return _Operands(hidden2d.to(acc), weight, None if bias is None else bias.to(acc), acc, hidden2d.dtype, wbuf)
+
+
+def _neg_inf_logits_possible(bias, transform: LogitTransform) -> bool:
+    """Whether a logit can be −inf (a banned token's −inf bias; a cap bounds it): the guarded passes are needed."""
+    return bias is not None and transform.softcap is None and bool(torch.isneginf(bias).any())
+
+
+def _transform_(x: torch.Tensor, transform: LogitTransform, tanh_out: torch.Tensor | None = None) -> torch.Tensor:
+    """z from raw logits x, in place, in the reference's order of operations (``cap_logits_reference`` then
+    ``/ T``: the same rounding); with ``tanh_out`` the capped tanh is kept there (for (L7)'s derivative)."""
+    temperature, softcap, logit_scale = transform
+    if logit_scale != 1.0:
+        x.mul_(logit_scale)
+    if softcap is not None:
+        x.div_(softcap)
+        if tanh_out is None:
+            x.tanh_()
+        else:
+            torch.tanh(x, out=tanh_out)
+            x.copy_(tanh_out)
+        x.mul_(softcap)
+    if temperature != 1.0:
+        x.div_(temperature)
+    return x
+
+
+def _chunked_forward(ops: _Operands, index, transform: LogitTransform, wants, plan: ChunkPlan, guard: bool):
+    """(logp, lse, entropy, log_sum_sq_probs, mean_logits, is_top1) [N], each of the last four None unless wanted."""
+    want_logp, want_entropy, want_sum_sq, want_mean, want_top1 = wants
+    n_rows = ops.hidden.shape[0]
+    vocab = ops.weight.shape[0]
+    acc, device = ops.acc, ops.hidden.device
+    m = torch.full((n_rows,), float("-inf"), dtype=acc, device=device)
+    s = torch.zeros(n_rows, dtype=acc, device=device)
+    t = torch.zeros_like(s) if want_entropy else None
+    q = torch.zeros_like(s) if want_sum_sq else None
+    zsum = torch.zeros_like(s) if want_mean else None
+    pick = torch.zeros_like(s)
+    best = torch.full_like(s, float("-inf")) if want_top1 else None
+    best_at = torch.zeros(n_rows, dtype=torch.long, device=device) if want_top1 else None
+    index = index.long()
+    size = plan.rows * plan.cols
+    xbuf = torch.empty(size, dtype=acc, device=device)
+    ebuf = torch.empty(size, dtype=acc, device=device)
+    for v0 in range(0, vocab, plan.cols):
+        v1 = min(vocab, v0 + plan.cols)
+        w_c = ops.weight_chunk(v0, v1)
+        for r0 in range(0, n_rows, plan.rows):
+            r1 = min(n_rows, r0 + plan.rows)
+            x = _transform_(ops.logits_(_tile(xbuf, r1 - r0, v1 - v0), r0, r1, v0, v1, w_c), transform)
+            rs = slice(r0, r1)
+            if want_mean:
+                zsum[rs] += x.sum(1)
+            local = index[rs] - v0
+            inside = (local >= 0) & (local < v1 - v0)
+            target = x.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
+            pick[rs] = torch.where(inside, target, pick[rs])
+            if want_top1:  # the first argmax over V: a later chunk wins only with a strictly larger max
+                chunk_max, chunk_at = torch.max(x, 1)
+                better = chunk_max > best[rs]
+                best_at[rs] = torch.where(better, chunk_at + v0, best_at[rs])
+                best[rs] = torch.where(better, chunk_max, best[rs])
+            else:
+                chunk_max = x.amax(1)
+            # (L3): rebase the state from m to m' (0 as the reference while every logit seen is −inf)
+            m_old, s_old = m[rs], s[rs]
+            m_new = torch.maximum(m_old, chunk_max)
+            m_ref = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+            alpha = torch.exp(m_old - m_ref)
+            d = x.sub_(m_ref[:, None])  # z − m'
+            e = torch.exp(d, out=_tile(ebuf, r1 - r0, v1 - v0))
+            if want_entropy:
+                if guard:
+                    d.clamp_min_(-1e4)  # e is exactly 0 there already: 0·(−1e4) instead of 0·(−inf)
+                shift = (torch.where(s_old > 0, m_old, m_ref) - m_ref) * s_old
+                t[rs] = alpha * (t[rs] + shift) + torch.bmm(e[:, None, :], d[:, :, None])[:, 0, 0]
+            if want_sum_sq:
+                q[rs] = alpha * alpha * q[rs] + torch.bmm(e[:, None, :], e[:, :, None])[:, 0, 0]
+            s[rs] = alpha * s_old + e.sum(1)
+            m[rs] = m_new
+    m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    log_s = torch.log(s)
+    lse = m_ref + log_s
+    logp = pick - lse if want_logp else None
+    entropy = log_s - t / s if want_entropy else None
+    log_sum_sq = torch.log(q) - 2 * log_s if want_sum_sq else None
+    mean = zsum / vocab if want_mean else None
+    top1 = best_at == index if want_top1 else None
+    return logp, lse, entropy, log_sum_sq, mean, top1
+
+
+def _chunked_backward(ops: _Operands, weight, bias, index, lse, ent, g_logp, g_ent, transform: LogitTransform,
+                      plan: ChunkPlan, guard: bool, needs):
+    """(grad_hidden, grad_weight, grad_bias) of L = Σ g·logp + g_H·H by (L5)·(L7), recomputing tile by tile."""
+    need_h, need_w, need_b = needs
+    n_rows, hdim = ops.hidden.shape
+    vocab = weight.shape[0]
+    acc, device = ops.acc, ops.hidden.device
+    k = transform.logit_scale / transform.temperature  # ∂z/∂x without a cap; with one, times (1 − tanh²)
+    capped = transform.softcap is not None
+    index = index.long()
+    # per-row coefficients (module comment above): u = z − (lse − H), ∂L/∂x = k·p'·(a'u + b') + k·g·δ
+    if g_ent is not None:
+        g_ent = g_ent.to(acc)
+        shift = lse - ent
+        scale = torch.exp(-ent)
+        a_coef = (-k * g_ent * scale)[:, None]
+        b_coef = (torch.zeros_like(lse) if g_logp is None else -k * g_logp.to(acc) * scale)[:, None]
+    else:
+        shift = lse
+        b_coef = (-k * g_logp.to(acc))[:, None]
+    target_add = None if g_logp is None else k * g_logp.to(acc)
+    grad_h = torch.zeros(n_rows, hdim, dtype=acc, device=device) if need_h else None
+    grad_w = (torch.zeros if n_rows == 0 else torch.empty)(weight.shape, dtype=weight.dtype, device=device) \
+        if need_w else None
+    grad_b = torch.zeros(vocab, dtype=acc, device=device) if need_b else None
+    gw_acc = None
+    if need_w and weight.dtype != acc:
+        gw_acc = torch.empty(plan.cols * hdim, dtype=acc, device=device)
+    size = plan.rows * plan.cols
+    xbuf = torch.empty(size, dtype=acc, device=device)
+    pbuf = torch.empty(size, dtype=acc, device=device) if g_ent is not None else None
+    tbuf = torch.empty(size, dtype=acc, device=device) if capped else None
+    for v0 in range(0, vocab, plan.cols):
+        v1 = min(vocab, v0 + plan.cols)
+        c = v1 - v0
+        w_c = ops.weight_chunk(v0, v1)
+        gw_c = None
+        if need_w:
+            gw_c = grad_w[v0:v1] if gw_acc is None else _tile(gw_acc, c, hdim)
+        for r0 in range(0, n_rows, plan.rows):
+            r1 = min(n_rows, r0 + plan.rows)
+            rs = slice(r0, r1)
+            th = _tile(tbuf, r1 - r0, c) if capped else None
+            x = _transform_(ops.logits_(_tile(xbuf, r1 - r0, c), r0, r1, v0, v1, w_c), transform, th)
+            x.sub_(shift[rs, None])
+            if g_ent is None:  # ∂L/∂x = −k·g·p (+ k·g at the target): three passes
+                x.exp_().mul_(b_coef[rs])
+            else:
+                p = torch.exp(x, out=_tile(pbuf, r1 - r0, c))
+                if guard:
+                    x.clamp_min_(-1e4)  # p' is exactly 0 there already
+                torch.addcmul(b_coef[rs], x, a_coef[rs], out=x)
+                x.mul_(p)
+            if target_add is not None:
+                local = index[rs] - v0
+                inside = (local >= 0) & (local < c)
+                x.scatter_add_(1, local.clamp(0, c - 1)[:, None],
+                               torch.where(inside, target_add[rs], torch.zeros_like(target_add[rs]))[:, None])
+            if capped:  # (L7): times 1 − tanh²
+                x.mul_(torch.addcmul(torch.ones((), dtype=acc, device=device), th, th, value=-1.0, out=th))
+            if need_w:
+                if r0 == 0:
+                    torch.mm(x.t(), ops.hidden[rs], out=gw_c)
+                else:
+                    gw_c.addmm_(x.t(), ops.hidden[rs])
+            if need_b:
+                grad_b[v0:v1] += x.sum(0)
+            if need_h:
+                grad_h[rs].addmm_(x, w_c)
+        if gw_acc is not None and n_rows > 0:
+            grad_w[v0:v1].copy_(gw_c)
+    return (None if grad_h is None else grad_h.to(ops.hidden_dtype),
+            grad_w, None if grad_b is None else grad_b.to(bias.dtype))
+
+
+def _materialised_stats(hidden2d, weight, bias, index, transform: LogitTransform, want_entropy: bool):
+    """(logp, entropy) from the whole [N, V] logits with autograd: the chunked path's double backward only
+    (``create_graph=True`` needs a differentiable first backward; this one costs O(N·V), as the reference)."""
+    logits = cap_logits_reference(lm_head_logits_reference(hidden2d, weight, bias), transform.softcap,
+                                  transform.logit_scale)
+    log_p = torch.log_softmax(logits / transform.temperature, dim=-1)
+    logp = log_p.gather(-1, index.long()[:, None])[:, 0]
+    entropy = None
+    if want_entropy:
+        p = log_p.exp()
+        entropy = -(p * log_p.masked_fill(p == 0, 0.0)).sum(-1)
+    return logp, entropy
+
+
+class _ChunkedLMHeadStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden2d, weight, bias, index, transform, wants, plan):
+        guard = _neg_inf_logits_possible(bias, transform)
+        with no_autocast(hidden2d.device):
+            ops = _operands(hidden2d, weight, bias, plan)
+            logp, lse, ent, sum_sq, mean, top1 = _chunked_forward(ops, index, transform, wants, plan, guard)
+        ctx.save_for_backward(hidden2d, weight, bias, index, lse, ent)
+        ctx.transform, ctx.plan, ctx.guard = transform, plan, guard
+        ctx.set_materialize_grads(False)  # a None grad skips its term in (L5)
+        ctx.mark_non_differentiable(*(x for x in (sum_sq, mean, top1) if x is not None))
+        return logp, ent, sum_sq, mean, top1
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent=None, *_statistics):
+        hidden2d, weight, bias, index, lse, ent = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        none = (None,) * 4
+        if (g_logp is None and g_ent is None) or not any(needs):
+            return (None, None, None, *none)
+        if torch.is_grad_enabled():  # create_graph=True: a first backward that autograd can differentiate
+            inputs = [x for x, need in zip((hidden2d, weight, bias), needs) if need]
+            with torch.enable_grad(), no_autocast(hidden2d.device):
+                logp, entropy = _materialised_stats(hidden2d, weight, bias, index, ctx.transform, g_ent is not None)
+                pairs = [(o, g) for o, g in ((logp, g_logp), (entropy, g_ent)) if g is not None]
+                grads = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
+                                                 create_graph=True, allow_unused=True))
+            return (*(next(grads) if need else None for need in needs), *none)
+        with no_autocast(hidden2d.device):
+            ops = _operands(hidden2d, weight, bias, ctx.plan)
+            grads = _chunked_backward(ops, weight, bias, index, lse, ent, g_logp, g_ent, ctx.transform, ctx.plan,
+                                      ctx.guard, needs)
+        return (*grads, *none)
+
+
+def chunked_lm_head_stats(hidden2d, weight, bias, index, transform: LogitTransform = LogitTransform(),
+                          wants=(True, False, False, False, False), chunk=None):
+    """The chunked path's five raw per-token results (logprobs, entropy, log_sum_sq_probs, mean_logits,
+    is_top1: ``logprobs.OUTPUTS``), each None unless ``wants`` says so, for rows of hidden2d [N, H].
+
+    The caller has checked the arguments and cast the operands to the compute dtype (``lm_head_operands``);
+    ``index`` [N] holds valid ids (ignored rows already replaced). Log-probs and entropy are differentiable
+    in hidden2d, weight and bias; the other three are statistics. Outputs are in the accumulation dtype.
+    Extra memory: two (three with a cap) [rows, cols] tiles of ``chunk_plan(N, V, chunk)``, an upcast copy of
+    a 16-bit hidden and a 16-bit weight's chunk, [N] states; the backward adds grad_h's [N, H] accumulator
+    and, for a 16-bit weight, one chunk's fp32 grad_W. Never an [N, V] tensor (double backward excepted).
+    """
+    plan = chunk_plan(hidden2d.shape[0], weight.shape[0], chunk)
+    return _ChunkedLMHeadStats.apply(hidden2d, weight, bias, index, transform, tuple(wants), plan)
+
+
+def chunked_logprobs_entropy(hidden2d, weight, bias, index, temperature: float = 1.0, *,
+                             compute_entropy: bool = True, chunk=None):
+    """(logp, entropy or None) [N] of the tempered LM head by the chunked path, differentiable in hidden2d,
+    weight and bias: the plain-PyTorch core for a CPU loss over hidden states (``chunked_lm_head_stats``
+    with the default transform; the same caller contract)."""
+    logp, entropy, *_ = chunked_lm_head_stats(hidden2d, weight, bias, index, LogitTransform(temperature),
+                                              (True, compute_entropy, False, False, False), chunk)
+    return logp, entropy
 
 
 # --------------------------------------------------------------------------- references

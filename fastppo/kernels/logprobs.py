@@ -25,10 +25,19 @@ GPU; the [splits, N] states are merged by ``_lmhead.merge_splits``. The
 backward is ``_lmhead.vocab_chunked_backward`` (L6) with this module's
 elementwise dlogits kernel: why chunked over V and not fused is written there.
 
+Without Triton (CPU tensors, and fp64 calls whose scalars fp32 cannot hold:
+``_common.use_triton``), ``fused_token_logprobs`` takes the chunked PyTorch
+path, ``_lmhead.chunked_lm_head_stats``: the same statistics over [rows, cols]
+logits tiles with the online state (L3), the backward recomputing tile by
+tile, so no [N, V] tensor exists there either (a double backward excepted:
+it goes through the materialised logits). ``token_logprobs`` is given its
+[N, V] logits and computes on CPU tensors by the reference.
+
 Layout (flash-attn's ``ops/triton/cross_entropy.py`` order, as every kernel
 module here): Triton kernels, host launchers, autograd Functions, the public
-functions, the plain PyTorch references (the tests' oracle and the path CPU
-tensors take).
+functions, the plain PyTorch references (the tests' oracle; ``token_logprobs``'s
+CPU path; ``fused_token_logprobs_reference`` materialises the fp32 [N, V] logits
+and is the oracle of both the Triton and the chunked path).
 """
 from __future__ import annotations
 
@@ -44,7 +53,7 @@ from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, INTERPRETER_LMHEAD_TILE, L
 from fastppo.kernels._lmhead import check_lm_head_args, dot_precision, dot_upcast, lm_head_logits_reference
 from fastppo.kernels._lmhead import cap_logits_reference, merge_splits, row_tile, softmax_dlogits_tile, split_plan
 from fastppo.kernels._lmhead import compute_dtype_of, lm_head_operands, no_autocast, tl_dtype  # noqa: F401
-from fastppo.kernels._lmhead import vocab_chunked_backward
+from fastppo.kernels._lmhead import LogitTransform, chunked_lm_head_stats, vocab_chunked_backward
 
 if HAS_TRITON:
     from fastppo.kernels._lmhead import elementwise_tile, logits_tile, online_update, row_pick, row_softmax
@@ -547,7 +556,10 @@ def fused_token_logprobs(hidden, weight, index, temperature=1.0, *, bias=None, r
     with torch.autocast(hidden.device.type, enabled=False):  # the dtypes above are the ones computed in
         if not use_triton(hidden, head[:3]):
             check_index_range(safe_index, vocab)
-            raw = _lm_head_stats_reference(hidden, weight, bias, safe_index, temperature, softcap, logit_scale, wants)
+            transform = LogitTransform(float(temperature), None if softcap is None else float(softcap),
+                                       float(logit_scale))
+            raw = chunked_lm_head_stats(hidden.reshape(-1, hdim), weight, bias, safe_index.reshape(-1), transform,
+                                        wants)
         else:
             if not hidden.is_cuda:
                 check_index_range(safe_index, vocab)
