@@ -268,6 +268,9 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
         require(_is_finite(getattr(c, name)) and getattr(c, name) >= 0, f"{name} must be >= 0, got "
                 f"{getattr(c, name)}")
     _check_policy_loss(c)
+    budget = c.max_tokens_per_micro_batch
+    require(budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1),
+            f"max_tokens_per_micro_batch must be a whole number of tokens >= 1, got {budget!r}")
     require(_is_finite(c.entropy_coef), f"entropy_coef must be finite, got {c.entropy_coef}")
     require(isinstance(c.ratio_threshold, (int, float)) and c.ratio_threshold > 0,
             f"ratio_threshold must be > 0 (the mean ratio is about 1; {c.ratio_threshold} would zero every "

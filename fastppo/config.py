@@ -237,6 +237,14 @@ class PPOConfig(TrainingArguments):
         default=True,
         metadata={"help": "fastppo: within a minibatch, micro-batches of rows of similar length (less padding)."},
     )
+    max_tokens_per_micro_batch: int | None = field(
+        default=None,
+        metadata={"help": "fastppo: fill micro-batches to this many tokens instead of per_device_train_batch_size rows "
+                  "(dynamic batching, verl's ppo_max_token_len_per_gpu): each minibatch's rows regrouped into as few "
+                  "micro-batches as fit (padding_free: their summed lengths; else rows × the longest), a longer "
+                  "row alone. The step's gradient is unchanged: each token keeps the weight it has in "
+                  "per_device_train_batch_size micro-batches. Unset: micro-batches of rows."},
+    )
     compiled_decode: bool | None = field(
         default=None,
         metadata={"help": "fastppo: sample with the decode step torch.compile'd over a static KV cache (CUDA graphs "

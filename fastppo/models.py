@@ -721,15 +721,16 @@ class PolicyAndValue(nn.Module):
 
 
 def fused_policy_loss(model, hidden, layout: Layout, temperature: float, old_logprobs, advantages, mask, cliprange,
-                      entropy_coef, token_weights=None, **options):
-    """``fused_ppo_policy_loss`` on the layout's real tokens (its [b, T] grids picked there; ``options``: its
-    keyword-only settings as they are): the gradient is formed in the forward."""
+                      entropy_coef, **options):
+    """``fused_ppo_policy_loss`` on the layout's real tokens (its [b, T] grids picked there, ``options``' among
+    them; its other keyword-only settings as they are): the gradient is formed in the forward."""
     head = lm_head_of(model)
     bias = getattr(head, "bias", None)
+    options = {k: layout.pick(v) if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in options.items()}
     return fused_ppo_policy_loss(
         hidden, head.weight.to(hidden.dtype), layout.targets, layout.pick(old_logprobs), layout.pick(advantages),
         layout.pick(mask), cliprange, entropy_coef, temperature, bias=None if bias is None else bias.to(hidden.dtype),
-        token_weights=None if token_weights is None else layout.pick(token_weights), **options,
+        **options,
     )
 
 

@@ -402,7 +402,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                cliprange: float, cliprange_value: float, vf_coef: float, entropy_coef: float,
                ratio_threshold: float, fused_policy_loss=None, *, ref_logprobs=None, beta: float = 0.0,
                kl_loss_type: str = "k3", bias_correction_kl: bool = True, cliprange_high: float | None = None,
-               delta: float | None = None, sequence_level: bool = False, token_weights=None, normalizer=None):
+               delta: float | None = None, sequence_level: bool = False, token_weights=None, normalizer=None,
+               mean_weights=None):
     """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]); the statistics are means over trained
     tokens.
 
@@ -413,14 +414,16 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     when ``bias_correction_kl`` (TRL's default: the samples came from π_θ_old, not π_θ).
     ``cliprange_high``, ``delta``, ``sequence_level`` (one ratio per row: GSPO): ``clipped_surrogate``'s options.
     ``token_weights`` and ``normalizer``: how the policy and KL terms are aggregated (``policy_loss_weights``);
-    the entropy bonus and the value loss are token means whatever they are (TRL GRPO's bonus is).
+    the entropy bonus and the value loss are token means whatever they are (TRL GRPO's bonus is), or, with
+    ``mean_weights``, Σ over the tokens of mean_weights·x (``step_token_weights``: token-budget micro-batches).
     """
     critic = new_values is not None
     if critic:  # clipped value loss: ½·max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²)
         v_clipped = old_values + (new_values - old_values).clamp(-cliprange_value, cliprange_value)
         vf_losses1 = (new_values - returns) ** 2
         vf_losses2 = (v_clipped - returns) ** 2
-        vf_loss = 0.5 * aggregate(torch.max(vf_losses1, vf_losses2), mask)
+        vf_loss = 0.5 * aggregate(torch.max(vf_losses1, vf_losses2), mask, mean_weights,
+                                  None if mean_weights is None else 1.0)
     # clipped surrogate: max(−A·min(ρ, δ), −A·clip(ρ, 1 − ε, 1 + ε_h))
     log_ratio = new_logprobs - old_logprobs
     rows = None
@@ -432,7 +435,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                                                   cliprange_high=cliprange_high, delta=delta, sequence_ids=rows,
                                                   num_sequences=None if rows is None else rows.shape[0])
     pg_loss = aggregate(pg_losses, mask, token_weights, normalizer)
-    mean_entropy = aggregate(entropy, mask)
+    mean_entropy = aggregate(entropy, mask, mean_weights, None if mean_weights is None else 1.0)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
     loss = policy_loss + vf_coef * vf_loss if critic else policy_loss
     if beta:
@@ -494,6 +497,56 @@ def micro_batches(order: list[int], sizes: Sizes, lengths: Sequence[int], group_
     return out
 
 
+def token_budget_batches(rows: list[int], query_lengths: Sequence[int], response_lengths: Sequence[int], budget: int,
+                         packed: bool) -> list[list[int]]:
+    """``rows`` regrouped into micro-batches of at most ``budget`` tokens (a row longer than that alone), few of
+    them: packed (``padding_free``: a micro-batch costs its rows' summed lengths), first-fit decreasing; padded
+    (rows × (longest query + longest response): the columns a layout keeps), longest rows first, each joining
+    the last micro-batch while it fits."""
+    size = {r: query_lengths[r] + response_lengths[r] for r in rows}
+    ordered = sorted(rows, key=lambda r: (-size[r], r))
+    batches: list[list[int]] = []
+    if packed:
+        room: list[int] = []
+        for r in ordered:
+            fit = next((i for i, free in enumerate(room) if size[r] <= free), None)
+            if fit is None:
+                batches.append([r])
+                room.append(budget - size[r])
+            else:
+                batches[fit].append(r)
+                room[fit] -= size[r]
+        return batches
+    for r in ordered:
+        if batches:
+            grown = batches[-1] + [r]
+            width = max(query_lengths[i] for i in grown) + max(response_lengths[i] for i in grown)
+            if len(grown) * width <= budget:
+                batches[-1] = grown
+                continue
+        batches.append([r])
+    return batches
+
+
+def step_token_weights(micro: list[list[int]], loss_mask: torch.Tensor, loss_type: str, response_length: int,
+                       dapo_tokens, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] each token's weight in one optimizer step's loss as the update defines it, the mean of its
+    row-count micro-batches' losses: (the policy and in-loss KL terms' weights, by ``loss_type``; the token-mean
+    terms' weights: entropy, value). Rows off this step weigh 0. With them any regrouping of the step's rows
+    (``token_budget_batches``) sums to the same loss, and so the same gradient."""
+    policy = torch.zeros(loss_mask.shape, dtype=dtype, device=loss_mask.device)
+    mean = torch.zeros_like(policy)
+    for rows in micro:
+        index = torch.as_tensor(rows, device=loss_mask.device)
+        mask = loss_mask.index_select(0, index)
+        weights, normalizer = policy_loss_weights(loss_type, mask, response_length, dapo_tokens)
+        count = mask.sum().clamp(min=1)
+        policy[index] = (mask if weights is None else weights).to(dtype) / (count if normalizer is None else
+                                                                           normalizer) / len(micro)
+        mean[index] = mask.to(dtype) / count / len(micro)
+    return policy, mean
+
+
 def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targets: Targets, config: PPOConfig,
                sizes: Sizes, generator: torch.Generator, autocast: Callable = contextlib.nullcontext,
                log: Callable[[str], None] = print, zero=None) -> UpdateResult:
@@ -505,7 +558,13 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     ``zero`` (``fastppo.zero.ZeRO``, ``model`` its engine): DeepSpeed accumulates, clips, steps and skips.
     """
     device = rollout.query_responses.device
-    shape = (config.num_ppo_epochs, sizes.num_mini_batches, sizes.micro_steps)
+    budget = config.max_tokens_per_micro_batch
+    # the step weights' dtype: the loss's (fp64 when the policy computes in fp64)
+    weight_dtype = torch.promote_types(targets.advantages.dtype, torch.float32 if experience.logprobs is None
+                                       else experience.logprobs.dtype)
+    # a token budget may cut a minibatch into up to one micro-batch per row
+    shape = (config.num_ppo_epochs, sizes.num_mini_batches,
+             sizes.micro_steps if budget is None else sizes.local_mini_batch_size)
     stats = torch.full((len(STAT_NAMES), *shape), float("nan"), device=device)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     max_norm = config.max_grad_norm if config.max_grad_norm else float("inf")
@@ -530,6 +589,12 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     for epoch in range(config.num_ppo_epochs):
         order = torch.randperm(sizes.local_batch_size, generator=generator).tolist()
         for mb, micro in enumerate(micro_batches(order, sizes, total_lengths, config.group_by_length)):
+            step_weights = None
+            if budget is not None:  # the step's loss stays the row-count micro-batches' (step_token_weights)
+                step_weights = step_token_weights(micro, loss_mask, config.loss_type, config.response_length,
+                                                  dapo_tokens, weight_dtype)
+                micro = token_budget_batches([r for rows in micro for r in rows], rollout.query_lengths,
+                                             rollout.response_lengths, budget, config.padding_free)
             finite = torch.ones((), device=device)
             for k, rows in enumerate(micro):
                 layout = rollout.layout(rows, config.padding_free)
@@ -538,17 +603,22 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                     None if t is None else t.index_select(0, index) for t in (
                         experience.logprobs, experience.values, targets.advantages, targets.returns,
                         loss_mask, experience.ref_logprobs if config.beta else None))
-                token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length,
-                                                                dapo_tokens)
+                mean_weights = None
+                if step_weights is None:
+                    token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length,
+                                                                    dapo_tokens)
+                else:
+                    token_weights, mean_weights = (w.index_select(0, index) for w in step_weights)
+                    normalizer = 1.0
                 policy_loss = None
                 if fused:
                     policy_loss = dict(
                         old_logprobs=old_logprobs, advantages=advantages, mask=mask, cliprange=config.cliprange,
                         entropy_coef=config.entropy_coef, token_weights=token_weights, normalizer=normalizer,
-                        importance_sampling_level=config.importance_sampling_level,
+                        entropy_weights=mean_weights, importance_sampling_level=config.importance_sampling_level,
                         sequence_lengths=[rollout.response_lengths[r] for r in rows] if sequence_level else None,
                         **clip)
-                sync = k == sizes.micro_steps - 1  # DDP all-reduces gradients on the last micro-step only
+                sync = k == len(micro) - 1  # DDP all-reduces gradients on the last micro-step only
                 ddp_accumulates = zero is None and hasattr(model, "no_sync") and not sync
                 ctx = model.no_sync() if ddp_accumulates else contextlib.nullcontext()
                 with ctx:
@@ -562,13 +632,21 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         config.cliprange, config.cliprange_value, config.vf_coef, config.entropy_coef,
                         config.ratio_threshold, out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
                         kl_loss_type=config.kl_loss_type, bias_correction_kl=config.use_bias_correction_kl,
-                        sequence_level=sequence_level, token_weights=token_weights, normalizer=normalizer, **clip,
+                        sequence_level=sequence_level, token_weights=token_weights, normalizer=normalizer,
+                        mean_weights=mean_weights, **clip,
                     )
+                    # each micro-batch's loss is on the step's scale and the step is their mean; with step weights
+                    # it is already this micro-batch's share of the step (logged ×count, on the same scale)
+                    accumulation = sizes.micro_steps
+                    if step_weights is not None:
+                        accumulation = 1
+                        for name in ("pg_loss", "vf_loss", "kl_loss"):
+                            stats[STAT[name], epoch, mb, k] *= len(micro)
                     finite = finite * torch.isfinite(loss.detach())
                     if zero is not None:
-                        zero.backward(loss, finite if sync else None, sizes.micro_steps)
+                        zero.backward(loss, finite if sync else None, accumulation)
                     else:
-                        (loss / sizes.micro_steps).backward()
+                        (loss / accumulation).backward()
             if zero is not None:
                 if zero.step():
                     skipped += 1.0

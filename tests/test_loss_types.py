@@ -1,6 +1,7 @@
 """TRL GRPO's policy-loss settings in the trainer: loss_type's normalisers across micro-batches and processes,
 mask_truncated_completions, the fused and unfused update agreeing on every setting, the settings from the
-library and the command line, and their bad values refused by name.
+library and the command line, and their bad values refused by name; token-budget micro-batches
+(max_tokens_per_micro_batch) giving the row-count step.
 
 The update tests run ``ppo_update`` in float64 (the embedded tiny model cast to double, SGD) on one scored
 GRPO rollout whose old log-probs sit N(0, 0.4²) off the policy's (every clip acts), so "equal" means equal to
@@ -13,6 +14,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastppo.config import PPOConfig, derive_sizes
 from fastppo.errors import SettingsError
@@ -212,3 +215,84 @@ def test_the_settings_train_from_the_command_line(tmp_path, model_dir):
     cli.train()
     rows = metrics_without_clock(tmp_path / "cli" / "metrics.jsonl")
     assert {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"} <= set(rows[-1])
+
+
+# ---------------------------------------------------------------------------- token-budget micro-batches
+
+
+@pytest.fixture(scope="module")
+def scored_gae(tmp_path_factory, model_dir):
+    """A GAE rollout (value model, whitened advantages, returns) of B rows in float64, old log-probs and values off
+    the current ones so both clips act."""
+    from fastppo.train import compute_advantages
+
+    tmp = tmp_path_factory.mktemp("gae")
+    trainer = make_trainer(small_config(tmp, response_length=8, save_strategy="no", per_device_train_batch_size=B,
+                                        gradient_accumulation_steps=1, stop_token_id=list(range(10, 40))))
+    ids = [trainer.tokenizer(p)["input_ids"] for p in PROMPTS for _ in range(K)]
+    torch.manual_seed(7)
+    rollout = trainer.rollout(ids).rollout
+    module = trainer.actor_critic.double()
+    experience = score_rollout(module, trainer.reference, rollout, trainer.config.temperature, "k1", B)
+    g = torch.Generator().manual_seed(4)
+    mask = rollout.response_mask
+    noise = lambda: torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask  # noqa: E731
+    experience = Experience(experience.logprobs + 0.4 * noise(), experience.ref_logprobs,
+                            experience.values + 0.5 * noise(), experience.kl)
+    rewards, nsr = per_token_rewards(experience.kl, torch.randn(B, generator=g, dtype=torch.float64), mask,
+                                     rollout.score_index, 0.05)
+    advantages, returns = compute_advantages(rewards, experience.values, mask, 1.0, 0.95, False)
+    return trainer, rollout, experience, Targets(rewards, nsr, advantages, returns)
+
+
+BUDGETS = (1, 30, 10**6)  # one row per micro-batch; a few rows each; the whole minibatch in one
+
+
+@pytest.mark.parametrize("loss_type, padding_free", [("bnpo", False), ("dapo", True), ("grpo", False),
+                                                     ("dr_grpo", True)])
+def test_token_budget_micro_batches_give_the_row_count_step(scored, loss_type, padding_free):
+    """Whatever the budget, the step equals per_device_train_batch_size micro-batches' to float64 rounding (each
+    token keeps its weight), and the logged policy loss is the same step loss."""
+    settings = dict(loss_type=loss_type, padding_free=padding_free, entropy_coef=0.1)
+    rows_step, rows_stats = update(scored, 4, **settings)
+    for budget in BUDGETS:
+        step, stats = update(scored, 4, max_tokens_per_micro_batch=budget, **settings)
+        assert rel(step, rows_step) < 1e-12, (budget, rel(step, rows_step))
+        logged = lambda s: s[STAT["pg_loss"]].nanmean()  # noqa: E731  (statistics are kept in fp32)
+        torch.testing.assert_close(logged(stats), logged(rows_stats), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_token_budget_keeps_a_gae_step_with_its_value_loss(scored_gae, fused):
+    settings = dict(padding_free=True, fused_policy_loss=fused, entropy_coef=0.05, vf_coef=0.3)
+    rows_step, _ = update(scored_gae, 4, **settings)
+    assert rows_step.abs().max() > 0
+    for budget in BUDGETS:
+        step, _ = update(scored_gae, 4, max_tokens_per_micro_batch=budget, **settings)
+        assert rel(step, rows_step) < 1e-12, (budget, rel(step, rows_step))
+
+
+def test_token_budget_with_the_fused_loss_and_gspo(scored):
+    settings = dict(loss_type="grpo", importance_sampling_level="sequence", entropy_coef=0.1, fused_policy_loss=True)
+    rows_step, _ = update(scored, 4, **settings)
+    step, _ = update(scored, 4, max_tokens_per_micro_batch=30, **settings)
+    assert rel(step, rows_step) < 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=12),
+       budget=st.integers(1, 60), packed=st.booleans())
+def test_property_token_budget_batches_partition_within_the_budget(sizes, budget, packed):
+    from fastppo.train import token_budget_batches
+
+    queries, responses = [q for q, _ in sizes], [r for _, r in sizes]
+    rows = list(range(len(sizes)))
+    batches = token_budget_batches(rows, queries, responses, budget, packed)
+    assert sorted(r for b in batches for r in b) == rows  # every row once
+    for b in batches:
+        cost = sum(queries[r] + responses[r] for r in b) if packed else \
+            len(b) * (max(queries[r] for r in b) + max(responses[r] for r in b))
+        assert cost <= budget or len(b) == 1  # a row over the budget goes alone
+    total = sum(q + r for q, r in sizes)
+    if packed and all(q + r <= budget for q, r in sizes):  # first-fit decreasing: at most 11/9 OPT + 6/9 bins
+        assert len(batches) <= 11 / 9 * -(-total // budget) + 6 / 9 + 1e-9
