@@ -59,21 +59,26 @@ def _fused_loss(hidden, weight, index, old, adv, mask):
     return fused_ppo_policy_loss(hidden, weight, index, old, adv, mask, CLIPRANGE, ENTROPY_COEF).loss
 
 
+def _inputs(device, shape):
+    """(hidden, weight, index, old log-probs 0.2 off the current ones, advantages, a mask of 90% of the tokens)."""
+    n_tokens, hid, vocab = shape
+    dtype = bench_dtype(device)
+    hidden = torch.randn(n_tokens, hid, device=device, dtype=dtype).requires_grad_()
+    weight = (torch.randn(vocab, hid, device=device, dtype=dtype) / hid**0.5).requires_grad_()
+    index = torch.randint(0, vocab, (n_tokens,), device=device)
+    with torch.no_grad():
+        old = fused_token_logprobs(hidden, weight, index) + 0.2 * torch.randn(n_tokens, device=device)
+    return hidden, weight, index, old, torch.randn(n_tokens, device=device), torch.rand(n_tokens, device=device) > 0.1
+
+
 IMPLS = {"reference": _reference, "fastppo fused_token_logprobs + loss": _fused_logprobs_then_loss,
          "fastppo triton": _fused_loss}
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_fused_ppo_policy_loss_gpu(measure, gpu_device, ppo_loss_shape, impl):
-    n_tokens, hid, vocab = ppo_loss_shape
-    dtype = bench_dtype(gpu_device)
-    hidden = torch.randn(n_tokens, hid, device=gpu_device, dtype=dtype).requires_grad_()
-    weight = (torch.randn(vocab, hid, device=gpu_device, dtype=dtype) / hid**0.5).requires_grad_()
-    index = torch.randint(0, vocab, (n_tokens,), device=gpu_device)
-    with torch.no_grad():
-        old = fused_token_logprobs(hidden, weight, index) + 0.2 * torch.randn(n_tokens, device=gpu_device)
-    adv = torch.randn(n_tokens, device=gpu_device)
-    mask = torch.rand(n_tokens, device=gpu_device) > 0.1
+    hidden, weight, index, old, adv, mask = _inputs(gpu_device, ppo_loss_shape)
+    (n_tokens, hid, vocab), dtype = ppo_loss_shape, hidden.dtype
 
     def call_of(fn):
         def call():
@@ -105,15 +110,8 @@ def _options(name: str, n_tokens: int, mask: torch.Tensor) -> dict:
 
 @pytest.mark.parametrize("option", ["clip-higher + delta + dapo", "GSPO + grpo weights"])
 def test_fused_ppo_policy_loss_options_gpu(measure, gpu_device, ppo_loss_shape, option):
-    n_tokens, hid, vocab = ppo_loss_shape
-    dtype = bench_dtype(gpu_device)
-    hidden = torch.randn(n_tokens, hid, device=gpu_device, dtype=dtype).requires_grad_()
-    weight = (torch.randn(vocab, hid, device=gpu_device, dtype=dtype) / hid**0.5).requires_grad_()
-    index = torch.randint(0, vocab, (n_tokens,), device=gpu_device)
-    with torch.no_grad():
-        old = fused_token_logprobs(hidden, weight, index) + 0.2 * torch.randn(n_tokens, device=gpu_device)
-    adv = torch.randn(n_tokens, device=gpu_device)
-    mask = torch.rand(n_tokens, device=gpu_device) > 0.1
+    hidden, weight, index, old, adv, mask = _inputs(gpu_device, ppo_loss_shape)
+    (n_tokens, hid, vocab), dtype = ppo_loss_shape, hidden.dtype
     options = _options(option, n_tokens, mask)
 
     def call_of(fn):
