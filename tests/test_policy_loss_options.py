@@ -255,3 +255,23 @@ def test_bad_options_are_refused_by_name(kwargs, message):
         with pytest.raises((ValueError, TypeError), match=message):
             fn(case["hidden"], case["weight"], case["index"], case["old_logprobs"], case["advantages"], case["mask"],
                0.25, **kwargs)
+
+
+def test_the_cpu_path_never_forms_the_logits(monkeypatch):
+    """Without Triton (a CPU), fused_ppo_policy_loss runs the chunked LM-head core, not the reference's [N, V]
+    logits, and still equals the oracle."""
+    from fastppo.kernels import ppo_loss
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CPU path formed the [N, V] logits")
+
+    monkeypatch.setattr(ppo_loss, "lm_head_logits_reference", refuse)
+    case = make(LENGTHS, seed=8)
+    for name in ("clip_higher", "sequence_weights_normalizer"):
+        out, grads = run(fused_ppo_policy_loss, case, LENGTHS, OPTIONS[name])
+        loss, _, expected = run_oracle(case, LENGTHS, OPTIONS[name])
+        torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-10, atol=1e-12)
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)

@@ -99,7 +99,8 @@ import torch
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, MASK_DTYPES, check_float
 from fastppo.kernels._common import check_index_range, check_same_device, check_same_shape, check_temperature
 from fastppo.kernels._common import check_tensor, launch, refuse_double_backward, tile_choice, tl, triton, use_triton
-from fastppo.kernels._lmhead import acc_dtype, addmm_acc_, check_lm_head_args, lm_head_logits_reference, mm_acc
+from fastppo.kernels._lmhead import acc_dtype, addmm_acc_, check_lm_head_args, chunked_logprobs_entropy
+from fastppo.kernels._lmhead import lm_head_logits_reference, mm_acc
 from fastppo.kernels._lmhead import lm_head_operands, no_autocast, row_tile, tl_dtype
 from fastppo.kernels.logprobs import HeadMath, _launch_softmax_dlogits, _launch_token_logprobs_fwd
 from fastppo.kernels.logprobs import token_logprobs_reference
@@ -523,7 +524,9 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
     kernel_scalars = (1.0 - terms.cliprange, 1.0 + terms.cliprange_high, terms.entropy_coef, temperature,
                       *(() if terms.delta is None else (terms.delta,)))
     if not use_triton(hidden, kernel_scalars) or index.numel() == 0:
-        return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias, terms)
+        # a CPU: the same math over the chunked LM-head core (never the [N, V] logits; the reference's are)
+        return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias, terms,
+                                     chunked=True)
     if not hidden.is_cuda:  # interpreter: cheap here; on CUDA it would sync
         check_index_range(index, vocab)
     flat = [t.reshape(-1).contiguous() for t in (index, old_logprobs.detach(), advantages.detach(), mask)]
@@ -637,9 +640,17 @@ def fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advanta
 
 
 def _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias,
-                          terms: PolicyTerms) -> PPOPolicyLossOutput:
-    logp, ent = token_logprobs_reference(lm_head_logits_reference(hidden, weight, bias), index, temperature,
-                                         return_entropy=True, ignore_index=None)
+                          terms: PolicyTerms, chunked: bool = False) -> PPOPolicyLossOutput:
+    """(P1)-(P4) in PyTorch: log-probs and entropy from materialised logits (the reference), or ``chunked`` from
+    ``_lmhead.chunked_logprobs_entropy`` (a CPU call of ``fused_ppo_policy_loss``: no [N, V] tensor)."""
+    if chunked and index.numel():
+        check_index_range(index, weight.shape[0])
+        logp, ent = chunked_logprobs_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, bias, index.reshape(-1),
+                                             temperature)
+        logp, ent = logp.view(index.shape), ent.view(index.shape)
+    else:
+        logp, ent = token_logprobs_reference(lm_head_logits_reference(hidden, weight, bias), index, temperature,
+                                             return_entropy=True, ignore_index=None)
     acc = logp.dtype
     old, adv, real = old_logprobs.detach().to(acc), advantages.detach().to(acc), mask != 0
     ids = None
