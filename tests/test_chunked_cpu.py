@@ -130,7 +130,8 @@ def test_is_top1_takes_the_first_maximum_across_chunks(small_tiles):
     index = torch.tensor([4, 20, 40])
     out = fused_token_logprobs(hidden, weight, index, outputs=("is_top1",))
     assert out.is_top1.tolist() == [True, False, False]
-    assert out.is_top1.tolist() == fused_token_logprobs_reference(hidden, weight, index, outputs=("is_top1",)).is_top1.tolist()
+    want = fused_token_logprobs_reference(hidden, weight, index, outputs=("is_top1",)).is_top1
+    assert out.is_top1.tolist() == want.tolist()
 
 
 def test_ignored_rows_are_zero_and_pass_no_gradient(small_tiles):
@@ -275,3 +276,92 @@ def test_fp64_with_an_inexact_temperature_takes_the_chunked_path_under_the_inter
     assert calls
     assert_close(logp, oracle(hidden, weight, b, index, 0.9)["logprobs"], torch.float64)
     assert math.isfinite(logp.sum().item())
+
+
+# ---------------------------------------------------------------------------- fused_full_kl's chunked path
+
+
+def kl_oracle(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature):
+    """KL(π‖π_ref) in float64 from its definition, autograd to the policy side only."""
+    z = (hidden.double() @ weight.double().T + (0 if bias is None else bias.double())) / temperature
+    y = (ref_hidden.double() @ ref_weight.double().T + (0 if ref_bias is None else ref_bias.double())) / temperature
+    log_p, log_q = z.log_softmax(-1), y.detach().log_softmax(-1)
+    p = log_p.exp()
+    return (p * torch.where(p > 0, log_p - log_q, 0.0)).sum(-1)
+
+
+def _kl_models(n, dtype, seed, bias=True, hid_ref=9, ref_dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    hidden, weight, b = lm_head_inputs((n,), H, V, dtype, "cpu", bias=bias, logit_scale=3.0, generator=g)
+    ref = lm_head_inputs((n,), hid_ref, V, ref_dtype or dtype, "cpu", bias=bias, logit_scale=3.0, generator=g)
+    leaves = [t.requires_grad_() for t in (hidden, weight, b) if t is not None]
+    return (hidden, weight, b), ref, leaves
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("n, bias, temperature", [(19, True, 0.7), (5, False, 1.0), (1, True, 1.3)])
+def test_full_kl_cpu_path_equals_the_float64_oracle(small_tiles, dtype, n, bias, temperature):
+    from fastppo.kernels import fused_full_kl
+
+    (hidden, weight, b), (rh, rw, rb), leaves = _kl_models(n, dtype, n + int(bias), bias)
+    rw.requires_grad_()  # the reference side never gets a gradient, even when it asks
+    kl = fused_full_kl(hidden, weight, rh, rw, temperature, bias=b, ref_bias=rb)
+    want = kl_oracle(hidden, weight, b, rh, rw, rb, temperature)
+    out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert kl.dtype == out_dtype
+    assert_close(kl, want, out_dtype)
+    up = _upstream(n, n)[0]
+    got = torch.autograd.grad((kl.double() * up).sum(), leaves)
+    expected = torch.autograd.grad((want * up).sum(), leaves)
+    for g_, e, leaf in zip(got, expected, leaves):
+        assert g_.dtype == leaf.dtype
+        assert_grad_close(g_, e, dtype)
+
+
+def test_full_kl_fp64_reference_model_and_banned_tokens(small_tiles):
+    """An fp32 policy beside an fp64 reference computes in fp64; −inf bias entries: banned by both models, and
+    by the policy alone (p = 0 adds nothing and passes no gradient, whatever log q is)."""
+    from fastppo.kernels import fused_full_kl, fused_full_kl_reference
+
+    (hidden, weight, b), (rh, rw, rb), leaves = _kl_models(7, torch.float32, 20, ref_dtype=torch.float64)
+    with torch.no_grad():
+        b[[2, 40]] = float("-inf")
+        rb[[2, 41]] = float("-inf")
+        b[41] = float("-inf")  # the reference bans 41 too: q = 0 and p = 0 there
+    kl = fused_full_kl(hidden, weight, rh, rw, 0.9, bias=b, ref_bias=rb)
+    assert kl.dtype == torch.float64
+    want = kl_oracle(hidden, weight, b, rh, rw, rb, 0.9)
+    assert_close(kl, want, torch.float64, extra_atol=1e-12)
+    torch.testing.assert_close(kl, fused_full_kl_reference(hidden, weight, rh, rw, 0.9, bias=b, ref_bias=rb),
+                               rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(kl.sum(), leaves)
+    expected = torch.autograd.grad(want.sum(), leaves)
+    for g_, e in zip(got, expected):
+        assert torch.isfinite(g_).all()
+        assert_grad_close(g_, e, torch.float32)
+
+
+def test_full_kl_no_n_by_v_tensor_and_double_backward(reference_path, monkeypatch):
+    from fastppo.kernels import fused_full_kl, fused_full_kl_reference
+
+    n, vocab = 96, 1000
+    monkeypatch.setattr(_lmhead, "CHUNK_ELEMENTS", 2048)
+    g = torch.Generator().manual_seed(21)
+    hidden, weight, b = (t.requires_grad_() for t in lm_head_inputs((n,), 16, vocab, torch.float32, "cpu",
+                                                                    bias=True, generator=g))
+    rh, rw, rb = lm_head_inputs((n,), 8, vocab, torch.float32, "cpu", bias=True, generator=g)
+
+    def run(fn):
+        with _LargestTensor() as mode:
+            kl = fn(hidden, weight, rh, rw, 0.8, bias=b, ref_bias=rb)
+            torch.autograd.grad(kl.sum(), (hidden, weight, b))
+        return mode
+
+    chunked = run(fused_full_kl)
+    assert "addmm_" in chunked.ops and chunked.largest < n * vocab / 4, chunked.largest
+    assert run(fused_full_kl_reference).largest >= n * vocab
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    f = lambda h, w: _lmhead.chunked_full_kl(h, w, None, rh.double()[:5], rw.double(), None, 0.8,  # noqa: E731
+                                             chunk=ChunkPlan(2, 300))
+    assert torch.autograd.gradcheck(f, (h64[:5], w64), fast_mode=True)
+    assert torch.autograd.gradgradcheck(f, (h64[:5], w64), fast_mode=True)

@@ -616,8 +616,8 @@ class _Operands(NamedTuple):
         return x
 
 
-def _operands(hidden2d, weight, bias, plan: ChunkPlan) -> _Operands:
-    acc = acc_dtype(hidden2d.dtype)
+def _operands(hidden2d, weight, bias, plan: ChunkPlan, acc: torch.dtype | None = None) -> _Operands:
+    acc = acc_dtype(hidden2d.dtype) if acc is None else acc
     wbuf = None
     if weight.dtype != acc:
         wbuf = torch.empty(plan.cols * weight.shape[1], dtype=acc, device=weight.device)
@@ -862,6 +862,159 @@ def chunked_logprobs_entropy(hidden2d, weight, bias, index, temperature: float =
     logp, entropy, *_ = chunked_lm_head_stats(hidden2d, weight, bias, index, LogitTransform(temperature),
                                               (True, compute_entropy, False, False, False), chunk)
     return logp, entropy
+
+
+# The exact KL(π‖π_ref) over the vocabulary, (K1)/(K2) of ``kl.py``, on the same tiles: both models' logits of a
+# tile (z the policy's, y the reference's, over T), the policy's state (m_p, s_p) with a = Σ e^{z−m_p}(z − y)
+# rescaled as s_p is ((L4) with w = z − y), the reference's (m_q, s_q); KL = a/s_p − lse_p + lse_q. The backward
+# recomputes both tiles: ∂KL/∂z_j = p_j (z_j − y_j − (lse_p − lse_q + KL)) (K2), times g/T. Only the policy
+# side is differentiable (the reference model is frozen).
+
+
+def _chunked_full_kl_forward(pol: _Operands, ref: _Operands, temperature: float, plan: ChunkPlan, guard: bool):
+    """(kl, lse_p, lse_q) [N] in the accumulation dtype."""
+    n_rows, vocab = pol.hidden.shape[0], pol.weight.shape[0]
+    acc, device = pol.acc, pol.hidden.device
+    transform = LogitTransform(temperature)
+    states = {name: torch.full((n_rows,), float("-inf"), dtype=acc, device=device) for name in ("m_p", "m_q")}
+    s_p, s_q, a = (torch.zeros(n_rows, dtype=acc, device=device) for _ in range(3))
+    size = plan.rows * plan.cols
+    zbuf, ybuf, ebuf = (torch.empty(size, dtype=acc, device=device) for _ in range(3))
+
+    def rebase(m, chunk_max):
+        m_new = torch.maximum(m, chunk_max)
+        m_ref = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        return m_new, m_ref, torch.exp(m - m_ref)
+
+    for v0 in range(0, vocab, plan.cols):
+        v1 = min(vocab, v0 + plan.cols)
+        w_c, rw_c = pol.weight_chunk(v0, v1), ref.weight_chunk(v0, v1)
+        for r0 in range(0, n_rows, plan.rows):
+            r1 = min(n_rows, r0 + plan.rows)
+            rs, shape = slice(r0, r1), (r1 - r0, v1 - v0)
+            z = _transform_(pol.logits_(_tile(zbuf, *shape), r0, r1, v0, v1, w_c), transform)
+            y = _transform_(ref.logits_(_tile(ybuf, *shape), r0, r1, v0, v1, rw_c), transform)
+            e = _tile(ebuf, *shape)
+            m_new, m_ref, alpha = rebase(states["m_q"][rs], y.amax(1))
+            s_q[rs] = alpha * s_q[rs] + torch.exp(torch.sub(y, m_ref[:, None], out=e), out=e).sum(1)
+            states["m_q"][rs] = m_new
+            m_new, m_ref, alpha = rebase(states["m_p"][rs], z.amax(1))
+            diff = torch.sub(z, y, out=y)  # z − y
+            e = torch.exp(z.sub_(m_ref[:, None]), out=e)
+            if guard:
+                diff.masked_fill_(e == 0, 0.0)  # p = 0 adds nothing, whatever z − y is (−inf − y, −inf + inf)
+            a[rs] = alpha * a[rs] + torch.mul(e, diff, out=diff).sum(1)
+            s_p[rs] = alpha * s_p[rs] + e.sum(1)
+            states["m_p"][rs] = m_new
+    lse = {}
+    for name, s in (("p", s_p), ("q", s_q)):
+        m = states["m_" + name]
+        lse[name] = torch.where(m == float("-inf"), torch.zeros_like(m), m) + torch.log(s)
+    return a / s_p - lse["p"] + lse["q"], lse["p"], lse["q"]
+
+
+def _chunked_full_kl_backward(pol: _Operands, ref: _Operands, weight, bias, kl, lse_p, lse_q, g, temperature: float,
+                              plan: ChunkPlan, guard: bool, needs):
+    need_h, need_w, need_b = needs
+    n_rows, hdim = pol.hidden.shape
+    vocab = weight.shape[0]
+    acc, device = pol.acc, pol.hidden.device
+    transform = LogitTransform(temperature)
+    shift = lse_p - lse_q + kl
+    scale = (g.to(acc) / temperature)[:, None]
+    grad_h = torch.zeros(n_rows, hdim, dtype=acc, device=device) if need_h else None
+    grad_w = (torch.zeros if n_rows == 0 else torch.empty)(weight.shape, dtype=weight.dtype, device=device) \
+        if need_w else None
+    grad_b = torch.zeros(vocab, dtype=acc, device=device) if need_b else None
+    gw_acc = torch.empty(plan.cols * hdim, dtype=acc, device=device) if need_w and weight.dtype != acc else None
+    size = plan.rows * plan.cols
+    zbuf, ybuf = (torch.empty(size, dtype=acc, device=device) for _ in range(2))
+    for v0 in range(0, vocab, plan.cols):
+        v1 = min(vocab, v0 + plan.cols)
+        c = v1 - v0
+        w_c, rw_c = pol.weight_chunk(v0, v1), ref.weight_chunk(v0, v1)
+        gw_c = None
+        if need_w:
+            gw_c = grad_w[v0:v1] if gw_acc is None else _tile(gw_acc, c, hdim)
+        for r0 in range(0, n_rows, plan.rows):
+            r1 = min(n_rows, r0 + plan.rows)
+            rs = slice(r0, r1)
+            z = _transform_(pol.logits_(_tile(zbuf, r1 - r0, c), r0, r1, v0, v1, w_c), transform)
+            y = _transform_(ref.logits_(_tile(ybuf, r1 - r0, c), r0, r1, v0, v1, rw_c), transform)
+            u = torch.sub(z, y, out=y).sub_(shift[rs, None])  # log p − log q − KL
+            p = z.sub_(lse_p[rs, None]).exp_()
+            if guard:
+                u.masked_fill_(p == 0, 0.0)  # p = 0: a zero gradient whatever log q is
+            x = p.mul_(u).mul_(scale[rs])
+            if need_w:
+                if r0 == 0:
+                    torch.mm(x.t(), pol.hidden[rs], out=gw_c)
+                else:
+                    gw_c.addmm_(x.t(), pol.hidden[rs])
+            if need_b:
+                grad_b[v0:v1] += x.sum(0)
+            if need_h:
+                grad_h[rs].addmm_(x, w_c)
+        if gw_acc is not None and n_rows > 0:
+            grad_w[v0:v1].copy_(gw_c)
+    return (None if grad_h is None else grad_h.to(pol.hidden_dtype), grad_w,
+            None if grad_b is None else grad_b.to(bias.dtype))
+
+
+def _materialised_full_kl(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, temperature, acc):
+    """KL from both models' whole [N, V] logits with autograd: the chunked KL's double backward only."""
+    log_p = torch.log_softmax(lm_head_logits_reference(hidden2d, weight, bias, acc) / temperature, dim=-1)
+    log_q = torch.log_softmax(lm_head_logits_reference(ref_hidden2d, ref_weight, ref_bias, acc) / temperature, dim=-1)
+    p = log_p.exp()
+    return (p * torch.where(p > 0, log_p - log_q, torch.zeros_like(log_p))).sum(-1)
+
+
+class _ChunkedFullKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, temperature, plan):
+        acc = torch.promote_types(acc_dtype(hidden2d.dtype), acc_dtype(ref_hidden2d.dtype))
+        guard = any(b is not None and bool(torch.isneginf(b).any()) for b in (bias, ref_bias))
+        with no_autocast(hidden2d.device):
+            pol = _operands(hidden2d, weight, bias, plan, acc)
+            ref = _operands(ref_hidden2d, ref_weight, ref_bias, plan, acc)
+            kl, lse_p, lse_q = _chunked_full_kl_forward(pol, ref, temperature, plan, guard)
+        ctx.save_for_backward(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, kl, lse_p, lse_q)
+        ctx.temperature, ctx.plan, ctx.guard, ctx.acc = temperature, plan, guard, acc
+        return kl
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, kl, lse_p, lse_q = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        none = (None,) * 5
+        if not any(needs):
+            return (None, None, None, *none)
+        if torch.is_grad_enabled():  # create_graph=True: a first backward that autograd can differentiate
+            inputs = [x for x, need in zip((hidden2d, weight, bias), needs) if need]
+            with torch.enable_grad(), no_autocast(hidden2d.device):
+                out = _materialised_full_kl(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias,
+                                            ctx.temperature, ctx.acc)
+                grads = iter(torch.autograd.grad(out, inputs, g, create_graph=True, allow_unused=True))
+            return (*(next(grads) if need else None for need in needs), *none)
+        with no_autocast(hidden2d.device):
+            pol = _operands(hidden2d, weight, bias, ctx.plan, ctx.acc)
+            ref = _operands(ref_hidden2d, ref_weight, ref_bias, ctx.plan, ctx.acc)
+            grads = _chunked_full_kl_backward(pol, ref, weight, bias, kl, lse_p, lse_q, g, ctx.temperature, ctx.plan,
+                                              ctx.guard, needs)
+        return (*grads, *none)
+
+
+def chunked_full_kl(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, temperature: float = 1.0, chunk=None):
+    """KL(π‖π_ref) [N] over the whole vocabulary by the chunked path (``kl.fused_full_kl`` without Triton),
+    differentiable in hidden2d, weight and bias; the reference tensors must come detached (frozen model).
+
+    Each model's operands in its compute dtype (``lm_head_operands``); accumulation in fp32, fp64 when either
+    model is fp64, both models' logits formed in it. Extra memory: three [rows, cols] tiles of
+    ``chunk_plan(N, V, chunk)`` (two in the backward), upcast copies of 16-bit hiddens and weight chunks, [N]
+    states, grad_h's [N, H] accumulator; never an [N, V] tensor (double backward excepted).
+    """
+    plan = chunk_plan(hidden2d.shape[0], weight.shape[0], chunk)
+    return _ChunkedFullKL.apply(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, float(temperature), plan)
 
 
 # --------------------------------------------------------------------------- references

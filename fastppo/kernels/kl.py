@@ -45,6 +45,10 @@ PyTorch reference of the same math:
     ``_lmhead.vocab_chunked_backward`` (L6) with (K2) as its dlogits:
     both models' logit chunks come from GEMMs with fp32 (fp64) output.
     Accumulation and output are fp32, or fp64 when either model is fp64.
+    Without Triton (CPU tensors) the same state and (K2) run in plain
+    PyTorch over [rows, cols] tiles of both models' logits
+    (``_lmhead.chunked_full_kl``); ``fused_full_kl_reference`` materialises
+    both and is the oracle of both paths.
 
 Gradients of ``fused_full_kl`` flow to the policy side (``hidden``,
 ``weight``, ``bias``) only: the reference model is frozen in PPO, so
@@ -62,7 +66,7 @@ from fastppo.kernels._common import check_tensor, launch, refuse_double_backward
 from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype, check_lm_head_args
 from fastppo.kernels._lmhead import dot_precision, dot_upcast, lm_head_logits_reference, merge_splits, mm_acc
 from fastppo.kernels._lmhead import lm_head_operands, no_autocast, softmax_dlogits_tile, split_plan, tl_dtype
-from fastppo.kernels._lmhead import vocab_chunked_backward
+from fastppo.kernels._lmhead import chunked_full_kl, vocab_chunked_backward
 
 if HAS_TRITON:
     from fastppo.kernels._lmhead import elementwise_tile, logits_tile, online_expectation, online_update, split_program
@@ -436,6 +440,9 @@ def fused_full_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=
         ref_bias: optional reference LM-head bias [V]. −inf entries (banned
             tokens) are allowed in either bias.
 
+    Without Triton (CPU tensors) this is ``_lmhead.chunked_full_kl``: the same (K1)/(K2) over tiles of both
+    models' logits in plain PyTorch, no [N, V] tensor either (a double backward excepted).
+
     Both models follow ``_lmhead.COMPUTE_DTYPE_RULE`` (under autocast, an fp32
     model's operands are multiplied in autocast's dtype with fp32 accumulation);
     the accumulation is fp64 when either model computes in fp64, and then both
@@ -455,12 +462,12 @@ def fused_full_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=
     h2 = hidden.reshape(-1, hidden.shape[-1])
     rh2 = ref_hidden.reshape(-1, ref_hidden.shape[-1])
     with no_autocast(hidden.device):
-        # No tokens: nothing to launch; the reference math handles [0, H] and keeps autograd connected.
+        # No tokens: nothing to launch; the chunked path handles [0, H] and keeps autograd connected.
         # Dispatch sees both models' dtypes: an fp64 reference makes the call fp64 (exact scalars only).
         if use_triton(hidden, (temperature,), ref_hidden) and h2.shape[0] > 0:
             kl = _FusedFullKL.apply(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
-        else:
-            kl = _full_kl_math(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
+        else:  # the chunked PyTorch path (_lmhead): neither [N, V] logits tensor is formed here either
+            kl = chunked_full_kl(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
     return kl.reshape(hidden.shape[:-1])
 
 
