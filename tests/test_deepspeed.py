@@ -161,6 +161,19 @@ def test_zero2_matches_ddp(workdir, ddp_run):
 
 @needs_deepspeed
 @pytest.mark.slow
+def test_token_budget_micro_batches_match_row_count_ones_under_ddp_and_zero2(workdir, ddp_run):
+    """max_tokens_per_micro_batch (12 tokens: one or two rows each, a different count of micro-batches per rank)
+    trains the run of 2-row micro-batches, under DDP and under ZeRO-2 (whose step is the accumulation boundary),
+    the NaN-poisoned step skipped on both ranks."""
+    budget = {**SETTINGS, "max_tokens_per_micro_batch": 12, "save_steps": 500}
+    torchrun(workdir, workdir / "ddp_budget", budget)
+    assert_matches_ddp(workdir / "ddp_budget", ddp_run)
+    torchrun(workdir, workdir / "z2_budget", {**budget, "zero_stage": 2})
+    assert_matches_ddp(workdir / "z2_budget", ddp_run)
+
+
+@needs_deepspeed
+@pytest.mark.slow
 def test_zero3_without_gathering_for_generation_decodes_until_every_rank_stopped(workdir):
     """ds3_gather_for_generation=False: every decode step is a collective; with half the vocabulary as stop
     tokens the ranks' rows stop at different steps, and a per-rank early stop would deadlock (it does:
