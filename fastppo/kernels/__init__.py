@@ -3,7 +3,7 @@
 Each module holds a Triton (or C++/CUDA) kernel, its autograd wrapper and a
 plain PyTorch reference of the same math; the LM-head kernels (logprobs, kl,
 ppo_loss) share one private core, ``_lmhead``. Dispatch (``_common.use_triton``):
-CUDA tensors take the kernel, CPU tensors the reference (``fused_token_logprobs``:
+CUDA tensors take the kernel, CPU tensors the reference (the LM-head entry points:
 ``_lmhead``'s chunked PyTorch path, no [N, V] logits), and ``TRITON_INTERPRET=1``
 runs the Triton kernels on CPU tensors.
 """

@@ -3,7 +3,7 @@
 Dispatch rule, decided here and nowhere else:
   * CUDA tensors run the Triton (or CUDA) kernel;
   * CPU tensors run the plain PyTorch reference (or the C++ op; the LM-head
-    log-probs, ``fused_token_logprobs``, a chunked PyTorch path: ``_lmhead``);
+    entry points a chunked PyTorch path, ``_lmhead``, no [N, V] logits);
   * with ``TRITON_INTERPRET=1`` in the environment, CPU tensors run the Triton
     kernel under Triton's interpreter (how CI checks kernels without a GPU);
   * except calls with a float64 input and a float argument (temperature, clip range...)

@@ -17,9 +17,10 @@ they share lives here, once, so the copies cannot drift (issue 14):
   ``vocab_chunked_backward(hidden, weight, bias, dlogits_fn)``;
 * the chunked PyTorch path, what an LM-head call runs without Triton (on a
   CPU): ``chunked_lm_head_stats`` (the five per-token statistics, log-probs and
-  entropy differentiable) and ``chunked_logprobs_entropy`` (log-probs and
-  entropy only), the same equations over [rows, cols] logits tiles; its section
-  says why it chunks the vocabulary and how its passes are arranged.
+  entropy differentiable), ``chunked_logprobs_entropy`` (log-probs and entropy
+  only: the core of ``fused_ppo_policy_loss``'s CPU path) and ``chunked_full_kl``
+  (``fused_full_kl``'s), the same equations over [rows, cols] logits tiles; its
+  section says why it chunks the vocabulary and how its passes are arranged.
 
 Math, for one row with target token i (cited as (L1)-(L6) by the kernel modules):
 
