@@ -47,7 +47,7 @@ def build(model: str, rows: int, micro: int, response_length: int, output_dir: s
         from e2e_common import smollm2_dir
 
         path = smollm2_dir()
-        kwargs.update(sft_model_path=path, reward_model_path=path, stop_token="eos")
+        kwargs.update(sft_model_path=path, reward_model_path=path, stop_token="eos", allow_untrained_heads=True)
     trainer = PPOTrainer(args=PPOConfig(**kwargs))
     torch.manual_seed(0)
     rollout = trainer.rollout().rollout
