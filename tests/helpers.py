@@ -86,6 +86,29 @@ def lm_head_inputs(lead, hdim: int, vocab: int, dtype: torch.dtype, device, *, b
     return tuple(None if t is None else t.to(device=device, dtype=dtype) for t in (hidden, weight, b))
 
 
+def lm_head_stats_oracle(hidden, weight, bias, index, temperature=1.0, softcap=None, logit_scale=1.0,
+                         ignore_index=-100):
+    """The LM head's five per-token statistics (``logprobs.OUTPUTS``) in float64 from their definitions, autograd
+    through them (p log p taken as 0 where p = 0), ignored rows 0 (False): the oracle of every LM-head path."""
+    x = hidden.double() @ weight.double().T + (0 if bias is None else bias.double())
+    x = x * logit_scale
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    z = x / temperature
+    log_p = torch.log_softmax(z, -1)
+    p = log_p.exp()
+    keep = index != ignore_index
+    safe = torch.where(keep, index, 0)
+    stats = dict(
+        logprobs=log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1),
+        entropy=-(p * torch.where(p > 0, log_p, 0.0)).sum(-1),
+        log_sum_sq_probs=torch.log((p * p).sum(-1)),
+        mean_logits=z.mean(-1),
+        is_top1=z.argmax(-1) == safe,
+    )
+    return {k: torch.where(keep, v, torch.zeros((), dtype=v.dtype)) for k, v in stats.items()}
+
+
 @contextlib.contextmanager
 def recorded_launches(module, kernel_name: str):
     """Record the arguments of every launch of ``module.<kernel_name>`` (it still runs).

@@ -13,6 +13,7 @@ from fastppo.kernels import _lmhead, fused_token_logprobs, fused_token_logprobs_
 from fastppo.kernels._lmhead import ChunkPlan, LogitTransform, chunk_plan, chunked_lm_head_stats
 from fastppo.kernels._lmhead import chunked_logprobs_entropy
 from helpers import assert_close, assert_grad_close, lm_head_inputs
+from helpers import lm_head_stats_oracle as oracle
 
 ALL = ("logprobs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 H, V = 12, 53  # V prime: no chunk width divides it
@@ -23,27 +24,6 @@ def small_tiles(reference_path, monkeypatch):
     """The public CPU path with tiles of at most 8 rows × 8 columns (7 vocabulary chunks of 53)."""
     monkeypatch.setattr(_lmhead, "CHUNK_ELEMENTS", 64)
     monkeypatch.setattr(_lmhead, "MIN_CHUNK_COLS", 8)
-
-
-def oracle(hidden, weight, bias, index, temperature=1.0, softcap=None, logit_scale=1.0, ignore_index=-100):
-    """The five statistics in float64 from their definitions (autograd through them), ignored rows 0 (False)."""
-    x = hidden.double() @ weight.double().T + (0 if bias is None else bias.double())
-    x = x * logit_scale
-    if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)
-    z = x / temperature
-    log_p = torch.log_softmax(z, -1)
-    p = log_p.exp()
-    keep = index != ignore_index
-    safe = torch.where(keep, index, 0)
-    stats = dict(
-        logprobs=log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1),
-        entropy=-(p * torch.where(p > 0, log_p, 0.0)).sum(-1),
-        log_sum_sq_probs=torch.log((p * p).sum(-1)),
-        mean_logits=z.mean(-1),
-        is_top1=z.argmax(-1) == safe,
-    )
-    return {k: torch.where(keep, v, torch.zeros((), dtype=v.dtype)) for k, v in stats.items()}
 
 
 def _inputs(n, dtype, seed, bias=True):

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from fastppo.kernels import TokenStats, fused_token_logprobs, fused_token_logprobs_reference, token_logprobs
 from fastppo.kernels import token_logprobs_reference
 from helpers import assert_close, assert_grad_close, lm_head_inputs, triton_device_or_skip
+from helpers import lm_head_stats_oracle as oracle
 
 ALL = ("logprobs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 PATHS = pytest.mark.parametrize("path", ["triton", "reference"])
@@ -27,27 +28,6 @@ def _device(path, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         return torch.device("cpu")
     return triton_device_or_skip()
-
-
-def oracle(hidden, weight, bias, index, temperature=1.0, softcap=None, logit_scale=1.0, ignore_index=-100):
-    """The five statistics in float64 straight from their definitions, ignored rows 0 (False)."""
-    x = hidden.double() @ weight.double().T + (0 if bias is None else bias.double())
-    x = x * logit_scale
-    if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)
-    z = x / temperature
-    log_p = torch.log_softmax(z, -1)
-    p = log_p.exp()
-    keep = index != ignore_index
-    safe = torch.where(keep, index, 0)
-    stats = dict(
-        logprobs=log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1),
-        entropy=-(p * log_p).sum(-1),
-        log_sum_sq_probs=torch.log((p * p).sum(-1)),
-        mean_logits=z.mean(-1),
-        is_top1=z.argmax(-1) == safe,
-    )
-    return {k: torch.where(keep, v, torch.zeros((), dtype=v.dtype)) for k, v in stats.items()}
 
 
 def _grads(out_logp, out_ent, params, upstream):
