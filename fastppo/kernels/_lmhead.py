@@ -715,6 +715,20 @@ def _chunked_forward(ops: _Operands, index, transform: LogitTransform, wants, pl
     return logp, lse, entropy, log_sum_sq, mean, top1
 
 
+def _add_tile_gradients(x, hidden_rows, w_c, first_block: bool, gw_c, grad_b, grad_h, rows: slice, cols: slice):
+    """One [rows, cols] tile of ∂L/∂logits into the gradients (each None when not wanted): grad_W's chunk
+    (written by the first row block, added to by the others), grad_b's columns, grad_h's rows."""
+    if gw_c is not None:
+        if first_block:
+            torch.mm(x.t(), hidden_rows, out=gw_c)
+        else:
+            gw_c.addmm_(x.t(), hidden_rows)
+    if grad_b is not None:
+        grad_b[cols] += x.sum(0)
+    if grad_h is not None:
+        grad_h[rows].addmm_(x, w_c)
+
+
 def _chunked_backward(ops: _Operands, weight, bias, index, lse, ent, g_logp, g_ent, transform: LogitTransform,
                       plan: ChunkPlan, guard: bool, needs):
     """(grad_hidden, grad_weight, grad_bias) of L = Σ g·logp + g_H·H by (L5)·(L7), recomputing tile by tile."""
@@ -775,15 +789,7 @@ def _chunked_backward(ops: _Operands, weight, bias, index, lse, ent, g_logp, g_e
                                torch.where(inside, target_add[rs], torch.zeros_like(target_add[rs]))[:, None])
             if capped:  # (L7): times 1 − tanh²
                 x.mul_(torch.addcmul(torch.ones((), dtype=acc, device=device), th, th, value=-1.0, out=th))
-            if need_w:
-                if r0 == 0:
-                    torch.mm(x.t(), ops.hidden[rs], out=gw_c)
-                else:
-                    gw_c.addmm_(x.t(), ops.hidden[rs])
-            if need_b:
-                grad_b[v0:v1] += x.sum(0)
-            if need_h:
-                grad_h[rs].addmm_(x, w_c)
+            _add_tile_gradients(x, ops.hidden[rs], w_c, r0 == 0, gw_c, grad_b, grad_h, rs, slice(v0, v1))
         if gw_acc is not None and n_rows > 0:
             grad_w[v0:v1].copy_(gw_c)
     return (None if grad_h is None else grad_h.to(ops.hidden_dtype),
@@ -947,15 +953,7 @@ def _chunked_full_kl_backward(pol: _Operands, ref: _Operands, weight, bias, kl, 
             if guard:
                 u.masked_fill_(p == 0, 0.0)  # p = 0: a zero gradient whatever log q is
             x = p.mul_(u).mul_(scale[rs])
-            if need_w:
-                if r0 == 0:
-                    torch.mm(x.t(), pol.hidden[rs], out=gw_c)
-                else:
-                    gw_c.addmm_(x.t(), pol.hidden[rs])
-            if need_b:
-                grad_b[v0:v1] += x.sum(0)
-            if need_h:
-                grad_h[rs].addmm_(x, w_c)
+            _add_tile_gradients(x, pol.hidden[rs], w_c, r0 == 0, gw_c, grad_b, grad_h, rs, slice(v0, v1))
         if gw_acc is not None and n_rows > 0:
             grad_w[v0:v1].copy_(gw_c)
     return (None if grad_h is None else grad_h.to(pol.hidden_dtype), grad_w,
