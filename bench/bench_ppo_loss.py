@@ -20,7 +20,8 @@ Floor (``% floor``): the bare bf16 GEMMs, timed in the same run: hidden @ weight
 dXᵀ @ hidden.
 
 The options (TRL GRPO's loss settings, ``test_fused_ppo_policy_loss_options_gpu``), each beside the same floor
-and checked against ``fused_ppo_policy_loss_reference`` with the same options:
+and beside ``fused_ppo_policy_loss_reference`` with the same options (materialised fp32 logits), checked
+against it first:
   * clip-higher (ε_h 0.28), δ 1.5 and dapo's normaliser (a 0-d device tensor): the same one kernel, a few
     more instructions per row;
   * GSPO (``importance_sampling_level="sequence"``, sequences of 256 tokens) with grpo's token weights: chunks
@@ -108,8 +109,12 @@ def _options(name: str, n_tokens: int, mask: torch.Tensor) -> dict:
                 token_weights=mask / per_token.clamp(min=1), normalizer=float(len(lengths)))
 
 
+OPTION_IMPLS = {"reference": fused_ppo_policy_loss_reference, "fastppo triton": fused_ppo_policy_loss}
+
+
+@pytest.mark.parametrize("impl", list(OPTION_IMPLS))
 @pytest.mark.parametrize("option", ["clip-higher + delta + dapo", "GSPO + grpo weights"])
-def test_fused_ppo_policy_loss_options_gpu(measure, gpu_device, ppo_loss_shape, option):
+def test_fused_ppo_policy_loss_options_gpu(measure, gpu_device, ppo_loss_shape, option, impl):
     hidden, weight, index, old, adv, mask = _inputs(gpu_device, ppo_loss_shape)
     (n_tokens, hid, vocab), dtype = ppo_loss_shape, hidden.dtype
     options = _options(option, n_tokens, mask)
@@ -120,9 +125,9 @@ def test_fused_ppo_policy_loss_options_gpu(measure, gpu_device, ppo_loss_shape, 
             return (loss, *torch.autograd.grad(loss, (hidden, weight)))
         return call
 
-    call = call_of(fused_ppo_policy_loss)
+    call = call_of(OPTION_IMPLS[impl])
     assert_agrees(call(), call_of(fused_ppo_policy_loss_reference)(), option, rtol=5e-2, atol_of_max=3e-2)
     floor_s = gemm_floor(gpu_device, [(hidden, weight)], (hidden, weight))
-    measure(call, group=f"ppo_loss options: fused_ppo_policy_loss fwd+bwd {gpu_device} N={n_tokens} H={hid} "
-                        f"V={vocab} {dtype_name(dtype)}",
-            impl=f"fastppo triton, {option}", device=gpu_device, floor_s=floor_s, rounds=10)
+    measure(call, group=f"ppo_loss options ({option}): fused_ppo_policy_loss fwd+bwd {gpu_device} N={n_tokens} "
+                        f"H={hid} V={vocab} {dtype_name(dtype)}",
+            impl=impl, device=gpu_device, floor_s=floor_s, rounds=10)
