@@ -102,14 +102,16 @@ _COMPILE_SCRIPT = textwrap.dedent(
         compile(K._full_kl_dlogits_kernel, (a, chunk, a, chunk, x, chunk, a, a, a, a, chunk, 0.7),
                 BLOCK_V=dlogits.block_v, num_warps=dlogits.num_warps, **ACC)
 
-        # ppo_loss.py: both passes (with the gradient, both reductions) and the statistics-only forward
+        # ppo_loss.py: both passes (with the gradient, both reductions) and the statistics-only forward, plain
+        # and with every option (token weights and normaliser, entropy weights, δ)
         tile = P._ppo_loss_tile(N, V, CUDA)
-        for token_mean, needs_grad in ((True, True), (False, True), (True, False)):
+        for token_mean, needs_grad, options in ((True, True, False), (False, True, False), (True, False, False),
+                                                (True, True, True)):
             compile(P._ppo_policy_loss_rows_kernel,
-                    (a, V, x, V, i64, ptr(torch.float32), ptr(torch.float32), ptr(torch.bool), a, a, a,
-                     ptr(torch.bool), a, a, V, 0.7, 0.75, 1.25, 0.01),
-                    TOKEN_MEAN=token_mean, NEEDS_GRAD=needs_grad, BLOCK_V=tile.block_v, num_warps=tile.num_warps,
-                    **ACC)
+                    (a, V, x, V, i64, ptr(torch.float32), ptr(torch.float32), ptr(torch.bool), a, a, a, a,
+                     a, a, ptr(torch.bool), a, a, V, 0.7, 0.75, 1.25, 1.5, 0.01),
+                    TOKEN_MEAN=token_mean, WEIGHTED=options, ENTROPY_WEIGHTED=options, HAS_DELTA=options,
+                    NEEDS_GRAD=needs_grad, BLOCK_V=tile.block_v, num_warps=tile.num_warps, **ACC)
 
     # kl.py: elementwise estimators, every estimator code, fp32 and fp64 (the long k3 series)
     pen = K._kl_penalty_tile(CUDA)
