@@ -330,10 +330,11 @@ class PPOConfig(TrainingArguments):
     loss_type: str | None = field(
         default=None,
         metadata={"help": "How the token losses of an optimizer step are aggregated (TRL GRPO's loss_type): bnpo (a "
-                  "token mean per micro-batch: TRL 0.26 PPO's, the default for gae), dapo (the token sum over the "
-                  "active tokens of the whole rollout batch, on every process: TRL GRPO's default, the default of "
-                  "the critic-free estimators), grpo (each sequence's token mean, then the mean over sequences), "
-                  "dr_grpo (the token sum over sequences × response_length)."},
+                  "token mean per micro-batch: TRL 0.26 PPO's, the default for gae), dapo (the token sum divided by the "
+                  "active tokens of the whole rollout batch on all processes, spread evenly over the optimizer "
+                  "steps: TRL GRPO's default, the default of the critic-free estimators), grpo (each sequence's "
+                  "token mean, then the mean over sequences), dr_grpo (the token sum divided by sequences × "
+                  "response_length)."},
     )
     epsilon: float | None = field(
         default=None,
