@@ -275,3 +275,23 @@ def test_the_cpu_path_never_forms_the_logits(monkeypatch):
         torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-10, atol=1e-12)
         for got, want in zip(grads, expected):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+def test_weights_in_any_layout():
+    """Token and entropy weights given as strided or expanded views (a per-sequence weight broadcast over its
+    tokens) give the contiguous copies' result on both paths."""
+    case = make([6, 6, 6], seed=12)
+    per_row = torch.tensor([0.5, 2.0, 1.25], dtype=torch.float64)
+    expanded = per_row[:, None].expand(3, 6)  # stride 0 along the tokens
+    strided = torch.rand(18, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))[:, 1]
+    grid = {k: None if v is None or k in ("weight", "bias") else v.reshape(3, 6, *v.shape[1:])
+            for k, v in case.items()}
+    grid["weight"], grid["bias"] = case["weight"], case["bias"]
+    for fn in (fused_ppo_policy_loss, fused_ppo_policy_loss_reference):
+        for weights in (expanded, strided.view(3, 6)):
+            args = (grid["hidden"], grid["weight"], grid["index"], grid["old_logprobs"], grid["advantages"],
+                    grid["mask"], 0.25, 0.125, 0.75)
+            got = fn(*args, bias=grid["bias"], token_weights=weights, entropy_weights=weights, normalizer=4.0)
+            want = fn(*args, bias=grid["bias"], token_weights=weights.contiguous(),
+                      entropy_weights=weights.contiguous(), normalizer=4.0)
+            torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)

@@ -532,7 +532,7 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
     flat = [t.reshape(-1).contiguous() for t in (index, old_logprobs.detach(), advantages.detach(), mask)]
     for name in ("token_weights", "entropy_weights"):
         if getattr(terms, name) is not None:
-            terms = terms._replace(**{name: getattr(terms, name).detach().reshape(-1)})
+            terms = terms._replace(**{name: getattr(terms, name).detach().reshape(-1).contiguous()})
     with no_autocast(hidden.device):
         loss, logp, ratio, clipped, ent = _FusedPPOPolicyLoss.apply(
             hidden.reshape(-1, hdim), weight, bias, *flat, temperature, terms)
