@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fastppo.config import PPOConfig
+from fastppo.config import PPOConfig, user_path
 from fastppo.errors import LoadError, MissingPathError, SettingsError
 from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
 
@@ -92,6 +92,8 @@ def config_as_json(config: PPOConfig, model_args=None) -> dict:
     """The run's settings (``PPOConfig`` and, when given, the model flags) as the checkpoint's JSON file holds
     them (tuples become lists, enums their values), so a saved and a live config compare equal."""
     settings = config.to_dict()
+    for name in ("sft_model_path", "reward_model_path"):  # TRL's default, never loaded, is saved as unset
+        settings[name] = user_path(getattr(config, name))
     if model_args is not None:
         settings.update(dataclasses.asdict(model_args))
     return json.loads(json.dumps(settings, default=str))

@@ -24,7 +24,7 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
-from fastppo.config import ModelConfig, PPOConfig, ScriptArguments, as_list  # noqa: F401  (TRL's names, re-exported)
+from fastppo.config import ModelConfig, PPOConfig, ScriptArguments, as_list, user_path  # noqa: F401  (TRL's names, re-exported)
 from fastppo.data import load_prompt_dataset, split_names
 from fastppo.embedded import PROMPTS_PATH
 from fastppo.errors import SettingsError, settings_errors
@@ -76,6 +76,9 @@ def build_parser() -> HfArgumentParser:
                     "ModelConfig) plus fastppo's own.",
         allow_abbrev=False,  # a typo must not silently set a longer flag (--learning_rat 3 was lr 3)
     )
+    # PPOConfig keeps TRL's pythia-160m for scripts that load these themselves; fastppo's command line names
+    # no Hub model unless told (unset, the embedded default runs, or reward_fn scores)
+    parser.set_defaults(sft_model_path=None, reward_model_path=None)
     return parser
 
 
@@ -155,7 +158,7 @@ def build_trainer(script_args, training_args: PPOConfig, model_args, embedded: b
     if embedded:
         model = tokenizer = None
     else:
-        model = training_args.sft_model_path or model_args.model_name_or_path
+        model = user_path(training_args.sft_model_path) or model_args.model_name_or_path
         tokenizer = model_args.model_name_or_path or model
     name = script_args.dataset_name or PROMPTS_PATH
     train = load_prompt_dataset(name, script_args.dataset_train_split, script_args.dataset_config)
@@ -163,7 +166,7 @@ def build_trainer(script_args, training_args: PPOConfig, model_args, embedded: b
     if script_args.dataset_name and script_args.dataset_test_split in split_names(name, script_args.dataset_config):
         evals = load_prompt_dataset(name, script_args.dataset_test_split, script_args.dataset_config)
     # TRL's example starts the value model from the reward model; a critic-free estimator has none
-    reward_paths = as_list(training_args.reward_model_path)
+    reward_paths = as_list(user_path(training_args.reward_model_path))
     value = None if training_args.critic_free else training_args.value_model_path or next(iter(reward_paths), None)
     # every reward given, the models first (reward_weights' order); None: the config's default rule
     rewards = reward_paths + as_list(training_args.reward_fn) or None

@@ -10,12 +10,15 @@ means in transformers (``report_to`` as a string or a list, ``logging_steps`` as
 value head, KL estimators and controllers, ...) are more fields of the same class, named so that none clashes
 with a ``ScriptArguments`` or ``ModelConfig`` field.
 
-Where fastppo's default differs from TRL's, the field's help says so and why (``sft_model_path`` and
-``reward_model_path`` name no Hub model by default; ``bf16`` left unset means on for a bf16-capable GPU and
-off on a CPU). The legacy API's config (TRL <= 0.11) is another class, ``fastppo.legacy.PPOConfig``.
+Where fastppo's default differs from TRL's, the field's help says so and why (``bf16`` left unset means on
+for a bf16-capable GPU and off on a CPU). ``sft_model_path`` and ``reward_model_path`` keep TRL's default,
+``EleutherAI/pythia-160m``, so that a script written for TRL's ``PPOConfig`` (TRL's ``ppo.py`` loads the models
+itself from these fields) runs unchanged; fastppo itself never loads that default behind the user's back (see
+:class:`TRLDefaultPath`). The legacy API's config (TRL <= 0.11) is another class, ``fastppo.legacy.PPOConfig``.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from dataclasses import dataclass, field
@@ -46,6 +49,32 @@ ESTIMATOR_DEFAULTS = {
     "grpo": {"num_generations": 8, "kl_coef": 0.0, "loss_type": "dapo"},
     "reinforce_plus_plus": {"num_generations": 1, "kl_coef": 0.05, "loss_type": "dapo"},
 }
+
+TRL_DEFAULT_MODEL = "EleutherAI/pythia-160m"  # TRL 0.26 PPOConfig's sft_model_path and reward_model_path
+
+
+class TRLDefaultPath(str):
+    """A model path left at TRL's default. It is that string (a script written for TRL's ``PPOConfig`` reads
+    and loads it, as TRL's ``ppo.py`` does), but fastppo's trainer and command line, which TRL's own trainer
+    does not do either, never load it: :func:`user_path` reads it as unset. A value the user gives, even the
+    same name, is a plain ``str``."""
+
+    def __str__(self):  # argparse passes a string default through the field's type, str: keep the mark
+        return self
+
+
+def user_path(value):
+    """``value``, or None where it is TRL's untouched default (:class:`TRLDefaultPath`)."""
+    return None if isinstance(value, TRLDefaultPath) else value
+
+
+class AppendFlag(argparse.Action):
+    """argparse's ``append`` for a field whose default is one string: the first flag replaces the default
+    (argparse's own would append to the string and fail), the next ones append."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*items, values] if isinstance(items, list) else [values])
 
 
 @dataclass
@@ -114,9 +143,10 @@ class PPOConfig(TrainingArguments):
         metadata={"help": "Subtracted from the score of a response with no stop token (eos when none is set); >= 0."},
     )
     sft_model_path: str | None = field(
-        default=None,
-        metadata={"help": "Policy's starting weights (TRL's default names EleutherAI/pythia-160m; unset here: the "
-                  "model_name_or_path model, so no Hub download happens by default)."},
+        default=TRLDefaultPath(TRL_DEFAULT_MODEL),
+        metadata={"help": "Policy's starting weights. The field's default is TRL's (EleutherAI/pythia-160m, for "
+                  "scripts that load it themselves); fastppo loads a path only when one is set, else the "
+                  "model_name_or_path model (command line: unset and no model_name_or_path, the embedded model)."},
     )
     world_size: int | None = field(default=None, metadata={"help": "Derived: number of processes (set by the trainer)."})
     num_total_batches: int | None = field(default=None, metadata={"help": "Derived: PPO iterations (set by the trainer)."})
@@ -141,12 +171,13 @@ class PPOConfig(TrainingArguments):
     # str | list[str] after parsing: the field's type stays str for HfArgumentParser (which reads no union of
     # containers); the flag appends, and __post_init__ keeps one value as TRL's string
     reward_model_path: str | None = field(
-        default=None,
+        default=TRLDefaultPath(TRL_DEFAULT_MODEL),
         metadata={"help": "Reward model: an AutoModelForSequenceClassification with one label, scored at the last real "
                   "token; one with another tokenizer scores the decoded text re-tokenized with its own (TRL's default "
-                  "names EleutherAI/pythia-160m; unset here: reward_fn). Repeat the flag for several (a weighted sum "
-                  "with reward_weights). TRL's example also starts the value model from it; so does fastppo's CLI.",
-                  "action": "append"},
+                  "names EleutherAI/pythia-160m, kept as the field's default for scripts that load it themselves; "
+                  "fastppo loads a reward model only when one is set, else uses reward_fn). Repeat the flag for "
+                  "several (a weighted sum with reward_weights). TRL's example also starts the value model from it; "
+                  "so does fastppo's CLI.", "action": AppendFlag},
     )
     model_adapter_name: str | None = field(
         default=None, metadata={"help": "Multi-adapter PEFT (not supported: refused when set)."}

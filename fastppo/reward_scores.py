@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fastppo.config import as_list
+from fastppo.config import as_list, user_path
 from fastppo.data import left_pad, prompt_messages
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.rewards import (DEFAULT_REWARD_FN, call_reward_fn, load_reward_fn, reward_fn_columns, reward_fn_name,
@@ -54,7 +54,7 @@ def resolve_rewards(reward, config) -> list[Reward]:
     default rule without any. ``reward_weights`` in the same order (TRL GRPO's); names made unique."""
     if isinstance(reward, (list, tuple)) and not reward:  # not "no reward given": the default would train silently
         raise SettingsError("reward_model is an empty list: give at least one reward (a function, a model or a path)")
-    entries = as_list(reward) or as_list(config.reward_model_path) + as_list(config.reward_fn) or [DEFAULT_REWARD_FN]
+    entries = as_list(reward) or as_list(user_path(config.reward_model_path)) + as_list(config.reward_fn) or [DEFAULT_REWARD_FN]
     weights = config.reward_weights if config.reward_weights is not None else [1.0] * len(entries)
     if len(weights) != len(entries):
         raise SettingsError(f"reward_weights has {len(weights)} weight(s) for {len(entries)} reward(s) "

@@ -29,7 +29,7 @@ from fastppo import checkpoint as C
 from fastppo import dist as fdist
 from fastppo import models as M
 from fastppo.checks import check_settings
-from fastppo.config import ModelConfig, PPOConfig, Sizes, derive_sizes, every
+from fastppo.config import ModelConfig, PPOConfig, Sizes, derive_sizes, every, user_path
 from fastppo.data import left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
@@ -77,7 +77,7 @@ class PPOTrainer:
                                    isinstance(model, nn.Module) and M.is_peft(model)))
         # the embedded model is built before the process group exists (transformers saves on rank 0 only after)
         policy_path = model if isinstance(model, str) else (
-            None if model is not None else config.sft_model_path or model_args.model_name_or_path)
+            None if model is not None else user_path(config.sft_model_path) or model_args.model_name_or_path)
         self.embedded = model is None and policy_path is None
         if self.embedded:
             policy_path = embedded_model_path()

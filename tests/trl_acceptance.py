@@ -35,7 +35,7 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
-STANDIN_VERSION = 2  # bump when a stand-in's contents change, so cached work dirs rebuild
+STANDIN_VERSION = 3  # bump when a stand-in's contents change, so cached work dirs rebuild
 
 # --------------------------------------------------------------------------------------
 # The targets
@@ -117,9 +117,8 @@ TARGETS = [
                "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
                "--per_device_eval_batch_size", "25", "--total_episodes", "8", "--num_ppo_epochs", "1",
                "--num_mini_batches", "1", "--local_rollout_forward_batch_size", "2", "--response_length", "8",
-               "--model_name_or_path", "EleutherAI/pythia-1b-deduped", "--sft_model_path",
-               "EleutherAI/pythia-1b-deduped", "--reward_model_path", "EleutherAI/pythia-1b-deduped",
-               "--missing_eos_penalty", "1.0", "--report_to", "none"]),
+               "--model_name_or_path", "EleutherAI/pythia-1b-deduped", "--missing_eos_penalty", "1.0",
+               "--report_to", "none"]),  # no --sft_model_path/--reward_model_path: PPOConfig's defaults, as TRL's
     Target("trl026-examples-ppo_tldr", "trl026", "examples/scripts/ppo/ppo_tldr.py", "ppo_tldr.py",
            REWRITES_026_SCRIPT, kind="script", args=[
                "--dataset_name", "trl-lib/tldr", "--dataset_test_split", "validation", "--learning_rate", "3e-6",
@@ -378,6 +377,8 @@ MODELS = {
     _T + "tiny-random-GPT2Model": ("gpt2", "base", "gpt2", {}),
     # TRL 0.26 example scripts (the ids in their docstrings)
     "EleutherAI/pythia-1b-deduped": ("gpt_neox", "causal", "gpt2", {"pad_vocab": True}),
+    # TRL 0.26 PPOConfig's default sft_model_path and reward_model_path (ppo.py's first command names neither)
+    "EleutherAI/pythia-160m": ("gpt_neox", "causal", "gpt2", {"pad_vocab": True}),
     "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr": ("gpt_neox", "causal", "gpt2", {"pad_vocab": True}),
     "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": ("gpt_neox", "seqcls", "gpt2", {"pad_vocab": True}),
     # TRL 0.11 example script: PPOConfig's default reward pipeline
