@@ -60,6 +60,10 @@ class E2EConfig:
     model: str = "embedded"
     stop_on_eos: bool = False
     missing_eos_penalty: float | None = None
+    # False (like for like): both trainers without gradient checkpointing and without checkpoints. True: each
+    # at its own defaults for both (TRL 0.26 and fastppo alike: gradient checkpointing on, a checkpoint with
+    # optimizer state after the last iteration); precision stays the shared one (fp32 on a CPU) either way
+    defaults: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -73,7 +77,9 @@ class E2EConfig:
         return (f"model {self.model}, batch {self.batch_size} (micro {self.per_device_train_batch_size} × {self.gradient_accumulation_steps}), "
                 f"response_length {self.response_length}, num_ppo_epochs {self.num_ppo_epochs}, "
                 f"num_mini_batches {self.num_mini_batches}, {self.warmup_iterations} warm-up + "
-                f"{self.iterations} timed iterations")
+                f"{self.iterations} timed iterations; "
+                + ("each trainer at its own defaults (gradient checkpointing, final checkpoint)" if self.defaults else
+                   "like for like: no gradient checkpointing, no checkpoints"))
 
 
 

@@ -5,7 +5,10 @@
 
 Runs ``trl_baseline.run_fastppo`` for two iterations and profiles the second iteration's steps 2-6
 (``fastppo.train.ppo_iteration`` after its rollout: scoring, rewards, GAE, the PPO epochs and the metrics),
-printing the top operators by self CPU time (on a GPU, by self CUDA time).
+printing the top operators by self CPU time (on a GPU, by self CUDA time), then where the profiled time goes
+by kind: the LM head's GEMMs (a product with a vocabulary-sized dimension), the other GEMMs (the trunk and the
+value model), attention, the optimizer step, the other operators, and the time inside no operator (Python and
+dispatch: the profiled wall time less the operators' self time).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import dataclasses
 import os
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -23,6 +27,37 @@ import torch  # noqa: E402
 
 import trl_baseline as B  # noqa: E402
 from fastppo import trainer as T  # noqa: E402
+
+
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+ATTENTION = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
+OPTIMIZER = ("aten::_fused_adamw", "aten::_foreach_", "Optimizer.step")
+
+
+def kind_of(name: str, shapes, vocab: int) -> str:
+    if name in GEMMS:
+        return "LM head GEMMs" if any(vocab in s for s in shapes or [] if s) else "other GEMMs (trunk, value model)"
+    if name.startswith(ATTENTION):
+        return "attention"
+    if name.startswith(OPTIMIZER):
+        return "optimizer step"
+    return "other operators (norms, activations, copies, losses, ...)"
+
+
+def kinds_report(events, wall: float, vocab: int, seconds: dict) -> str:
+    """Self CPU time by kind of operator, beside the profiled wall time (steps 2-6 of one iteration)."""
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.key.startswith("Optimizer.step"):  # a wrapper: its self time is Python
+            continue
+        k = kind_of(e.key, e.input_shapes, vocab)
+        totals[k] = totals.get(k, 0.0) + e.self_cpu_time_total / 1e6
+    totals["inside no operator (Python, dispatch)"] = max(0.0, wall - sum(totals.values()))
+    lines = [f"steps 2-6 of one iteration, profiled: {wall:.2f} s wall (update {seconds.get('update', 0):.2f} s, "
+             f"scoring {seconds.get('scoring', 0):.2f} s; the profiler's own overhead included)"]
+    for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {k:<58} {v:7.2f} s  {100 * v / wall:5.1f}%")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -41,10 +76,15 @@ def main(argv=None) -> None:
         if len(calls) != 2:  # the first iteration warms up
             return original(learner, config, sizes, collect, skip_masked)
         batch = collect()  # step 1 (generation) runs outside the profile
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=activities, record_shapes=not cuda) as prof:
+            t0 = time.perf_counter()
             out = original(learner, config, sizes, lambda: batch, skip_masked)
+            wall = time.perf_counter() - t0
         print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                         row_limit=args.rows))
+        if not cuda:
+            vocab = learner.actor_critic.policy.config.vocab_size
+            print(kinds_report(prof.key_averages(group_by_input_shape=True), wall, vocab, out.seconds))
         return out
 
     T.ppo_iteration = profiled  # the name the trainer calls

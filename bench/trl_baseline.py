@@ -58,6 +58,8 @@ FASTPPO_VARIANTS = {
     # one network (the value head on the policy's trunk) and packed rows: a different value model, so a
     # different run; same sampler, same losses
     "fastppo-fast": {"shared_value_head": True, "padding_free": True},
+    # packed rows alone: the same value model and math as "fastppo", no padding computed on
+    "fastppo-packed": {"padding_free": True},
     # the sampler pinned either way (unset, the default: compiled on CUDA, eager on a CPU)
     "fastppo-eager": {"compiled_decode": False},
     "fastppo-compiled": {"compiled_decode": True},
@@ -81,10 +83,10 @@ def run_fastppo(cfg: E2EConfig, output_dir: str, variant: str = "fastppo") -> di
         **shared_settings(cfg, output_dir),
         max_grad_norm=None,  # TRL's PPO loop does not clip gradients
         pad_to_multiple_of=width,  # every query batch as wide as TRL's (the longest prompt)
-        save_steps=10**9,
         stop_token="eos" if cfg.stop_on_eos else None,
         missing_eos_penalty=cfg.missing_eos_penalty,
-        gradient_checkpointing=False,  # as TRL's run below: same compute on both sides
+        # like for like, as TRL's run (trl_peer): same compute and no checkpoint writes on both sides
+        **({} if cfg.defaults else {"gradient_checkpointing": False, "save_strategy": "no"}),
         **extra,
     )
     clock = IterationClock()
@@ -165,7 +167,8 @@ def _parse(argv=None):
     p.add_argument("--child", choices=tuple(RUNNERS), help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     for f in dataclasses.fields(E2EConfig):
-        kind = {"stop_on_eos": lambda v: v.lower() in ("1", "true", "yes"), "missing_eos_penalty": float}.get(
+        flag = lambda v: v.lower() in ("1", "true", "yes")  # noqa: E731
+        kind = {"stop_on_eos": flag, "defaults": flag, "missing_eos_penalty": float}.get(
             f.name, type(f.default))
         p.add_argument(f"--{f.name}", type=kind, default=None)
     return p.parse_args(argv)

@@ -211,8 +211,7 @@ def run_trl(cfg: E2EConfig, output_dir: str) -> dict:
         stop_token="eos" if cfg.stop_on_eos else None,
         missing_eos_penalty=cfg.missing_eos_penalty,
         fp16=False,
-        gradient_checkpointing=False,
-        save_strategy="no",
+        **({} if cfg.defaults else {"gradient_checkpointing": False, "save_strategy": "no"}),
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
     )
