@@ -1,9 +1,9 @@
 """The four advantage estimators on SmolLM2-135M-Instruct (CPU), 20 iterations each, with a rule reward: the mean
-score per iteration of each, as a JSON file and one plot (the README's figure).
+score per iteration of each, as a JSON file and one plot (the figure in docs/usage.md).
 
     python bench/critic_free_curves.py --out bench/critic_free_curves.json --plot bench/critic_free_curves.png
 
-Each estimator at its source's defaults (README, "Critic-free estimators"), otherwise the same settings: 8
+Each estimator at its source's defaults (docs/usage.md, "Critic-free estimators"), otherwise the same settings: 8
 completions per iteration (gae: 8 prompts × 1; rloo, grpo, reinforce_plus_plus: 2 prompts × 4), chat prompts,
 stop on eos, response_length 16, T 1.0, lr 2e-5, 1 PPO epoch, no gradient checkpointing, seed 0. The reward is
 ``brevity`` below (minus the words of the completion): SmolLM2 runs on past 16 tokens on most of these prompts,

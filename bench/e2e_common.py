@@ -85,7 +85,7 @@ class E2EConfig:
 
 
 # issue 11's real-model case: SmolLM2-135M-Instruct, batch 8, 24 tokens, 4 epochs, lr 3e-6, T 0.7, separate
-# value and reward models (bench_train.py --e2e-model smollm2, profile_update.py, the command in RESULTS.md)
+# value and reward models (bench_train.py --e2e-model smollm2, profile_update.py, the command in bench/RESULTS.md)
 SMOLLM2_CASE = E2EConfig(model="smollm2", per_device_train_batch_size=8, gradient_accumulation_steps=1,
                          num_ppo_epochs=4, response_length=24, learning_rate=3e-6, temperature=0.7, kl_coef=0.05,
                          stop_on_eos=True, missing_eos_penalty=1.0, iterations=3, warmup_iterations=1, threads=0,

@@ -9,8 +9,9 @@ Cases: SmolLM2-135M's LM head (H = 576, V = 49,152) over N tokens, forward (log-
 policy call) and forward + backward, fp32 and bf16 operands. Implementations, run interleaved, each checked
 against a float64 run first:
 
-* ``fastppo``: ``fused_token_logprobs(..., outputs=("logprobs", "entropy"))`` (on a CPU that is the reference
-  path: fp32 logits of the whole batch; on CUDA the fused Triton kernel);
+* ``fastppo``: ``fused_token_logprobs(..., outputs=("logprobs", "entropy"))`` (on a CPU the chunked PyTorch path
+  of ``fastppo/kernels/_lmhead.py``, no [N, V] logits; it was the reference path, fp32 logits of the whole batch,
+  when bench/RESULTS.md's first table of this script was measured; on CUDA the fused Triton kernel);
 * ``trl``: TRL 1.x's ``_ChunkedLogProbFunction`` (chunk 4,096 × ``--chunk``; on a CPU its torch fold);
 * ``liger``: Liger-Kernel's fused linear cross-entropy, reduction "none", log-probs only (CUDA only).
 

@@ -31,7 +31,7 @@ from transformers import TrainingArguments
 from fastppo.errors import SettingsError
 
 KL_ESTIMATOR_CHOICES = ("k1", "k2", "k3", "abs", "mse", "full")
-# verl's names (algorithm.adv_estimator); the README maps OpenRLHF's and TRL's onto them
+# verl's names (algorithm.adv_estimator); docs/usage.md maps OpenRLHF's and TRL's onto them
 ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo", "reinforce_plus_plus")
 GROUP_ESTIMATORS = ("rloo", "grpo")  # a baseline over the num_generations samples of each prompt
 SCALE_REWARDS = ("group", "batch", "none")

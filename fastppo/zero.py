@@ -187,7 +187,7 @@ def resolve_deepspeed_config(request: tuple[dict, str, list[str]], config: PPOCo
     """The DeepSpeed config to run from the one asked for: batch sizes, accumulation and clipping from
     fastppo's flags (``"auto"`` or missing values are filled; an explicit value that disagrees is a
     ValueError naming both), fp32 weights, fastppo's own optimizer and scheduler. Returns (config, notes)."""
-    raw, source, _ = request  # the request's own notes are validate_config's
+    raw, source, _ = request  # the request's own notes are check_deepspeed's (logged by checks.check_settings)
     cfg = copy.deepcopy(raw)
     notes = []
     for section, ours in (("optimizer", "its own AdamW (--optim, --learning_rate, --adam_*, --weight_decay)"),

@@ -698,7 +698,7 @@ def _(ctx):
 @case("learning_rate 0", "refused", ["learning_rate"])
 def _(ctx):
     ctx.trainer(ctx.cfg(learning_rate=0.0)).train()
-    must_refuse("lr 0 (the README says learning_rate <= 0 is refused)")
+    must_refuse("lr 0 (docs/usage.md says learning_rate <= 0 is refused)")
 
 
 @case("num_mini_batches not dividing the batch", "refused", ["num_mini_batches"])

@@ -485,13 +485,13 @@ def test_a_second_apply_with_other_options_names_the_active_patch():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA does with --bf16")
 def test_bf16_on_a_cpu_is_bf16_autocast_there(tmp_path, model_dir):
     """The example: `--bf16 true` on a CPU was refused with transformers' 'You need to assign use_cpu', while
-    the README recommends --bf16 on CPUs. It now runs bf16 autocast on the CPU, as use_cpu would, and leaves the
+    docs/performance.md recommends --bf16 on CPUs. It now runs bf16 autocast on the CPU, as use_cpu would, and leaves the
     config as given. Other members: bf16_full_eval, the command line, and --use_cpu given as well."""
     for flags in ({"bf16": True}, {"bf16_full_eval": True}, {"bf16": True, "use_cpu": True}):
         made = config(tmp_path, **flags)
         assert made.device.type == "cpu" and made.use_cpu == flags.get("use_cpu", False)
     trainer = PPOTrainer(args=config(tmp_path, bf16=True), reward_model=length_reward)
-    assert trainer.bf16 and trainer.ref_model.dtype == torch.bfloat16  # the frozen reference in bf16 (README)
+    assert trainer.bf16 and trainer.ref_model.dtype == torch.bfloat16  # the frozen reference in bf16 (docs/migrating.md)
     with trainer.autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     state = trainer.train()

@@ -30,7 +30,8 @@ late it was imported (``trl.experimental.cpo``, ``orpo``, a module of yours).
 Differences a user can see: fastppo's results are fp32 for 16-bit inputs (TRL rounds the
 logits of a bf16 GEMM to bf16 before its fp32 softmax, and its logits helpers return bf16),
 so bf16 runs differ from TRL's own at bf16 rounding and are closer to float64
-(``bench/bench_trl1.py`` and ``tests/test_trl1_integration.py`` measure both).
+(``bench/trl1_logprobs.py``, ``bench/cpu_lmhead_memory.py`` and ``tests/test_trl1_integration.py`` measure
+both).
 """
 from __future__ import annotations
 
