@@ -37,11 +37,12 @@ from fastppo.dist import all_reduce, barrier, is_distributed
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import generate_with_kwargs, sample_responses
 from fastppo.kernels import check_temperature, kl_penalty, masked_mean, token_logprobs
+from fastppo.layout import causal_lm_of, lm_of
+from fastppo.loading import embedding_rows, is_peft, position_limit
 from fastppo.metrics import STAT, MetricsLogger, legacy_stats, stats_means
-from fastppo.models import (AutoModelForCausalLMWithValueHead, causal_lm_of, create_reference_model, embedding_rows,
-                            is_peft, lm_of, position_limit)
 from fastppo.train import IterationResult, assemble, compute_advantages, per_token_rewards, ppo_losses
 from fastppo.trainer import PPOTrainer as CoreTrainer
+from fastppo.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
 
 
 # generate() kwargs whose given value keeps sampling exactly softmax(logits / temperature)

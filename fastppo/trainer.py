@@ -27,15 +27,16 @@ from transformers.utils import logging as hf_logging
 
 from fastppo import checkpoint as C
 from fastppo import dist as fdist
-from fastppo import models as M
+from fastppo import loading as L
+from fastppo.actor_critic import PolicyAndValue, Reference
 from fastppo.checks import check_settings
 from fastppo.config import ModelConfig, PPOConfig, Sizes, derive_sizes, every, user_path
 from fastppo.data import left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import sample_responses, stop_ids_of
+from fastppo.layout import lm_of
 from fastppo.metrics import MetricsLogger, plot_curves, print_samples
-from fastppo.models import lm_of
 from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, score_rewards
 from fastppo.rewards import RewardFunctionError, RunningMoments, check_reward_fn_columns, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
@@ -74,7 +75,7 @@ class PPOTrainer:
         self.loop = loop
         notes = check_settings(config, model_args, check_output=loop,
                                peft=peft_config is not None or model_args.use_peft or (
-                                   isinstance(model, nn.Module) and M.is_peft(model)))
+                                   isinstance(model, nn.Module) and L.is_peft(model)))
         # the embedded model is built before the process group exists (transformers saves on rank 0 only after)
         policy_path = model if isinstance(model, str) else (
             None if model is not None else user_path(config.sft_model_path) or model_args.model_name_or_path)
@@ -108,14 +109,14 @@ class PPOTrainer:
         tokenizer = processing_class
         given_tokenizer = tokenizer is not None and not isinstance(tokenizer, str)
         if isinstance(tokenizer, str):
-            tokenizer = M.load_tokenizer(tokenizer, model_args, self.log)
+            tokenizer = L.load_tokenizer(tokenizer, model_args, self.log)
         if tokenizer is None:
             tokenizer_path = model_args.model_name_or_path or policy_path or getattr(
                 getattr(model, "config", None), "_name_or_path", None)
             if not tokenizer_path:
                 raise SettingsError("processing_class (the tokenizer) is required when model is an object")
-            tokenizer = M.load_tokenizer(tokenizer_path, model_args, self.log)
-        M.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
+            tokenizer = L.load_tokenizer(tokenizer_path, model_args, self.log)
+        L.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
         self.processing_class = self.tokenizer = tokenizer
         self.stop_ids = stop_ids_of(config, tokenizer)
         vocab = len(tokenizer)
@@ -139,7 +140,7 @@ class PPOTrainer:
                     self.log(note)
             self._resume_path = self._decide_resume()
             longest_prompt = max(len(p) for p in self.prompts + (self.eval_prompts or []))
-            M.check_positions(model if isinstance(model, nn.Module) else policy_path, config, model_args,
+            L.check_positions(model if isinstance(model, nn.Module) else policy_path, config, model_args,
                               longest_prompt)
         else:
             self.sizes = derive_sizes(config, self.dist.world_size, 1)
@@ -150,7 +151,7 @@ class PPOTrainer:
 
         # --- models
         torch.manual_seed(config.seed)  # the same fresh value head on every process
-        built = M.build_models(dict(model=model, ref_model=ref_model, value_model=value_model, rewards=self.rewards,
+        built = L.build_models(dict(model=model, ref_model=ref_model, value_model=value_model, rewards=self.rewards,
                                     reward_processing_classes=processing_classes_by_name(
                                         reward_processing_classes, self.rewards),
                                     peft_config=peft_config),
@@ -162,15 +163,15 @@ class PPOTrainer:
             for what, other in (("reference model", self.ref_model), ("value model", self.value_model),
                                 *(("reward model", r.model) for r in self.rewards if r.tokenizer is None)):
                 if other is not None:
-                    M.check_positions(other, config, model_args, longest_prompt, what)
-        self.actor_critic = M.PolicyAndValue(self.policy, self.value_model, critic=not config.critic_free)
+                    L.check_positions(other, config, model_args, longest_prompt, what)
+        self.actor_critic = PolicyAndValue(self.policy, self.value_model, critic=not config.critic_free)
         self.model = self.actor_critic
         self.zero = None
         if self.dist.world_size > 1 and self.ds_config is None:
             self.model = nn.parallel.DistributedDataParallel(
                 self.actor_critic, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
-        self.reference = M.Reference(self.ref_model, self.policy) if config.needs_reference else None
+        self.reference = Reference(self.ref_model, self.policy) if config.needs_reference else None
 
         # --- optimizer, schedule, controllers, randomness
         optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)

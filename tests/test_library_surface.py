@@ -18,7 +18,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 from fastppo import PPOConfig, PPOTrainer, legacy
 from fastppo import checkpoint as C
 from helpers import quick_config
-from fastppo.models import AutoModelForCausalLMWithValueHead
+from fastppo.value_head import AutoModelForCausalLMWithValueHead
 from fastppo.train import whiten_trained
 
 pytestmark = pytest.mark.usefixtures("reference_path")
@@ -92,11 +92,11 @@ def test_models_with_too_few_positions_are_refused_by_name(tmp_path, model_dir):
 
 
 def test_prompt_ids_outside_the_vocabulary_are_refused_before_any_model_loads(tmp_path, model_dir, monkeypatch):
-    from fastppo import models
+    from fastppo import loading
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = [{"input_ids": [5, 6, 7]}, {"input_ids": [5, len(tokenizer) + 10]}, {"input_ids": [5, -1]}]
-    monkeypatch.setattr(models, "build_models", lambda *a, **k: pytest.fail("models were built"))
+    monkeypatch.setattr(loading, "build_models", lambda *a, **k: pytest.fail("models were built"))
     for bad in rows[1:]:
         with pytest.raises(ValueError, match=r"row 1 of column 'input_ids' holds token id .* outside the tokenizer's"):
             PPOTrainer(args=config(tmp_path), train_dataset=[rows[0], bad], reward_model=length_reward)
@@ -275,7 +275,7 @@ WORKER = textwrap.dedent("""
     import os, torch, torch.distributed as dist
     from transformers import AutoTokenizer
     from fastppo import legacy
-    from fastppo.models import AutoModelForCausalLMWithValueHead
+    from fastppo.value_head import AutoModelForCausalLMWithValueHead
 
     path = os.environ["MODEL_DIR"]
     tok = AutoTokenizer.from_pretrained(path)
