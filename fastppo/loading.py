@@ -5,7 +5,8 @@ arguments, objects or paths (``build_models``: dtypes, PEFT, a frozen reference 
 tokenizer). Preparing: Liger, no dropout, placement, frozen models frozen, activation checkpointing
 (``prepare_models``). The checks of the models themselves, made once they are loaded (or, for the positions, from
 their configs): the LM head the fused path relies on, scalar heads, trainable dtypes, vocabularies, tokenizers,
-positions, packing. The checks of the settings alone, before anything loads, are ``fastppo.checks``'.
+positions, packing, and a user's optimizer covering every trained parameter. The checks of the settings
+alone, before anything loads, are ``fastppo.checks``'.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from fastppo.layout import (backbone_and_head, causal_lm_of, decoder_hidden, lm_
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, enable_checkpointing
 
 __all__ = ["DTYPES", "POSITION_LIMIT_FIELDS", "apply_liger", "apply_peft", "build_models", "check_lm_head",
-           "check_packing", "check_positions", "check_scalar_head", "check_trainable_dtype",
+           "check_optimizer_covers", "check_packing", "check_positions", "check_scalar_head", "check_trainable_dtype",
            "check_value_tokenizer", "check_vocabulary", "disable_dropout", "embedding_rows", "ensure_pad_token",
            "frozen_copy", "is_peft", "load_causal_lm", "load_error", "load_seq_cls", "load_tokenizer",
            "position_limit", "prepare_models", "pretrained_kwargs", "reward_tokenizer", "same_vocabulary"]
@@ -501,3 +502,17 @@ def check_packing(model: nn.Module, device, what: str = "policy") -> None:
             "flash_attention_2, sdpa or eager on a transformers version that reads packed positions, or drop "
             "--padding_free"
         )
+
+
+def check_optimizer_covers(optimizer: torch.optim.Optimizer, actor_critic: nn.Module) -> None:
+    """A user's optimizer must hold every trained parameter (the value model's too): one it lacks would never
+    train, and nothing would say so."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    left = [name for name, p in actor_critic.named_parameters() if p.requires_grad and id(p) not in held]
+    if left:
+        parts = sorted({name.split(".")[0] for name in left})
+        raise SettingsError(
+            f"optimizers: the optimizer given does not hold {len(left)} trained parameter(s) ({', '.join(parts)}: "
+            f"{left[0]}, ...), which would never be updated; build it over the policy's and the value model's "
+            "parameters (pass value_model= the object you give it), or pass optimizers=(None, None) for fastppo's "
+            "AdamW over both")

@@ -177,7 +177,7 @@ class PPOTrainer:
         optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)
         self.optimizer = optimizer or self._adamw()
         if optimizer is not None:
-            check_optimizer_covers(optimizer, self.actor_critic)
+            L.check_optimizer_covers(optimizer, self.actor_critic)
         if self.ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
             self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, *self.reward_models],
                              self.device, self.log, ds_request[1])
@@ -686,20 +686,6 @@ def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool, config: PPO
     state.save_steps = every(config.save_steps, sizes.num_total_batches)
     state.eval_steps = every(config.eval_steps or config.logging_steps, sizes.num_total_batches)
     return state
-
-
-def check_optimizer_covers(optimizer: torch.optim.Optimizer, actor_critic: nn.Module) -> None:
-    """A user's optimizer must hold every trained parameter (the value model's too): one it lacks would never
-    train, and nothing would say so."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    left = [name for name, p in actor_critic.named_parameters() if p.requires_grad and id(p) not in held]
-    if left:
-        parts = sorted({name.split(".")[0] for name in left})
-        raise SettingsError(
-            f"optimizers: the optimizer given does not hold {len(left)} trained parameter(s) ({', '.join(parts)}: "
-            f"{left[0]}, ...), which would never be updated; build it over the policy's and the value model's "
-            "parameters (pass value_model= the object you give it), or pass optimizers=(None, None) for fastppo's "
-            "AdamW over both")
 
 
 def fill_derived_sizes(config: PPOConfig, sizes: Sizes) -> None:
