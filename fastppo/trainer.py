@@ -11,7 +11,6 @@ import contextlib
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +37,7 @@ from fastppo.generation import sample_responses, stop_ids_of
 from fastppo.layout import lm_of
 from fastppo.metrics import MetricsLogger, plot_curves, print_samples
 from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, score_rewards
-from fastppo.rewards import RewardFunctionError, RunningMoments, check_reward_fn_columns, reward_fn_name
+from fastppo.rewards import RunningMoments, check_reward_fn_columns, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import ZeRO, deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.train import (AdaptiveKLController, FixedKLController, IterationResult, Learner, Rollout, RolloutBatch,
@@ -706,25 +705,3 @@ def fill_derived_sizes(config: PPOConfig, sizes: Sizes) -> None:
         setattr(config, name, value)
     if config.total_episodes is None:
         config.total_episodes = sizes.num_total_batches * sizes.batch_size
-
-
-
-def main_guard(run: Callable, config: Callable[[], PPOConfig | None] = lambda: None):
-    """Run ``run`` (the command line's whole job). A usage error (``SettingsError``: a setting, path or input
-    that cannot work, its message saying what to do) is one line and exit 2; a collective that timed out (a
-    frozen or dead process) a line naming this rank and --ddp_timeout, and exit 1. Everything else, a
-    user's reward function raising included (its message names the function), keeps its traceback: it is a
-    bug to report or a failure to read, not bad input."""
-    try:
-        return run()
-    except SettingsError as e:
-        print(f"fastppo.train: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from e
-    except RuntimeError as e:
-        if isinstance(e, RewardFunctionError) or ("timed out" not in str(e).lower() and "timeout" not in str(e).lower()):
-            raise
-        rank = os.environ.get("RANK", "0")
-        timeout = config().ddp_timeout if config() is not None else "?"
-        print(f"fastppo.train: error: rank {rank}: a collective did not complete within --ddp_timeout {timeout} s; "
-              f"another process is frozen or dead ({str(e).splitlines()[0]})", file=sys.stderr)
-        raise SystemExit(1) from e

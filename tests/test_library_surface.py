@@ -308,7 +308,7 @@ def test_legacy_log_stats_on_one_rank_fails_in_bounded_time_naming_the_call(tmp_
 def test_main_guard_turns_only_usage_errors_into_exit_2():
     from fastppo.errors import MissingPathError, SettingsError, SettingsTypeError
     from fastppo.rewards import RewardFunctionError
-    from fastppo.trainer import main_guard
+    from fastppo.cli import main_guard
 
     def raising(error):
         def run():
