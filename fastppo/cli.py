@@ -27,8 +27,7 @@ from transformers import HfArgumentParser
 from fastppo.config import ModelConfig, PPOConfig, ScriptArguments, as_list, user_path  # noqa: F401  (TRL's names, re-exported)
 from fastppo.data import load_prompt_dataset, split_names
 from fastppo.embedded import PROMPTS_PATH
-from fastppo.errors import SettingsError, settings_errors
-from fastppo.rewards import RewardFunctionError
+from fastppo.errors import CollectiveTimeout, SettingsError, settings_errors
 from fastppo.trainer import PPOTrainer
 
 
@@ -196,22 +195,21 @@ def require_supported_model_args(model_args, script_args=None) -> None:
 
 def main_guard(run: Callable, config: Callable[[], PPOConfig | None] = lambda: None):
     """Run ``run`` (the command line's whole job). A usage error (``SettingsError``: a setting, path or input
-    that cannot work, its message saying what to do) is one line and exit 2; a collective that timed out (a
-    frozen or dead process) a line naming this rank and --ddp_timeout, and exit 1. Everything else, a
-    user's reward function raising included (its message names the function), keeps its traceback: it is a
-    bug to report or a failure to read, not bad input."""
+    that cannot work, its message saying what to do) is one line and exit 2; a collective that timed out
+    (``CollectiveTimeout``, from ``fastppo.dist``'s collectives: a frozen or dead process) a line naming this
+    rank, the collective and --ddp_timeout, and exit 1. Everything else, a user's reward function raising
+    included (its message names the function), keeps its traceback: it is a bug to report or a failure to
+    read, not bad input."""
     try:
         return run()
     except SettingsError as e:
         print(f"fastppo.train: error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
-    except RuntimeError as e:
-        if isinstance(e, RewardFunctionError) or ("timed out" not in str(e).lower() and "timeout" not in str(e).lower()):
-            raise
+    except CollectiveTimeout as e:
         rank = os.environ.get("RANK", "0")
         timeout = config().ddp_timeout if config() is not None else "?"
         print(f"fastppo.train: error: rank {rank}: a collective did not complete within --ddp_timeout {timeout} s; "
-              f"another process is frozen or dead ({str(e).splitlines()[0]})", file=sys.stderr)
+              f"another process is frozen or dead ({e.collective}: {e.detail})", file=sys.stderr)
         raise SystemExit(1) from e
 
 

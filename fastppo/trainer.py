@@ -657,7 +657,7 @@ class _StopSignals:
         if fdist.is_distributed():
             backend = dist.get_backend()
             flag = flag.to("cuda") if backend == "nccl" else flag
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            fdist.all_reduce(flag, dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def __exit__(self, *exc):

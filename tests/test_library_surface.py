@@ -326,6 +326,65 @@ def test_main_guard_turns_only_usage_errors_into_exit_2():
             main_guard(raising(bug))
 
 
+def test_a_backend_timeout_in_a_collective_is_a_collective_timeout(monkeypatch):
+    import pickle
+
+    import torch.distributed as dist
+
+    from fastppo import dist as fdist
+    from fastppo.errors import CollectiveTimeout
+
+    def raising(error):
+        def collective(*args, **kwargs):
+            raise error
+        return collective
+
+    monkeypatch.setattr(fdist, "is_distributed", lambda: True)
+    timeout = dist.DistBackendError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 8000ms for recv\nmore")
+    for name, call in (("all_reduce", lambda: fdist.all_reduce(torch.ones(1))),
+                       ("all_reduce", lambda: fdist.all_reduce_min(torch.ones(1))),
+                       ("barrier", fdist.barrier),
+                       ("all_gather", lambda: fdist.all_gather([torch.ones(1)], torch.ones(1)))):
+        monkeypatch.setattr(dist, name, raising(timeout))
+        with pytest.raises(CollectiveTimeout) as info:
+            call()
+        assert info.value.collective == name and info.value.__cause__ is timeout
+        assert info.value.detail == "[../gloo/transport/tcp/pair.cc:534] Timed out waiting 8000ms for recv"
+        assert "--ddp_timeout" in str(info.value) and isinstance(info.value, RuntimeError)
+    again = pickle.loads(pickle.dumps(info.value))  # torchrun's error records may carry it across processes
+    assert (type(again), again.collective, str(again)) == (CollectiveTimeout, "all_gather", str(info.value))
+    # any other failure of a collective passes through as the backend raised it
+    for other in (RuntimeError("Connection closed by peer [127.0.0.1]:29500"), ValueError("bad op")):
+        monkeypatch.setattr(dist, "all_reduce", raising(other))
+        with pytest.raises(type(other)) as info:
+            fdist.all_reduce(torch.ones(1))
+        assert info.value is other
+
+
+def test_main_guard_exits_1_on_a_collective_timeout_and_on_no_other_timeout(capsys):
+    from fastppo.cli import main_guard
+    from fastppo.config import PPOConfig
+    from fastppo.errors import CollectiveTimeout
+
+    def raising(error):
+        def run():
+            raise error
+        return run
+
+    config = PPOConfig(output_dir=None, ddp_timeout=8)
+    with pytest.raises(SystemExit) as exit_info:
+        main_guard(raising(CollectiveTimeout("barrier", "Timed out waiting 8000ms for recv")), lambda: config)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fastppo.train: error: rank 0: a collective did not complete within --ddp_timeout 8 s")
+    assert "(barrier: Timed out waiting 8000ms for recv)" in err and "Traceback" not in err
+    # a timeout raised anywhere but a collective (a reward server, a download) is not a collective's: traceback
+    for elsewhere in (RuntimeError("the reward server timed out"), RuntimeError("read timeout"),
+                      TimeoutError("timed out")):
+        with pytest.raises(type(elsewhere)):
+            main_guard(raising(elsewhere), lambda: config)
+
+
 def test_a_reward_function_error_names_the_function_and_keeps_its_traceback(tmp_path, model_dir):
     (tmp_path / "my_rewards.py").write_text("def flaky(completions, **kw):\n    return 1 / 0\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
