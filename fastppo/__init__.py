@@ -21,7 +21,7 @@ def __getattr__(name: str):
 
         return PPOTrainer
     if name in ("AutoModelForCausalLMWithValueHead", "create_reference_model"):
-        from fastppo import models
+        from fastppo import value_head
 
-        return getattr(models, name)
+        return getattr(value_head, name)
     raise AttributeError(f"module 'fastppo' has no attribute {name!r}")

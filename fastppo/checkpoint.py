@@ -33,7 +33,9 @@ from safetensors.torch import load_file
 
 from fastppo.config import PPOConfig, user_path
 from fastppo.errors import LoadError, MissingPathError, SettingsError
-from fastppo.models import AutoModelForCausalLMWithValueHead, is_peft, lm_of, read_value_head
+from fastppo.layout import lm_of
+from fastppo.loading import is_peft
+from fastppo.value_head import AutoModelForCausalLMWithValueHead, read_value_head
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"

@@ -177,15 +177,17 @@ def unread_settings(c: PPOConfig, defaults: PPOConfig) -> list[str]:
             "completion, undiscounted)" for name in unread]
 
 
-def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bool = False) -> list[str]:
-    """Checks of the settings alone, before any model or dataset is loaded: a SettingsError naming the
-    setting for anything that would crash later or silently train wrong. Returns notes to log."""
-    defaults = PPOConfig(output_dir=c.output_dir)
+def _check_unsupported(c: PPOConfig, defaults: PPOConfig) -> None:
+    """TrainingArguments fields fastppo cannot honour, and the JSON objects given as strings."""
     for name, why in UNSUPPORTED.items():
         if hasattr(c, name) and getattr(c, name) != getattr(defaults, name, None) and getattr(c, name):
             raise SettingsError(f"{name}: {why}")
     for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
         _json_dict(c, name)
+
+
+def _check_sizes_and_saving(c: PPOConfig) -> None:
+    """Batch sizes, lengths and counts; how often to log and save, and how many checkpoints to keep."""
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
                  "response_length", "local_rollout_forward_batch_size", "ddp_timeout", "per_device_eval_batch_size"):
         value = getattr(c, name)
@@ -204,7 +206,10 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
             f"num_train_epochs must be > 0, got {c.num_train_epochs}")
     require(str(c.save_strategy.value if hasattr(c.save_strategy, "value") else c.save_strategy) in ("steps", "no"),
             f"save_strategy {c.save_strategy!r}: PPO saves every save_steps iterations ('steps') or never ('no')")
-    # the optimisation
+
+
+def _check_optimisation(c: PPOConfig) -> None:
+    """The optimizer's settings, the warmup and the learning-rate schedule."""
     require(_is_finite(c.learning_rate) and c.learning_rate > 0, f"learning_rate must be > 0, got {c.learning_rate}")
     require(c.max_grad_norm is None or (_is_finite(c.max_grad_norm) and c.max_grad_norm >= 0),
             f"max_grad_norm must be >= 0 (0: no clipping), got {c.max_grad_norm}; a negative limit would flip the "
@@ -222,7 +227,10 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
     require(optim in ("adamw_torch", "adamw_torch_fused"),
             f"optim {optim!r} is not supported; use adamw_torch or adamw_torch_fused")
     _check_scheduler(c)
-    # sampling
+
+
+def _check_generation(c: PPOConfig) -> None:
+    """Sampling: the temperature, and where a response stops."""
     try:  # the kernels' own check, once: the sampler and the log-probs divide by it
         check_temperature(c.temperature)
     except (TypeError, ValueError) as e:
@@ -237,7 +245,10 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
             "exclusive; set one")
     for token in [c.stop_token_id] if isinstance(c.stop_token_id, int) else c.stop_token_id or []:
         require(isinstance(token, int) and 0 <= token < 2**63, f"stop_token_id {token!r} is not a token id (>= 0)")
-    # rewards, KL, advantages
+
+
+def _check_rewards_and_kl(c: PPOConfig) -> None:
+    """The KL penalty and its controller, γ and λ, the score's penalties and clip, the reward functions."""
     require(c.kl_estimator in KL_ESTIMATOR_CHOICES,
             f"unknown kl_estimator {c.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATOR_CHOICES)}")
     require(_is_finite(c.kl_coef) and c.kl_coef >= 0, f"kl_coef must be >= 0 (β multiplies a penalty), got "
@@ -262,8 +273,11 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
         require(isinstance(spec, str) and ":" in spec, f"reward_fn must look like 'module:function', got {spec!r}")
     require(c.reward_weights is None or all(_is_finite(w) for w in c.reward_weights),
             f"reward_weights must be finite numbers, got {c.reward_weights!r}")
-    _check_estimator(c)
-    # the loss
+
+
+def _check_loss(c: PPOConfig) -> None:
+    """The loss: the clip ranges and coefficients, the policy loss's settings (``_check_policy_loss``), the token
+    budget of a micro-batch, the entropy bonus, the ratio threshold."""
     for name in ("cliprange", "cliprange_value", "vf_coef"):
         require(_is_finite(getattr(c, name)) and getattr(c, name) >= 0, f"{name} must be >= 0, got "
                 f"{getattr(c, name)}")
@@ -275,26 +289,59 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
     require(isinstance(c.ratio_threshold, (int, float)) and c.ratio_threshold > 0,
             f"ratio_threshold must be > 0 (the mean ratio is about 1; {c.ratio_threshold} would zero every "
             "minibatch); use inf to never skip")
-    # models and output
+
+
+def _check_model_settings(model_args) -> None:
+    """The models' flags: their dtype, and no LoRA on the LM head."""
     require(model_args.dtype in (None, "auto", "bfloat16", "float16", "float32"),
             f"dtype must be auto, bfloat16, float16 or float32, got {model_args.dtype!r}")
     require(not (model_args.use_peft and model_args.lora_target_modules and "lm_head" in model_args.lora_target_modules),
             "lora_target_modules may not include lm_head: log-probs are computed from the LM head weight")
-    notes = []
+
+
+def _reporter_notes(c: PPOConfig) -> list[str]:
     reporters = [r for r in c.report_to if r not in REPORTERS]
     if reporters:
-        notes.append(f"report_to {reporters}: fastppo reports to {', '.join(REPORTERS)} and metrics.jsonl; the "
-                     "others are not used")
-    if check_output:
-        _check_output_dir(c.output_dir)
+        return [f"report_to {reporters}: fastppo reports to {', '.join(REPORTERS)} and metrics.jsonl; the others are "
+                "not used"]
+    return []
+
+
+def _check_model_paths(c: PPOConfig, model_args) -> None:
+    """Every local model path given exists."""
     for flag, path in (("model_name_or_path", model_args.model_name_or_path), ("sft_model_path", c.sft_model_path),
                        *(("reward_model_path", p) for p in as_list(c.reward_model_path)),
                        ("value_model_path", c.value_model_path)):
         check_path(path, flag)
-    notes += [f"--{name} is a TrainingArguments field with no meaning in PPO: ignored" for name in ignored_fields(c)]
+
+
+def _unused_notes(c: PPOConfig, defaults: PPOConfig, peft: bool) -> list[str]:
+    """Notes for the settings given that this run does not use, and DeepSpeed's notes."""
+    notes = [f"--{name} is a TrainingArguments field with no meaning in PPO: ignored" for name in ignored_fields(c)]
     notes += unread_settings(c, defaults)
-    notes += check_deepspeed(c, peft or model_args.use_peft)
+    notes += check_deepspeed(c, peft)
     if c.target_kl != PPOConfig.__dataclass_fields__["target_kl"].default and not c.early_stopping:
         notes.append("target_kl is the early-stopping threshold (legacy TRL); without --early_stopping it has no "
                      "effect (the adaptive controller's target is --kl_target)")
     return notes
+
+
+def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bool = False) -> list[str]:
+    """Checks of the settings alone, before any model or dataset is loaded: a SettingsError naming the
+    setting for anything that would crash later or silently train wrong. Returns notes to log.
+
+    The sections run in this order, so that of several bad settings the same one is reported first."""
+    defaults = PPOConfig(output_dir=c.output_dir)
+    _check_unsupported(c, defaults)
+    _check_sizes_and_saving(c)
+    _check_optimisation(c)
+    _check_generation(c)
+    _check_rewards_and_kl(c)
+    _check_estimator(c)
+    _check_loss(c)
+    _check_model_settings(model_args)
+    notes = _reporter_notes(c)
+    if check_output:
+        _check_output_dir(c.output_dir)
+    _check_model_paths(c, model_args)
+    return notes + _unused_notes(c, defaults, peft or model_args.use_peft)

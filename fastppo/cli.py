@@ -17,7 +17,7 @@ import difflib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,8 +27,8 @@ from transformers import HfArgumentParser
 from fastppo.config import ModelConfig, PPOConfig, ScriptArguments, as_list, user_path  # noqa: F401  (TRL's names, re-exported)
 from fastppo.data import load_prompt_dataset, split_names
 from fastppo.embedded import PROMPTS_PATH
-from fastppo.errors import SettingsError, settings_errors
-from fastppo.trainer import PPOTrainer, main_guard
+from fastppo.errors import CollectiveTimeout, SettingsError, settings_errors
+from fastppo.trainer import PPOTrainer
 
 
 def get_peft_config(model_args) -> Any:
@@ -191,6 +191,26 @@ def require_supported_model_args(model_args, script_args=None) -> None:
     if script_args is not None and script_args.dataset_streaming:
         raise SettingsError("--dataset_streaming: PPO draws prompts at random from the whole prompt set; load it "
                             "without streaming")
+
+
+def main_guard(run: Callable, config: Callable[[], PPOConfig | None] = lambda: None):
+    """Run ``run`` (the command line's whole job). A usage error (``SettingsError``: a setting, path or input
+    that cannot work, its message saying what to do) is one line and exit 2; a collective that timed out
+    (``CollectiveTimeout``, from ``fastppo.dist``'s collectives: a frozen or dead process) a line naming this
+    rank, the collective and --ddp_timeout, and exit 1. Everything else, a user's reward function raising
+    included (its message names the function), keeps its traceback: it is a bug to report or a failure to
+    read, not bad input."""
+    try:
+        return run()
+    except SettingsError as e:
+        print(f"fastppo.train: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    except CollectiveTimeout as e:
+        rank = os.environ.get("RANK", "0")
+        timeout = config().ddp_timeout if config() is not None else "?"
+        print(f"fastppo.train: error: rank {rank}: a collective did not complete within --ddp_timeout {timeout} s; "
+              f"another process is frozen or dead ({e.collective}: {e.detail})", file=sys.stderr)
+        raise SystemExit(1) from e
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -2,15 +2,21 @@
 
 torchrun (or ``accelerate launch``) sets RANK / WORLD_SIZE / LOCAL_RANK; fastppo then uses NCCL on
 GPUs and Gloo on CPUs. A single process (``python -m fastppo.train``) needs no process group.
+
+Every collective fastppo makes itself goes through this module's wrappers, which turn the backend's timeout
+into ``fastppo.errors.CollectiveTimeout`` (``collective``).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from fastppo.errors import CollectiveTimeout
 
 
 @dataclass
@@ -43,15 +49,17 @@ def setup_distributed(timeout_s: int = 1800, use_cpu: bool = False, need_group: 
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         backend = "nccl" if cuda else "gloo"
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun's agent keeps one store across elastic restarts: without a namespace per restart a
-            # restarted rank can read the previous attempt's addresses and fail to connect (pytorch#135712)
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                  timeout=timeout)
-            store = dist.PrefixStore(f"fastppo/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        else:
-            dist.init_process_group(backend, timeout=timeout)
+        with collective("init_process_group (the processes' rendezvous)"):
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # torchrun's agent keeps one store across elastic restarts: without a namespace per restart a
+                # restarted rank can read the previous attempt's addresses and fail to connect (pytorch#135712)
+                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                      timeout=timeout)
+                store = dist.PrefixStore(f"fastppo/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                                         store)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            else:
+                dist.init_process_group(backend, timeout=timeout)
         initialized_here = True
     elif need_group and not dist.is_initialized():
         backend = "nccl" if cuda else "gloo"
@@ -65,10 +73,27 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+@contextlib.contextmanager
+def collective(what: str):
+    """Around a collective named ``what``: the backend's error for a timeout (torch raises a ``RuntimeError``,
+    or its ``DistBackendError``/``DistStoreError``, whose message says it timed out) is re-raised as
+    ``CollectiveTimeout`` naming the call. Any other error passes through unchanged."""
+    try:
+        yield
+    except CollectiveTimeout:
+        raise
+    except RuntimeError as e:
+        message = str(e)
+        if "timed out" not in message.lower() and "timeout" not in message.lower():
+            raise
+        raise CollectiveTimeout(what, message.splitlines()[0] if message else type(e).__name__) from e
+
+
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
     """In-place all-reduce (sum by default); a no-op in a single process."""
     if is_distributed():
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+        with collective("all_reduce"):
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t
 
 
@@ -76,6 +101,14 @@ def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
     return all_reduce(t, dist.ReduceOp.MIN if dist.is_available() else None)
 
 
+def all_gather(tensors: list[torch.Tensor], t: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` (one per process, as ``t``) filled with every process's ``t``."""
+    with collective("all_gather"):
+        dist.all_gather(tensors, t)
+    return tensors
+
+
 def barrier() -> None:
     if is_distributed():
-        dist.barrier()
+        with collective("barrier"):
+            dist.barrier()

@@ -25,7 +25,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from fastppo.dist import all_reduce_min
 from fastppo.errors import SettingsError
-from fastppo.models import cache_keyword
+from fastppo.layout import cache_keyword
 from fastppo.static_decode import StaticDecoder, accepts_logits_to_keep
 
 

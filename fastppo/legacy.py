@@ -33,15 +33,16 @@ from transformers import DataCollatorForLanguageModeling
 from fastppo.checkpoint import refuse_foreign
 from fastppo.config import PPOConfig as CorePPOConfig
 from fastppo.data import left_pad, right_pad
-from fastppo.dist import all_reduce, barrier, is_distributed
+from fastppo.dist import all_gather, all_reduce, barrier, is_distributed
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import generate_with_kwargs, sample_responses
 from fastppo.kernels import check_temperature, kl_penalty, masked_mean, token_logprobs
+from fastppo.layout import causal_lm_of, lm_of
+from fastppo.loading import embedding_rows, is_peft, position_limit
 from fastppo.metrics import STAT, MetricsLogger, legacy_stats, stats_means
-from fastppo.models import (AutoModelForCausalLMWithValueHead, causal_lm_of, create_reference_model, embedding_rows,
-                            is_peft, lm_of, position_limit)
 from fastppo.train import IterationResult, assemble, compute_advantages, per_token_rewards, ppo_losses
 from fastppo.trainer import PPOTrainer as CoreTrainer
+from fastppo.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
 
 
 # generate() kwargs whose given value keeps sampling exactly softmax(logits / temperature)
@@ -439,7 +440,7 @@ def legacy_log_stats(trainer, stats: dict, batch: dict, rewards, columns_to_log:
     if is_distributed():
         every_rank_arrives(trainer, "log_stats")
         gathered = [torch.empty_like(rewards) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, rewards)
+        all_gather(gathered, rewards)
         rewards = torch.cat(gathered)
     if not trainer.dist.is_main:
         return

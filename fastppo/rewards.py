@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from fastppo.dist import all_reduce
 from fastppo.errors import SettingsError, SettingsTypeError
-from fastppo.models import backbone_and_head
+from fastppo.layout import backbone_and_head
 
 # The reward function the embedded default trains on (and any run given no reward model or function).
 DEFAULT_REWARD_FN = "fastppo.rewards:positive_words"

@@ -34,7 +34,7 @@ import torch
 from transformers import StaticCache
 
 from fastppo.errors import SettingsError
-from fastppo.models import cache_keyword, causal_lm_of
+from fastppo.layout import cache_keyword, causal_lm_of
 
 logger = logging.getLogger(__name__)
 

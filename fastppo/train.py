@@ -41,7 +41,7 @@ from fastppo.kernels import (clip_sides, clipped_surrogate, fused_full_kl, gae, 
                              masked_whiten, truncate_at_stop)
 from fastppo.kernels.stats import WHITEN_EPS
 from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, gather_metrics, objective_sums
-from fastppo.models import gathered, lm_head_of, make_layout
+from fastppo.layout import gathered, lm_head_of, make_layout
 from fastppo.rewards import transform_scores
 
 # ============================================================================ 1. rollout
@@ -81,7 +81,7 @@ class Rollout:
                 [r[m].tolist() for r, m in zip(ids[:, c:], real[:, c:])])
 
     def layout(self, rows: Sequence[int] | None = None, packed: bool = False):
-        """The model layout of ``rows`` (default: all): see ``fastppo.models.Layout``."""
+        """The model layout of ``rows`` (default: all): see ``fastppo.layout.Layout``."""
         if rows is None:
             return make_layout(self.query_responses, self.context_length, list(self.query_lengths),
                                list(self.response_lengths), packed)
@@ -732,7 +732,7 @@ class Learner:
 
     actor_critic: nn.Module
     model: nn.Module
-    reference: object  # fastppo.models.Reference
+    reference: object  # fastppo.actor_critic.Reference
     optimizer: torch.optim.Optimizer
     lr_scheduler: object | None
     kl_ctl: FixedKLController | AdaptiveKLController

@@ -11,7 +11,6 @@ import contextlib
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,17 +26,18 @@ from transformers.utils import logging as hf_logging
 
 from fastppo import checkpoint as C
 from fastppo import dist as fdist
-from fastppo import models as M
+from fastppo import loading as L
+from fastppo.actor_critic import PolicyAndValue, Reference
 from fastppo.checks import check_settings
 from fastppo.config import ModelConfig, PPOConfig, Sizes, derive_sizes, every, user_path
 from fastppo.data import left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import sample_responses, stop_ids_of
+from fastppo.layout import lm_of
 from fastppo.metrics import MetricsLogger, plot_curves, print_samples
-from fastppo.models import lm_of
 from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, score_rewards
-from fastppo.rewards import RewardFunctionError, RunningMoments, check_reward_fn_columns, reward_fn_name
+from fastppo.rewards import RunningMoments, check_reward_fn_columns, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import ZeRO, deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.train import (AdaptiveKLController, FixedKLController, IterationResult, Learner, Rollout, RolloutBatch,
@@ -74,7 +74,7 @@ class PPOTrainer:
         self.loop = loop
         notes = check_settings(config, model_args, check_output=loop,
                                peft=peft_config is not None or model_args.use_peft or (
-                                   isinstance(model, nn.Module) and M.is_peft(model)))
+                                   isinstance(model, nn.Module) and L.is_peft(model)))
         # the embedded model is built before the process group exists (transformers saves on rank 0 only after)
         policy_path = model if isinstance(model, str) else (
             None if model is not None else user_path(config.sft_model_path) or model_args.model_name_or_path)
@@ -108,14 +108,14 @@ class PPOTrainer:
         tokenizer = processing_class
         given_tokenizer = tokenizer is not None and not isinstance(tokenizer, str)
         if isinstance(tokenizer, str):
-            tokenizer = M.load_tokenizer(tokenizer, model_args, self.log)
+            tokenizer = L.load_tokenizer(tokenizer, model_args, self.log)
         if tokenizer is None:
             tokenizer_path = model_args.model_name_or_path or policy_path or getattr(
                 getattr(model, "config", None), "_name_or_path", None)
             if not tokenizer_path:
                 raise SettingsError("processing_class (the tokenizer) is required when model is an object")
-            tokenizer = M.load_tokenizer(tokenizer_path, model_args, self.log)
-        M.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
+            tokenizer = L.load_tokenizer(tokenizer_path, model_args, self.log)
+        L.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
         self.processing_class = self.tokenizer = tokenizer
         self.stop_ids = stop_ids_of(config, tokenizer)
         vocab = len(tokenizer)
@@ -139,7 +139,7 @@ class PPOTrainer:
                     self.log(note)
             self._resume_path = self._decide_resume()
             longest_prompt = max(len(p) for p in self.prompts + (self.eval_prompts or []))
-            M.check_positions(model if isinstance(model, nn.Module) else policy_path, config, model_args,
+            L.check_positions(model if isinstance(model, nn.Module) else policy_path, config, model_args,
                               longest_prompt)
         else:
             self.sizes = derive_sizes(config, self.dist.world_size, 1)
@@ -150,7 +150,7 @@ class PPOTrainer:
 
         # --- models
         torch.manual_seed(config.seed)  # the same fresh value head on every process
-        built = M.build_models(dict(model=model, ref_model=ref_model, value_model=value_model, rewards=self.rewards,
+        built = L.build_models(dict(model=model, ref_model=ref_model, value_model=value_model, rewards=self.rewards,
                                     reward_processing_classes=processing_classes_by_name(
                                         reward_processing_classes, self.rewards),
                                     peft_config=peft_config),
@@ -162,21 +162,21 @@ class PPOTrainer:
             for what, other in (("reference model", self.ref_model), ("value model", self.value_model),
                                 *(("reward model", r.model) for r in self.rewards if r.tokenizer is None)):
                 if other is not None:
-                    M.check_positions(other, config, model_args, longest_prompt, what)
-        self.actor_critic = M.PolicyAndValue(self.policy, self.value_model, critic=not config.critic_free)
+                    L.check_positions(other, config, model_args, longest_prompt, what)
+        self.actor_critic = PolicyAndValue(self.policy, self.value_model, critic=not config.critic_free)
         self.model = self.actor_critic
         self.zero = None
         if self.dist.world_size > 1 and self.ds_config is None:
             self.model = nn.parallel.DistributedDataParallel(
                 self.actor_critic, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
-        self.reference = M.Reference(self.ref_model, self.policy) if config.needs_reference else None
+        self.reference = Reference(self.ref_model, self.policy) if config.needs_reference else None
 
         # --- optimizer, schedule, controllers, randomness
         optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)
         self.optimizer = optimizer or self._adamw()
         if optimizer is not None:
-            check_optimizer_covers(optimizer, self.actor_critic)
+            L.check_optimizer_covers(optimizer, self.actor_critic)
         if self.ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
             self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, *self.reward_models],
                              self.device, self.log, ds_request[1])
@@ -657,7 +657,7 @@ class _StopSignals:
         if fdist.is_distributed():
             backend = dist.get_backend()
             flag = flag.to("cuda") if backend == "nccl" else flag
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            fdist.all_reduce(flag, dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def __exit__(self, *exc):
@@ -687,20 +687,6 @@ def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool, config: PPO
     return state
 
 
-def check_optimizer_covers(optimizer: torch.optim.Optimizer, actor_critic: nn.Module) -> None:
-    """A user's optimizer must hold every trained parameter (the value model's too): one it lacks would never
-    train, and nothing would say so."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    left = [name for name, p in actor_critic.named_parameters() if p.requires_grad and id(p) not in held]
-    if left:
-        parts = sorted({name.split(".")[0] for name in left})
-        raise SettingsError(
-            f"optimizers: the optimizer given does not hold {len(left)} trained parameter(s) ({', '.join(parts)}: "
-            f"{left[0]}, ...), which would never be updated; build it over the policy's and the value model's "
-            "parameters (pass value_model= the object you give it), or pass optimizers=(None, None) for fastppo's "
-            "AdamW over both")
-
-
 def fill_derived_sizes(config: PPOConfig, sizes: Sizes) -> None:
     """TRL's trainer writes the derived sizes into its config; so does fastppo. A value the user set that
     disagrees is refused: TRL would overwrite it silently (legacy TRL's batch_size meant something else)."""
@@ -719,25 +705,3 @@ def fill_derived_sizes(config: PPOConfig, sizes: Sizes) -> None:
         setattr(config, name, value)
     if config.total_episodes is None:
         config.total_episodes = sizes.num_total_batches * sizes.batch_size
-
-
-
-def main_guard(run: Callable, config: Callable[[], PPOConfig | None] = lambda: None):
-    """Run ``run`` (the command line's whole job). A usage error (``SettingsError``: a setting, path or input
-    that cannot work, its message saying what to do) is one line and exit 2; a collective that timed out (a
-    frozen or dead process) a line naming this rank and --ddp_timeout, and exit 1. Everything else, a
-    user's reward function raising included (its message names the function), keeps its traceback: it is a
-    bug to report or a failure to read, not bad input."""
-    try:
-        return run()
-    except SettingsError as e:
-        print(f"fastppo.train: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from e
-    except RuntimeError as e:
-        if isinstance(e, RewardFunctionError) or ("timed out" not in str(e).lower() and "timeout" not in str(e).lower()):
-            raise
-        rank = os.environ.get("RANK", "0")
-        timeout = config().ddp_timeout if config() is not None else "?"
-        print(f"fastppo.train: error: rank {rank}: a collective did not complete within --ddp_timeout {timeout} s; "
-              f"another process is frozen or dead ({str(e).splitlines()[0]})", file=sys.stderr)
-        raise SystemExit(1) from e

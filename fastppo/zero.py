@@ -44,7 +44,7 @@ import torch.nn as nn
 from fastppo import dist as fdist
 from fastppo.config import PPOConfig, Sizes
 from fastppo.errors import MissingPathError, SettingsError, require
-from fastppo.models import causal_lm_of, lm_head_of
+from fastppo.layout import causal_lm_of, lm_head_of
 
 # ============================================================================ what the run asks for
 

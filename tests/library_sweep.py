@@ -59,7 +59,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from fastppo import PPOConfig, PPOTrainer, legacy  # noqa: E402
 from fastppo.cli import EMBEDDED_PRESET, ModelConfig  # noqa: E402
 from fastppo.embedded import embedded_model_path  # noqa: E402
-from fastppo.models import AutoModelForCausalLMWithValueHead  # noqa: E402
+from fastppo.value_head import AutoModelForCausalLMWithValueHead  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 datasets.disable_progress_bars()

@@ -296,7 +296,7 @@ config = PPOConfig(**{**EMBEDDED_PRESET, "output_dir": sys.argv[1], "per_device_
 trainer = PPOTrainer(args=config)
 if int(os.environ["RANK"]) == 1:
     time.sleep(3600)  # a frozen rank: alive, silent (SIGSTOP behaves the same for rank 0, but torchrun then waits 30 s to kill it)
-from fastppo.trainer import main_guard
+from fastppo.cli import main_guard
 main_guard(trainer.train, lambda: config)
 """
 

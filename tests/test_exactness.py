@@ -167,7 +167,7 @@ def test_a_model_that_cannot_keep_packed_rows_apart_is_refused(tmp_path, model_d
     does not (here a policy whose decoder ignores the position ids) before any training."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from fastppo.models import check_packing
+    from fastppo.loading import check_packing
 
     reward = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
     check_packing(reward, torch.device("cpu"), "reward model")  # sdpa on transformers 5 reads the positions

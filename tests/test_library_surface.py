@@ -18,7 +18,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 from fastppo import PPOConfig, PPOTrainer, legacy
 from fastppo import checkpoint as C
 from helpers import quick_config
-from fastppo.models import AutoModelForCausalLMWithValueHead
+from fastppo.value_head import AutoModelForCausalLMWithValueHead
 from fastppo.train import whiten_trained
 
 pytestmark = pytest.mark.usefixtures("reference_path")
@@ -92,11 +92,11 @@ def test_models_with_too_few_positions_are_refused_by_name(tmp_path, model_dir):
 
 
 def test_prompt_ids_outside_the_vocabulary_are_refused_before_any_model_loads(tmp_path, model_dir, monkeypatch):
-    from fastppo import models
+    from fastppo import loading
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = [{"input_ids": [5, 6, 7]}, {"input_ids": [5, len(tokenizer) + 10]}, {"input_ids": [5, -1]}]
-    monkeypatch.setattr(models, "build_models", lambda *a, **k: pytest.fail("models were built"))
+    monkeypatch.setattr(loading, "build_models", lambda *a, **k: pytest.fail("models were built"))
     for bad in rows[1:]:
         with pytest.raises(ValueError, match=r"row 1 of column 'input_ids' holds token id .* outside the tokenizer's"):
             PPOTrainer(args=config(tmp_path), train_dataset=[rows[0], bad], reward_model=length_reward)
@@ -275,7 +275,7 @@ WORKER = textwrap.dedent("""
     import os, torch, torch.distributed as dist
     from transformers import AutoTokenizer
     from fastppo import legacy
-    from fastppo.models import AutoModelForCausalLMWithValueHead
+    from fastppo.value_head import AutoModelForCausalLMWithValueHead
 
     path = os.environ["MODEL_DIR"]
     tok = AutoTokenizer.from_pretrained(path)
@@ -308,7 +308,7 @@ def test_legacy_log_stats_on_one_rank_fails_in_bounded_time_naming_the_call(tmp_
 def test_main_guard_turns_only_usage_errors_into_exit_2():
     from fastppo.errors import MissingPathError, SettingsError, SettingsTypeError
     from fastppo.rewards import RewardFunctionError
-    from fastppo.trainer import main_guard
+    from fastppo.cli import main_guard
 
     def raising(error):
         def run():
@@ -324,6 +324,65 @@ def test_main_guard_turns_only_usage_errors_into_exit_2():
                 RewardFunctionError("reward_fn 'm:f' raised TimeoutError: the API timed out")):
         with pytest.raises(type(bug)):
             main_guard(raising(bug))
+
+
+def test_a_backend_timeout_in_a_collective_is_a_collective_timeout(monkeypatch):
+    import pickle
+
+    import torch.distributed as dist
+
+    from fastppo import dist as fdist
+    from fastppo.errors import CollectiveTimeout
+
+    def raising(error):
+        def collective(*args, **kwargs):
+            raise error
+        return collective
+
+    monkeypatch.setattr(fdist, "is_distributed", lambda: True)
+    timeout = dist.DistBackendError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 8000ms for recv\nmore")
+    for name, call in (("all_reduce", lambda: fdist.all_reduce(torch.ones(1))),
+                       ("all_reduce", lambda: fdist.all_reduce_min(torch.ones(1))),
+                       ("barrier", fdist.barrier),
+                       ("all_gather", lambda: fdist.all_gather([torch.ones(1)], torch.ones(1)))):
+        monkeypatch.setattr(dist, name, raising(timeout))
+        with pytest.raises(CollectiveTimeout) as info:
+            call()
+        assert info.value.collective == name and info.value.__cause__ is timeout
+        assert info.value.detail == "[../gloo/transport/tcp/pair.cc:534] Timed out waiting 8000ms for recv"
+        assert "--ddp_timeout" in str(info.value) and isinstance(info.value, RuntimeError)
+    again = pickle.loads(pickle.dumps(info.value))  # torchrun's error records may carry it across processes
+    assert (type(again), again.collective, str(again)) == (CollectiveTimeout, "all_gather", str(info.value))
+    # any other failure of a collective passes through as the backend raised it
+    for other in (RuntimeError("Connection closed by peer [127.0.0.1]:29500"), ValueError("bad op")):
+        monkeypatch.setattr(dist, "all_reduce", raising(other))
+        with pytest.raises(type(other)) as info:
+            fdist.all_reduce(torch.ones(1))
+        assert info.value is other
+
+
+def test_main_guard_exits_1_on_a_collective_timeout_and_on_no_other_timeout(capsys):
+    from fastppo.cli import main_guard
+    from fastppo.config import PPOConfig
+    from fastppo.errors import CollectiveTimeout
+
+    def raising(error):
+        def run():
+            raise error
+        return run
+
+    config = PPOConfig(output_dir=None, ddp_timeout=8)
+    with pytest.raises(SystemExit) as exit_info:
+        main_guard(raising(CollectiveTimeout("barrier", "Timed out waiting 8000ms for recv")), lambda: config)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fastppo.train: error: rank 0: a collective did not complete within --ddp_timeout 8 s")
+    assert "(barrier: Timed out waiting 8000ms for recv)" in err and "Traceback" not in err
+    # a timeout raised anywhere but a collective (a reward server, a download) is not a collective's: traceback
+    for elsewhere in (RuntimeError("the reward server timed out"), RuntimeError("read timeout"),
+                      TimeoutError("timed out")):
+        with pytest.raises(type(elsewhere)):
+            main_guard(raising(elsewhere), lambda: config)
 
 
 def test_a_reward_function_error_names_the_function_and_keeps_its_traceback(tmp_path, model_dir):

@@ -16,7 +16,7 @@ from helpers import make_trainer, small_config
 from fastppo.cli import ModelConfig
 from fastppo.config import PPOConfig, derive_sizes
 from fastppo.data import left_pad, prompt_batches
-from fastppo.models import load_tokenizer
+from fastppo.loading import load_tokenizer
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import call_reward_fn, reward_model_scores
 from fastppo.trainer import PPOTrainer

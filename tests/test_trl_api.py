@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from fastppo import PPOConfig, PPOTrainer, legacy
 from fastppo.cli import EMBEDDED_PRESET
-from fastppo.models import AutoModelForCausalLMWithValueHead
+from fastppo.value_head import AutoModelForCausalLMWithValueHead
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 

@@ -266,7 +266,7 @@ def test_no_deprecation_warning_from_fastppos_calls(tmp_path, model_dir, fastppo
     from fastppo.legacy import AutoModelForCausalLMWithValueHead
     from fastppo.legacy import PPOConfig as LegacyConfig
     from fastppo.legacy import PPOTrainer as LegacyTrainer
-    from fastppo.models import cache_keyword
+    from fastppo.layout import cache_keyword
     from fastppo.static_decode import StaticDecoder
 
     PPOTrainer(args=config(tmp_path, save_steps=1), reward_model=length_reward).train()

@@ -19,7 +19,7 @@ from transformers import (
     OPTConfig,
 )
 
-from fastppo.models import VALUE_HEAD_FILE, AutoModelForCausalLMWithValueHead, create_reference_model
+from fastppo.value_head import VALUE_HEAD_FILE, AutoModelForCausalLMWithValueHead, create_reference_model
 
 VOCAB = 64
 IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "vocab_size": VOCAB}
@@ -501,7 +501,7 @@ def test_reference_model_errors_name_the_argument(checkpoints):
 
 
 def test_reference_model_is_refused_under_deepspeed_zero3(checkpoints, monkeypatch):
-    import fastppo.models as M
+    import fastppo.value_head as M
 
     model = AutoModelForCausalLMWithValueHead.from_pretrained(checkpoints["gpt2"])
     monkeypatch.setattr(M, "is_deepspeed_zero3_enabled", lambda: True)

@@ -82,7 +82,8 @@ from helpers import TRL_GRPO_LOSS_VARIANT_BETAS as VARIANT_BETAS  # noqa: E402
 from fastppo import embedded  # noqa: E402
 from fastppo.config import PPOConfig  # noqa: E402
 from fastppo.kernels import kl_penalty  # noqa: E402
-from fastppo.models import PolicyAndValue, disable_dropout  # noqa: E402
+from fastppo.actor_critic import PolicyAndValue  # noqa: E402
+from fastppo.loading import disable_dropout  # noqa: E402
 from fastppo.train import (assemble, estimate_advantages, per_token_rewards, policy_loss_weights,  # noqa: E402
                            ppo_losses, trained_mask)
 

@@ -1,0 +1,111 @@
+"""The two forwards of PPO: the trained one (``PolicyAndValue``, what DDP or DeepSpeed wraps: the policy's
+log-probs and entropy and the values of one rollout layout, or the fused policy loss from the same hidden
+states, ``fused_policy_loss``) and the reference's (``Reference``: log π_ref, a frozen copy or the PEFT policy
+with its adapter disabled).
+
+Every log-prob comes from the decoder's last hidden state and the LM-head weight through the fused kernels: the
+``[tokens, vocab]`` logits never exist, and the scoring and the training forward run the same module on the same
+layout (so the first PPO ratio is exactly 1).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from fastppo.kernels import PPOPolicyLossOutput, fused_ppo_policy_loss
+from fastppo.layout import Layout, backbone_and_head, decoder_hidden, lm_head_of, lm_of, token_logprobs_from_hidden
+from fastppo.value_head import AutoModelForCausalLMWithValueHead
+
+__all__ = ["ActorCriticOutput", "PolicyAndValue", "Reference", "fused_policy_loss"]
+
+
+class ActorCriticOutput(NamedTuple):
+    """``PolicyAndValue.forward``'s output: [b, T] grids, 0 off the real response tokens."""
+
+    logprobs: torch.Tensor  # log π(y_t) (with the fused loss: its values, the gradient being in policy_loss.loss)
+    entropy: torch.Tensor | None  # H of π(·|s_t), when asked for (always with the fused loss)
+    values: torch.Tensor | None  # V(s_t), fp32 (None without a critic)
+    hidden: torch.Tensor | None  # [n, H] the last hidden states of the real response tokens, when asked for
+    policy_loss: PPOPolicyLossOutput | None  # fused_ppo_policy_loss's output, when it ran
+
+
+class PolicyAndValue(nn.Module):
+    """What DDP wraps: one forward gives the policy's log-probs (and entropy) of the real response
+    tokens and the value of every response state, so every trained parameter, the LM head included,
+    is used inside ``forward`` and DDP syncs all their gradients.
+
+    ``value_model=None``: the policy is an ``AutoModelForCausalLMWithValueHead`` and the values come
+    from its ``v_head`` on the same hidden states as the log-probs (one trunk, one forward).
+    ``policy_loss`` (a dict of ``fused_ppo_policy_loss``'s arguments as [b, T] grids) runs the fused loss
+    from the hidden states; its output comes back beside the grids (``ActorCriticOutput``).
+    """
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module | None, critic: bool = True):
+        super().__init__()
+        if critic and value_model is None and not isinstance(policy, AutoModelForCausalLMWithValueHead):
+            raise ValueError("without a value model the policy must be an AutoModelForCausalLMWithValueHead")
+        self.policy = policy
+        self.value_model = value_model
+        self.critic = critic  # False: critic-free estimators; no value is computed (values come back None)
+
+    def forward(self, layout: Layout, temperature: float, return_entropy: bool = False, return_hidden: bool = False,
+                policy_loss: dict | None = None) -> ActorCriticOutput:
+        hidden = decoder_hidden(self.policy, layout).index_select(0, layout.gather)  # [n, H]
+        fused = None
+        if policy_loss is None:
+            out = token_logprobs_from_hidden(self.policy, hidden, layout.targets, temperature, return_entropy)
+            logprobs, entropy = out if return_entropy else (out, None)
+        else:
+            fused = fused_policy_loss(self.policy, hidden, layout, temperature, **policy_loss)
+            logprobs, entropy = fused.logprobs, fused.entropy
+        logprobs = layout.scatter(logprobs)
+        entropy = None if entropy is None else layout.scatter(entropy)
+        if not self.critic:
+            values = None
+        elif self.value_model is None:
+            values = self.policy.v_head(hidden).float()
+        else:
+            backbone, head = backbone_and_head(self.value_model)
+            value_hidden = backbone(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                                    position_ids=layout.position_ids, use_cache=False).last_hidden_state
+            values = head(value_hidden.reshape(-1, value_hidden.shape[-1]).index_select(0, layout.gather))
+            values = values.squeeze(-1).float()
+        return ActorCriticOutput(logprobs, entropy, None if values is None else layout.scatter(values),
+                                 hidden if return_hidden else None, fused)
+
+
+def fused_policy_loss(model, hidden, layout: Layout, temperature: float, old_logprobs, advantages, mask, cliprange,
+                      entropy_coef, **options):
+    """``fused_ppo_policy_loss`` on the layout's real tokens (its [b, T] grids picked there, ``options``' among
+    them; its other keyword-only settings as they are): the gradient is formed in the forward."""
+    head = lm_head_of(model)
+    bias = getattr(head, "bias", None)
+    options = {k: layout.pick(v) if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in options.items()}
+    return fused_ppo_policy_loss(
+        hidden, head.weight.to(hidden.dtype), layout.targets, layout.pick(old_logprobs), layout.pick(advantages),
+        layout.pick(mask), cliprange, entropy_coef, temperature, bias=None if bias is None else bias.to(hidden.dtype),
+        **options,
+    )
+
+
+class Reference:
+    """log π_ref of the response tokens: a frozen copy, or the PEFT policy with its adapter disabled."""
+
+    def __init__(self, ref_model: nn.Module | None, policy: nn.Module):
+        self.ref_model = ref_model
+        self.policy = policy
+
+    def _context(self):
+        return lm_of(self.policy).disable_adapter() if self.ref_model is None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def __call__(self, layout: Layout, temperature, with_hidden=False):
+        model = self.policy if self.ref_model is None else self.ref_model
+        with self._context():
+            hidden = decoder_hidden(model, layout).index_select(0, layout.gather)
+            logprobs = token_logprobs_from_hidden(model, hidden, layout.targets, temperature, False)
+        head = lm_head_of(model) if with_hidden else None
+        return layout.scatter(logprobs), (hidden, head) if with_hidden else None

@@ -1,0 +1,177 @@
+"""The pieces of a causal LM and the batch layouts every forward of the update runs on.
+
+The pieces: the transformers model inside a value-head or PEFT wrapper (``causal_lm_of``, ``lm_of``), its
+KV-cache keyword, its LM head (``lm_head_of``), the body and scalar head of a value or reward model
+(``backbone_and_head``), ZeRO-3 gathers for reading weights (``gathered``), and log-probs from hidden states
+through ``fused_token_logprobs`` (``token_logprobs_from_hidden``: the ``[tokens, vocab]`` logits never exist).
+
+The layouts: ``Layout`` and ``make_layout`` cut a rollout's all-padding columns or pack its rows, so that the
+decoder (``decoder_hidden``), the LM head and the value head compute nothing on padding.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fastppo.errors import SettingsError
+from fastppo.kernels import fused_token_logprobs
+from fastppo.value_head import AutoModelForCausalLMWithValueHead, _cache_keyword
+
+__all__ = ["Layout", "backbone_and_head", "cache_keyword", "causal_lm_of", "decoder_hidden", "gathered",
+           "lm_head_of", "lm_of", "make_layout", "token_logprobs_from_hidden"]
+
+
+# ============================================================================ the pieces of a causal LM
+
+
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers CausalLM inside a value-head wrapper and/or a PEFT wrapper (LoRA stays active)."""
+    if isinstance(model, AutoModelForCausalLMWithValueHead):
+        model = model.pretrained_model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache under: ``cache`` (transformers 5.2x on, where
+    ``past_key_values`` warns that it goes in 5.40) or ``past_key_values`` (earlier transformers, such as 5.17, and
+    models whose own code still names it so). Read from the causal LM's forward signature, once per class."""
+    return _cache_keyword(type(causal_lm_of(model)))
+
+
+def lm_of(model: nn.Module) -> nn.Module:
+    """The language model to generate with (PEFT wrapper kept), without a value-head wrapper."""
+    return model.pretrained_model if isinstance(model, AutoModelForCausalLMWithValueHead) else model
+
+
+def lm_head_of(model: nn.Module) -> nn.Module:
+    head = causal_lm_of(model).get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise SettingsError(f"{type(model).__name__} has no linear output embedding (LM head)")
+    return head
+
+
+def backbone_and_head(seq_cls_model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """Body and scalar head of an AutoModelForSequenceClassification (value or reward model)."""
+    backbone = getattr(seq_cls_model, seq_cls_model.base_model_prefix, None)
+    head = getattr(seq_cls_model, "score", None) or getattr(seq_cls_model, "classifier", None)
+    if backbone is None or head is None:
+        raise SettingsError(f"{type(seq_cls_model).__name__}: cannot find its body and 'score' head")
+    return backbone, head
+
+
+def gathered(*params):
+    """A context in which ``params`` are whole, for reading weights directly outside their module's forward.
+
+    Only DeepSpeed ZeRO-3 parameters that are partitioned right now are all-gathered (every process must
+    enter the context) and released at its end; anything else (plain tensors, ZeRO-2, parameters an
+    enclosing forward already gathered) makes it a no-op. Never around a training forward: releasing a
+    weight autograd saved breaks the backward (ZeRO-3 gathers those through its external parameters)."""
+    missing = [p for p in params if p is not None and getattr(p, "ds_status", None) is not None
+               and p.ds_status.name != "AVAILABLE"]
+    if not missing:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(missing, modifier_rank=None)
+
+
+def token_logprobs_from_hidden(model, hidden, targets, temperature: float, return_entropy: bool):
+    head = lm_head_of(model)
+    bias = getattr(head, "bias", None)
+    with gathered(head.weight, bias):  # the reference's head under ZeRO-3; a no-op otherwise
+        return fused_token_logprobs(
+            hidden,
+            head.weight.to(hidden.dtype),
+            targets,
+            temperature,
+            bias=None if bias is None else bias.to(hidden.dtype),
+            return_entropy=return_entropy,
+            ignore_index=None,  # the layout gathers real response tokens only: nothing to mask, no extra pass
+        )
+
+
+# ============================================================================ batch layouts: no compute on padding
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``b`` rows of a rollout go through a decoder, and where the outputs land.
+
+    The decoder runs on ``input_ids`` [R, L]: the rows with their all-padding columns cut (R = b), or,
+    packed (``padding_free``), their real tokens in one sequence (R = 1) whose positions restart at
+    every row. Only the hidden states that predict real response tokens are kept (``gather``, flat
+    indices into R·L), so the LM head, the value head and every per-token op run on real tokens only;
+    ``scatter`` lays their [n] results out as the [b, T] response grid (0 elsewhere).
+    """
+
+    input_ids: torch.Tensor  # [R, L]
+    attention_mask: torch.Tensor | None  # [R, L]; None when packed (transformers reads the segments off positions)
+    position_ids: torch.Tensor  # [R, L]
+    gather: torch.Tensor  # [n] hidden states predicting real response tokens
+    targets: torch.Tensor  # [n] the response tokens they predict
+    rows: torch.Tensor  # [n] where each lands in the [b, T] output
+    cols: torch.Tensor  # [n]
+    last: torch.Tensor  # [b] each row's last real token (a reward model reads it)
+    shape: tuple[int, int]  # (b, T)
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(self.shape)
+        return out.index_put_((self.rows, self.cols), values)
+
+    def pick(self, grid: torch.Tensor) -> torch.Tensor:
+        """The [n] entries of a [b, T] grid at this layout's real response tokens."""
+        return grid[self.rows, self.cols]
+
+
+def make_layout(query_responses: torch.Tensor, context_length: int, query_lengths: list[int],
+                response_lengths: list[int], packed: bool) -> Layout:
+    """The layout of the given rows (``query_responses`` [b, C + T], left-padded queries, right-padded
+    responses) from their real lengths, known on the host: the index tensors are built there and
+    copied once, so no step of the update waits on the device."""
+    b, width = query_responses.shape
+    t = width - context_length
+    device = query_responses.device
+    flat, positions, gather, rows, cols, last = [], [], [], [], [], []
+    if packed:
+        offset = 0
+        for i, (ql, rl) in enumerate(zip(query_lengths, response_lengths)):
+            start = i * width + context_length - ql
+            flat.append(torch.arange(start, start + ql + rl))
+            positions.append(torch.arange(ql + rl))
+            gather.append(torch.arange(offset + ql - 1, offset + ql - 1 + rl))
+            last.append(offset + ql + rl - 1)
+            offset += ql + rl
+        index = torch.cat(flat).to(device, non_blocking=True)
+        input_ids = query_responses.reshape(-1).index_select(0, index)[None]
+        attention_mask = None
+        position_ids = torch.cat(positions)[None].to(device, non_blocking=True)
+    else:
+        lq, lr = max(query_lengths), max(response_lengths)
+        columns = slice(context_length - lq, context_length + lr)
+        real = torch.zeros(b, lq + lr, dtype=torch.long)
+        for i, (ql, rl) in enumerate(zip(query_lengths, response_lengths)):
+            real[i, lq - ql : lq + rl] = 1
+            gather.append(torch.arange(i * (lq + lr) + lq - 1, i * (lq + lr) + lq - 1 + rl))
+            last.append(i * (lq + lr) + lq + rl - 1)
+        attention_mask = real.to(device, non_blocking=True)
+        # padding is never attended; it is fed as id 0 (as TRL does), so a pad id past the embedding is harmless
+        input_ids = query_responses[:, columns] * attention_mask
+        position_ids = (real.cumsum(1) - 1).clamp(min=0).to(device, non_blocking=True)
+    for i, rl in enumerate(response_lengths):
+        rows.append(torch.full((rl,), i))
+        cols.append(torch.arange(rl))
+    rows_t, cols_t = torch.cat(rows).to(device), torch.cat(cols).to(device)
+    targets = query_responses[rows_t, context_length + cols_t]
+    return Layout(input_ids, attention_mask, position_ids, torch.cat(gather).to(device), targets, rows_t, cols_t,
+                  torch.tensor(last, device=device), (b, t))
+
+
+def decoder_hidden(model: nn.Module, layout: Layout) -> torch.Tensor:
+    """[R·L, H] last hidden states of the decoder body (the LM head never runs here)."""
+    decoder = causal_lm_of(model).get_decoder()
+    hidden = decoder(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                     position_ids=layout.position_ids, use_cache=False).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])
