@@ -132,7 +132,7 @@ def apply_peft(policy: nn.Module, peft_config, model_args) -> nn.Module:
     """LoRA on the policy's language model (inside a value-head wrapper, the head stays fully trainable)."""
     from peft import LoraConfig, get_peft_model
 
-    if peft_config is None:  # the flags (validate_config has refused an lm_head target among them)
+    if peft_config is None:  # the flags (checks.check_settings has refused an lm_head target among them)
         peft_config = LoraConfig(
             r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
             target_modules=model_args.lora_target_modules, task_type="CAUSAL_LM",
