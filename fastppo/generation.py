@@ -140,10 +140,17 @@ def generate_with_kwargs(lm, queries, query_mask, kwargs: dict, pad_id: int, sto
 
 
 def stop_ids_of(config, tokenizer) -> list[int]:
-    """The token ids a response stops at: eos with ``stop_token='eos'``, else ``stop_token_id`` (or none)."""
+    """The token ids a response stops at: eos with ``stop_token='eos'``, else ``stop_token_id`` (or none),
+    each checked to be in the tokenizer's vocabulary."""
     if config.stop_token == "eos":
         if tokenizer.eos_token_id is None:
             raise SettingsError("stop_token='eos' but the tokenizer has no eos token; pass --stop_token_id")
         return [tokenizer.eos_token_id]
     ids = config.stop_token_id
-    return [ids] if isinstance(ids, int) else list(ids or [])  # TRL's type is one int
+    ids = [ids] if isinstance(ids, int) else list(ids or [])  # TRL's type is one int
+    vocab = None if tokenizer is None else len(tokenizer)
+    for token in ids:
+        if vocab is not None and not 0 <= token < vocab:
+            raise SettingsError(f"stop_token_id {token} is outside the tokenizer's vocabulary (0..{vocab - 1}): "
+                                "responses would never stop")
+    return ids

@@ -4,18 +4,17 @@ validation), its ``PPOTrainer`` (``generate``/``step``/``log_stats`` and the oth
 
 A legacy user changes one import line, ``from trl import ...`` to ``from fastppo.legacy import ...``.
 The legacy trainer translates its config into fastppo's (``PPOConfig.to_core``: the same batch split in
-TRL 0.26's terms) and drives the core trainer's ``update()`` with the caller's own samples.
+TRL 0.26's terms), builds what the core trainer builds through the same factory (``fastppo.build``) and runs
+steps 2-6 of the one driver, ``fastppo.train.ppo_iteration``, on the caller's own samples.
 """
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import numbers
 import os
 import random
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,24 +23,28 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torch.utils.data import default_collate as torch_default_collate
 from transformers import DataCollatorForLanguageModeling
 
-from fastppo.checkpoint import refuse_foreign
+from fastppo.build import build_learner, start_runtime
+from fastppo.checkpoint import refuse_foreign, save_model_files
+from fastppo.checks import check_settings
+from fastppo.config import ModelConfig, derive_sizes
 from fastppo.config import PPOConfig as CorePPOConfig
 from fastppo.data import left_pad, right_pad
-from fastppo.dist import all_gather, all_reduce, barrier, is_distributed
+from fastppo.dist import all_reduce, barrier
 from fastppo.errors import SettingsError, SettingsTypeError
-from fastppo.generation import generate_with_kwargs, sample_responses
+from fastppo.generation import generate_with_kwargs, sample_responses, stop_ids_of
 from fastppo.kernels import check_temperature, kl_penalty, masked_mean, token_logprobs
 from fastppo.layout import causal_lm_of, lm_of
-from fastppo.loading import embedding_rows, is_peft, position_limit
-from fastppo.metrics import STAT, MetricsLogger, legacy_stats, stats_means
-from fastppo.train import IterationResult, assemble, compute_advantages, per_token_rewards, ppo_losses
-from fastppo.trainer import PPOTrainer as CoreTrainer
+from fastppo.legacy_stats import legacy_log_stats, legacy_step_stats
+from fastppo.loading import build_models, embedding_rows, ensure_pad_token, is_peft, position_limit
+from fastppo.metrics import STAT
+from fastppo.train import (RolloutBatch, assemble, compute_advantages, eos_count, per_token_rewards, ppo_iteration,
+                           ppo_losses)
+from fastppo.trainer import fill_derived_sizes
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
 
 
@@ -278,39 +281,6 @@ def check_step_inputs(queries, responses, scores, response_masks, n: int, device
 
 
 
-def legacy_step_stats(result: IterationResult, vf_coef: float) -> dict:
-    """``step()``'s return value: legacy TRL's stats keys (arrays included) beside TRL 0.26's names."""
-    rollout, experience, targets, scores = result.batch.rollout, result.experience, result.targets, result.scores
-    mask = rollout.response_mask
-    query_lengths = rollout.attention_mask[:, : rollout.context_length].sum(1).float().cpu()
-    response_lengths = rollout.lengths.float().cpu()
-    extra = dict(
-        vf_coef=vf_coef, kl_coef=result.kl_coef, learning_rate=result.lr,
-        mean_non_score_reward=masked_mean(targets.non_score_reward, mask).item(),
-        mean_scores=scores.mean().item(), std_scores=scores.std().item() if scores.numel() > 1 else float("nan"),
-        arrays={
-            "objective/kl_dist": (experience.kl * mask).sum(1).cpu().numpy(),
-            "objective/logprobs": experience.logprobs.cpu().numpy(),  # response positions only
-            "objective/ref_logprobs": experience.ref_logprobs.cpu().numpy(),
-            "ppo/policy/advantages": targets.advantages[mask].cpu().numpy(),
-            "tokens/queries_len_mean": query_lengths.mean().item(),
-            "tokens/queries_len_std": query_lengths.std().item() if len(query_lengths) > 1 else 0.0,
-            "tokens/queries_dist": query_lengths.numpy(),
-            "tokens/responses_len_mean": response_lengths.mean().item(),
-            "tokens/responses_len_std": response_lengths.std().item() if len(response_lengths) > 1 else 0.0,
-            "tokens/responses_dist": response_lengths.numpy(),
-            "time/ppo/forward_pass": result.phases["forward"],
-            "time/ppo/compute_rewards": result.phases["rewards"],
-            "time/ppo/optimize_step": result.seconds["update"],
-        },
-    )
-    start = time.perf_counter()
-    stats = legacy_stats(result.metrics, stats_means(result.update), extra)
-    stats["time/ppo/calc_stats"] = time.perf_counter() - start
-    stats["time/ppo/total"] = result.seconds["scoring"] + result.seconds["update"] + stats["time/ppo/calc_stats"]
-    return stats
-
-
 def _collate_lists(rows: list[dict]) -> dict:
     return {key: [row[key] for row in rows] for key in rows[0]}
 
@@ -405,8 +375,8 @@ def _generate_chunk(trainer, model, queries: list[torch.Tensor], kwargs: dict, r
     ids, mask = ids.to(trainer.device), mask.to(trainer.device)
     context = contextlib.nullcontext()
     if model is None:
-        if trainer.ref_model is not None:
-            model = trainer.ref_model
+        if trainer.reference_model is not None:
+            model = trainer.reference_model
         else:
             model = lm_of(trainer.policy)
             context = model.disable_adapter()
@@ -431,68 +401,6 @@ def _generate_chunk(trainer, model, queries: list[torch.Tensor], kwargs: dict, r
                 r = r[: hits[0, 0] + 1]
         out.append(torch.cat([q, r]) if return_prompt else r)
     return out
-
-
-def legacy_log_stats(trainer, stats: dict, batch: dict, rewards, columns_to_log: Sequence[str]) -> None:
-    if not isinstance(rewards, torch.Tensor):
-        rewards = torch.stack([torch.as_tensor(r, dtype=torch.float32).reshape(()) for r in rewards])
-    rewards = rewards.float().reshape(-1).to(trainer.device)
-    if is_distributed():
-        every_rank_arrives(trainer, "log_stats")
-        gathered = [torch.empty_like(rewards) for _ in range(dist.get_world_size())]
-        all_gather(gathered, rewards)
-        rewards = torch.cat(gathered)
-    if not trainer.dist.is_main:
-        return
-    if trainer._logger is None:
-        trainer._logger = MetricsLogger(trainer.config, True, trainer.log)
-    logs = {k: float(v) for k, v in stats.items() if _is_scalar(v)}
-    logs["env/reward_mean"] = rewards.mean().item()
-    logs["env/reward_std"] = rewards.std().item() if rewards.numel() > 1 else 0.0
-    trainer._logger.log(logs, trainer.state.global_step)
-    trainer.state.log_history.append({**logs, "step": trainer.state.global_step})
-    columns = [c for c in columns_to_log if c in batch]
-    if columns:
-        with open(os.path.join(trainer.config.output_dir, "samples.jsonl"), "a") as f:
-            for i, reward in enumerate(rewards.tolist()[: len(batch[columns[0]])]):
-                row = {c: _text(batch[c][i]) for c in columns}
-                f.write(json.dumps({"step": trainer.state.global_step, **row, "reward": reward}) + "\n")
-
-
-# How long a rank waits for the others at a call every rank must make (log_stats): ranks leave step()'s
-# collectives together, so a longer wait means a rank is not coming (the call sits under `if is_main:`).
-RENDEZVOUS_TIMEOUT_S = float(os.environ.get("FASTPPO_RENDEZVOUS_TIMEOUT", "120"))
-
-
-def every_rank_arrives(trainer, call: str) -> None:
-    """Before a collective that only some ranks might reach: every rank checks in through the process
-    group's key-value store (not a collective, so it cannot pair with another rank's unrelated one) and
-    waits, at most ``RENDEZVOUS_TIMEOUT_S``, for the others' n-th check-in. A rank that never comes is an
-    error naming the call, instead of a gather blocked forever."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError):  # pragma: no cover  (no reachable store: the plain gather)
-        return
-    counts = trainer.__dict__.setdefault("_rendezvous_counts", {})
-    n = counts[call] = counts.get(call, 0) + 1
-    key = f"fastppo/{call}/{n}/"
-    store.set(key + str(dist.get_rank()), "1")
-    try:
-        store.wait([key + str(r) for r in range(dist.get_world_size())],
-                   datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-    except RuntimeError as e:  # torch's DistStoreError (a timeout) is one
-        raise RuntimeError(
-            f"{call}() must be called on every process (it gathers from all of them), but rank {dist.get_rank()} "
-            f"waited {RENDEZVOUS_TIMEOUT_S:g} s for the others' call #{n}; call it outside any `if is_main_process:` "
-            "(FASTPPO_RENDEZVOUS_TIMEOUT sets the wait)") from e
-
-
-def _is_scalar(value) -> bool:
-    return isinstance(value, (int, float)) or (isinstance(value, np.ndarray) and value.size == 1)
-
-
-def _text(value) -> str:
-    return value if isinstance(value, str) else str(value.tolist() if isinstance(value, torch.Tensor) else value)
 
 
 class OptimizerView:
@@ -558,8 +466,27 @@ class PPOTrainer:
         if optimizer is None:  # legacy TRL's default: Adam over the trainable parameters
             optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
         self.optimizer = OptimizerView(optimizer)
-        self._core = CoreTrainer(args=config.to_core(world), processing_class=tokenizer, model=model,
-                                 ref_model=ref_model, optimizers=(self.optimizer, lr_scheduler), loop=False)
+        # what the core trainer builds, through the same factory (fastppo.build), over the caller's objects
+        self.core_config = core = config.to_core(world)
+        notes = check_settings(core, ModelConfig(), check_output=False, peft=is_peft(model))
+        self.runtime = start_runtime(core)
+        self.dist, self.device, self.log, self.autocast = (self.runtime.dist, self.runtime.device, self.runtime.log,
+                                                           self.runtime.autocast)
+        for note in notes:
+            self.log(note)
+        ensure_pad_token(tokenizer, self.log, given=True)
+        self.stop_ids = stop_ids_of(core, tokenizer)
+        self.sizes = derive_sizes(core, self.dist.world_size, 1)
+        fill_derived_sizes(core, self.sizes)
+        torch.manual_seed(core.seed)  # the same fresh value head on every process
+        self.policy, self.reference_model, _, _ = build_models(
+            dict(model=model, ref_model=ref_model, value_model=None, rewards=[], reward_processing_classes={},
+                 peft_config=None),
+            core, ModelConfig(), None, tokenizer, self.runtime.bf16, self.device, self.log, max([0, *self.stop_ids]))
+        self.learner = build_learner(core, self.runtime, self.policy, self.reference_model, None, [self.reference_model],
+                                     self.optimizer, lr_scheduler)
+        self.kl_ctl = self.learner.kl_ctl  # legacy TRL's attribute; the running score moments are its `running`
+        self.running = self.learner.moments
         self.model = model
         self.tokenizer = tokenizer
         self.lr_scheduler = SchedulerView(lr_scheduler) if lr_scheduler is not None else None
@@ -569,29 +496,26 @@ class PPOTrainer:
         self.dataset = dataset
         self.current_step = 0
         self.is_distributed = world > 1
+        self.is_peft_model = is_peft(model)
+        self.log_history: list[dict] = []  # what log_stats() logged, one dict a step
+        self.metrics_logger = None  # made on the first log_stats()
+        self.rendezvous_counts: dict[str, int] = {}  # legacy_stats.every_rank_arrives' check-ins
         if dataset is None:  # legacy TRL's warning: step() checks its inputs against batch_size
             warnings.warn("No dataset is provided. Make sure to set config.batch_size to the correct value before "
                           "training.", UserWarning, stacklevel=2)
         self.dataloader = self.prepare_dataloader(dataset, data_collator) if dataset is not None else None
 
-    # the core's plumbing the loop helpers read (device, dist, policy, autocast, log, state, ...)
-    def __getattr__(self, name: str):
-        core = self.__dict__.get("_core")
-        if core is None:
-            raise AttributeError(name)
-        return getattr(core, name)
-
     @property
     def accelerator(self) -> AcceleratorView:
-        return AcceleratorView(self._core.dist)
+        return AcceleratorView(self.dist)
 
     @property
     def current_device(self) -> torch.device:
-        return self._core.device
+        return self.device
 
     def prepare_dataloader(self, dataset, data_collator=None):
         """Batches of ``batch_size`` rows per process, shuffled (reshuffled each pass), last one dropped."""
-        return legacy_dataloader(dataset, self.config, self._core.dist, data_collator)
+        return legacy_dataloader(dataset, self.config, self.dist, data_collator)
 
     def generate(self, query_tensor, length_sampler: Callable[[], int] | None = None, batch_size: int = 4,
                  return_prompt: bool = True, generate_ref_response: bool = False, remove_padding: bool = True,
@@ -600,7 +524,7 @@ class PPOTrainer:
         padding removed, cut after the first eos). Samples exactly from softmax(logits / temperature) unless
         ``generation_kwargs`` ask for other processing (top_k, top_p, ...), which is then honoured; the
         checkpoint's generation_config never leaks in. ``generate_ref_response``: also the reference's."""
-        return legacy_generate(self._core, query_tensor, length_sampler, batch_size, return_prompt,
+        return legacy_generate(self, query_tensor, length_sampler, batch_size, return_prompt,
                                generate_ref_response, remove_padding, generation_kwargs)
 
     def step(self, queries: list[torch.Tensor], responses: list[torch.Tensor], scores,
@@ -609,8 +533,8 @@ class PPOTrainer:
         token tensors, ``scores`` one per sample (0-d tensors, floats or a 1-D tensor), ``response_masks``
         optional 0/1 per response token (0: not trained on; GAE bootstraps across them). Returns legacy
         TRL's stats keys (and TRL 0.26's names)."""
-        core = self._core
-        scores = check_step_inputs(queries, responses, scores, response_masks, self.config.batch_size, core.device)
+        device = self.device
+        scores = check_step_inputs(queries, responses, scores, response_masks, self.config.batch_size, device)
         rows = embedding_rows(self.model)
         smallest = min(int(t.min()) for t in [*queries, *responses] if t.numel())
         if smallest < 0:  # -100 (a label's ignore index) or -1 padding is not a token
@@ -625,38 +549,43 @@ class PPOTrainer:
         if limit is not None and longest > limit:
             raise SettingsError(f"step: a query + response of {longest} tokens exceeds the model's {limit} positions; "
                                 "shorten the queries or the responses (generate's max_new_tokens)")
-        pad = core.tokenizer.pad_token_id
+        pad = self.tokenizer.pad_token_id
         q, q_mask = left_pad([x.tolist() for x in queries], pad)
         r, real = right_pad([x.tolist() for x in responses], pad)
         user_mask = None
         if response_masks is not None:
             user_mask, _ = right_pad([m.long().tolist() for m in response_masks], 0)
-        rollout = assemble(q.to(core.device), q_mask.to(core.device), r.to(core.device), real.to(core.device),
-                           torch.zeros(len(queries), dtype=torch.bool, device=core.device),
-                           None if user_mask is None else user_mask.to(core.device))
+        rollout = assemble(q.to(device), q_mask.to(device), r.to(device), real.to(device),
+                           torch.zeros(len(queries), dtype=torch.bool, device=device),
+                           None if user_mask is None else user_mask.to(device))
         if not bool(rollout.response_mask.any(1).all()):
             raise SettingsError("step: every response needs at least one token to train on (check response_masks)")
-        result = core.update(rollout, scores, skip_masked=response_masks is not None)
+        batch = RolloutBatch(rollout, scores, eos_count(rollout, self.tokenizer.eos_token_id))
+        # steps 2-6 of fastppo's one driver, on the caller's samples
+        result = ppo_iteration(self.learner, self.core_config, self.sizes, lambda: batch,
+                               skip_masked=response_masks is not None)
         self.current_step += 1
         return legacy_step_stats(result, self.config.vf_coef)
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Sequence[str] = ("query", "response")):
         """The step's scalar stats and env/reward_* to the loggers, samples to samples.jsonl. Every process
         must call it (the rewards are gathered across processes)."""
-        legacy_log_stats(self._core, stats, batch, rewards, columns_to_log)
+        legacy_log_stats(self, stats, batch, rewards, columns_to_log)
 
     def gather_stats(self, stats: dict) -> dict:
         """Stats averaged over the processes (tensors all-reduced; a no-op in one process)."""
         out = {}
         for key, value in stats.items():
             if isinstance(value, torch.Tensor):
-                value = all_reduce(value.detach().clone().to(self._core.device)) / self._core.dist.world_size
+                value = all_reduce(value.detach().clone().to(self.device)) / self.dist.world_size
             out[key] = value
         return out
 
     def save_pretrained(self, save_directory: str) -> None:
         """The model with its value head, and the tokenizer."""
-        self._core.save_model(save_directory)
+        if self.dist.is_main:  # the core trainer's save_model, as legacy TRL saves: one process writes
+            refuse_foreign(save_directory, "save_model:")  # another's model is never replaced
+            save_model_files(save_directory, self.policy, None, self.tokenizer, self.core_config, ModelConfig())
 
     def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
         """A README.md in ``path`` saying how the model was trained (legacy TRL writes one beside its weights); a
@@ -677,7 +606,7 @@ class PPOTrainer:
         rows = [torch.cat([q, r]) for q, r in zip(queries, responses)]
         batch = self.data_collator([{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in rows])
         batch.pop("labels", None)  # no LM loss here
-        return {k: v.to(self._core.device) for k, v in batch.items()}
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def batched_forward_pass(self, model, queries, responses, model_inputs: dict, return_logits: bool = False,
                              response_masks=None):
@@ -720,7 +649,7 @@ class PPOTrainer:
         last = masks.shape[1] - 1 - masks.flip(1).float().argmax(1)
         rewards, non_score = per_token_rewards(kl, torch.as_tensor(scores, dtype=torch.float32,
                                                                    device=kl.device).reshape(-1),
-                                               masks, last, self._core.kl_ctl.value)
+                                               masks, last, self.kl_ctl.value)
         return rewards, non_score, kl
 
     def compute_advantages(self, values, rewards, mask):

@@ -121,50 +121,6 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     return metrics
 
 
-def legacy_stats(metrics: dict[str, float], stats_mean: dict[str, float], extra: dict) -> dict:
-    """The stats dict legacy TRL's ``step()`` returned (its key names), beside fastppo's own names."""
-    out = dict(metrics)
-    vf_coef = extra["vf_coef"]
-    out.update({
-        "objective/kl": metrics["objective/kl"],
-        "objective/kl_coef": extra["kl_coef"],
-        "objective/entropy": metrics["objective/entropy"],
-        "ppo/mean_non_score_reward": extra["mean_non_score_reward"],
-        "ppo/mean_scores": extra["mean_scores"],
-        "ppo/std_scores": extra["std_scores"],
-        "ppo/loss/policy": stats_mean["pg_loss"],
-        "ppo/loss/value": stats_mean["vf_loss"],
-        "ppo/loss/total": stats_mean["pg_loss"] + vf_coef * stats_mean["vf_loss"],
-        "ppo/policy/entropy": stats_mean["entropy"],
-        "ppo/policy/approxkl": stats_mean["approxkl"],
-        "ppo/policy/policykl": stats_mean["policykl"],
-        "ppo/policy/clipfrac": stats_mean["pg_clipfrac"],
-        "ppo/policy/advantages_mean": stats_mean["advantages_mean"],
-        "ppo/policy/ratio": stats_mean["ratio"],  # legacy TRL: per-token ratios; here their mean
-        "ppo/returns/mean": stats_mean["returns_mean"],
-        "ppo/returns/var": stats_mean["returns_var"],
-        "ppo/val/vpred": stats_mean["vpred_mean"],
-        "ppo/val/error": stats_mean["vf_error"],
-        "ppo/val/clipfrac": stats_mean["vf_clipfrac"],
-        "ppo/val/mean": stats_mean["values_mean"],
-        "ppo/val/var": stats_mean["values_var"],
-        "ppo/val/var_explained": 1.0 - stats_mean["vf_error"] / stats_mean["returns_var"]
-        if stats_mean["returns_var"] else float("nan"),
-        "ppo/learning_rate": extra["learning_rate"],
-    })
-    out.update(extra["arrays"])
-    return out
-
-
-def stats_means(result: UpdateResult) -> dict[str, float]:
-    """Mean of each statistic over the micro-batches that ran, on this process."""
-    stats = result.stats.flatten(1)
-    ran = torch.isfinite(stats)
-    sums = torch.where(ran, stats, torch.zeros_like(stats)).sum(1)
-    counts = ran.sum(1).clamp(min=1)
-    return dict(zip(STAT_NAMES, (sums / counts).tolist()))
-
-
 class MetricsLogger:
     """metrics.jsonl always; tensorboard / wandb when asked for and installed (rank 0 only)."""
 

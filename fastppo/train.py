@@ -755,8 +755,9 @@ class IterationResult:
     metrics: dict[str, float]  # TRL 0.26's names, over every process
     kl_coef: float  # β of this iteration (before the adaptive controller's update)
     lr: float  # the learning rate of this iteration's update
-    seconds: dict[str, float]  # step 1's phases, scoring (and its models' forwards), update
-    phases: dict[str, float]  # scoring's two parts: "forward" (step 2) and "rewards" (steps 3-4)
+    # step 1's phases; "scoring" (steps 2-4), split as "scoring/forwards" (step 2, and each model's share of it)
+    # and "scoring/advantages" (steps 3-4); "update" (step 5)
+    seconds: dict[str, float]
 
 
 def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Callable[[], RolloutBatch],
@@ -807,10 +808,9 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
         learner.kl_ctl.update(metrics["objective/kl"], sizes.batch_size)
     if learner.lr_scheduler is not None:
         learner.lr_scheduler.step()
-    seconds = {**batch.seconds, "scoring": t1 - t0, "update": t2 - t1,
-               **{f"scoring/{k}": v for k, v in scoring_seconds.items()}}
-    return IterationResult(batch, experience, targets, update, scores, metrics, kl_coef, lr, seconds,
-                           {"forward": t_forward - t0, "rewards": t1 - t_forward})
+    seconds = {**batch.seconds, "scoring": t1 - t0, "update": t2 - t1, "scoring/forwards": t_forward - t0,
+               "scoring/advantages": t1 - t_forward, **{f"scoring/{k}": v for k, v in scoring_seconds.items()}}
+    return IterationResult(batch, experience, targets, update, scores, metrics, kl_coef, lr, seconds)
 
 
 if __name__ == "__main__":  # python -m fastppo.train: the command line, run as a program (not imported: the

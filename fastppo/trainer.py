@@ -8,7 +8,6 @@ signals), save. The legacy API (TRL <= 0.11's ``generate``/``step`` loop) is ``f
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import threading
@@ -18,16 +17,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from transformers import TrainerCallback, TrainerControl, TrainerState, get_scheduler
+from transformers import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
-from transformers.utils import logging as hf_logging
 
 from fastppo import checkpoint as C
 from fastppo import dist as fdist
 from fastppo import loading as L
-from fastppo.actor_critic import PolicyAndValue, Reference
+from fastppo.build import build_learner, default_scheduler, start_runtime
 from fastppo.checks import check_settings
 from fastppo.config import ModelConfig, PPOConfig, Sizes, derive_sizes, every, user_path
 from fastppo.data import left_pad, load_prompts, prompt_batches
@@ -37,11 +34,10 @@ from fastppo.generation import sample_responses, stop_ids_of
 from fastppo.layout import lm_of
 from fastppo.metrics import MetricsLogger, plot_curves, print_samples
 from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, score_rewards
-from fastppo.rewards import RunningMoments, check_reward_fn_columns, reward_fn_name
+from fastppo.rewards import check_reward_fn_columns, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
-from fastppo.zero import ZeRO, deepspeed_request, resolve_deepspeed_config, zero_stage_of
-from fastppo.train import (AdaptiveKLController, FixedKLController, IterationResult, Learner, Rollout, RolloutBatch,
-                           apply_eos_penalties, contains_stop, eos_count, make_rollout, ppo_iteration)
+from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
+from fastppo.train import (IterationResult, Learner, RolloutBatch, apply_eos_penalties, contains_stop, eos_count, make_rollout, ppo_iteration)
 
 
 class PPOTrainer:
@@ -57,13 +53,11 @@ class PPOTrainer:
     ``train_dataset=None`` to the built-in prompts. The user's objects are used as given: never resized or
     re-typed (a mismatch is refused with what to do).
 
-    ``loop=False`` builds the trainer without a prompt set or an output directory, for a caller that
-    drives ``update()`` with its own samples (the legacy API, ``fastppo.legacy``).
     """
 
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
-                 optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None, loop: bool = True,
+                 optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None,
                  reward_processing_classes=None):
         config = PPOConfig(output_dir=None) if args is None else args
         if not isinstance(config, PPOConfig):
@@ -71,10 +65,8 @@ class PPOTrainer:
                             f"fastppo.legacy.PPOConfig), got {type(config).__name__}")
         self.args = self.config = config
         self.model_args = model_args = ModelConfig() if model_args is None else model_args
-        self.loop = loop
-        notes = check_settings(config, model_args, check_output=loop,
-                               peft=peft_config is not None or model_args.use_peft or (
-                                   isinstance(model, nn.Module) and L.is_peft(model)))
+        notes = check_settings(config, model_args, peft=peft_config is not None or model_args.use_peft or (
+            isinstance(model, nn.Module) and L.is_peft(model)))
         # the embedded model is built before the process group exists (transformers saves on rank 0 only after)
         policy_path = model if isinstance(model, str) else (
             None if model is not None else user_path(config.sft_model_path) or model_args.model_name_or_path)
@@ -83,25 +75,19 @@ class PPOTrainer:
             policy_path = embedded_model_path()
 
         ds_request = deepspeed_request(config)  # DeepSpeed asked for (--deepspeed, --zero_stage, accelerate launch)
-        self.dist = fdist.setup_distributed(config.ddp_timeout, config.use_cpu, need_group=ds_request is not None)
-        self.device = self.dist.device
-        self._setup_console()
+        self.runtime = start_runtime(config, need_group=ds_request is not None)
+        self.dist, self.device, self.bf16, self.console = (self.runtime.dist, self.runtime.device, self.runtime.bf16,
+                                                           self.runtime.console)
+        self.log, self.autocast = self.runtime.log, self.runtime.autocast
         for note in notes:
             self.log(note)
         if data_collator is not None:  # TRL 0.26 takes one; PPO's prompts are padded by the trainer itself
             self.log("data_collator is not used: fastppo left-pads the prompts itself (with the tokenizer's pad "
                      "token); pass the dataset with a text column or input_ids")
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        self.bf16 = config.bf16 if config.bf16 is not None else (
-            self.device.type == "cuda" and torch.cuda.is_bf16_supported())
-        self.autocast = lambda: torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
-        if self.bf16 and self.device.type == "cpu":
-            self.log("bf16 on a CPU: runs, but usually slower than fp32")
 
         # --- reward, tokenizer and data first: bad input fails here, before any model is loaded
         # the rewards: one or a list of functions, models and paths (TRL GRPO's reward_funcs), weighted
-        self.rewards = resolve_rewards(reward_model, config) if loop else []
+        self.rewards = resolve_rewards(reward_model, config)
         functions = [r for r in self.rewards if r.fn is not None]
         self.reward_fn = functions[0].fn if functions else None  # the first function (TRL 0.26 has one reward)
         self.reward_fn_name = reward_fn_name(self.reward_fn) if functions else None
@@ -118,31 +104,22 @@ class PPOTrainer:
         L.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
         self.processing_class = self.tokenizer = tokenizer
         self.stop_ids = stop_ids_of(config, tokenizer)
-        vocab = len(tokenizer)
-        for token in self.stop_ids:
-            if not 0 <= token < vocab:
-                raise SettingsError(f"stop_token_id {token} is outside the tokenizer's vocabulary (0..{vocab - 1}): "
-                                 "responses would never stop")
-        self.prompts = self.prompt_rows = self.eval_prompts = self.eval_rows = self._resume_path = self.ds_config = None
-        if loop:
-            self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log)
-            self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log)
-                                                 if eval_dataset is not None else (None, None))
-            for reward in functions:
-                for what, rows in (("train_dataset", self.prompt_rows), ("eval_dataset", self.eval_rows)):
-                    if rows is not None:
-                        check_reward_fn_columns(reward.fn, reward_fn_name(reward.fn), rows, what)
-            self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
-            if ds_request is not None:
-                self.ds_config, ds_notes = resolve_deepspeed_config(ds_request, config, self.sizes)
-                for note in ds_notes:
-                    self.log(note)
-            self._resume_path = self._decide_resume()
-            longest_prompt = max(len(p) for p in self.prompts + (self.eval_prompts or []))
-            L.check_positions(model if isinstance(model, nn.Module) else policy_path, config, model_args,
-                              longest_prompt)
-        else:
-            self.sizes = derive_sizes(config, self.dist.world_size, 1)
+        self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log)
+        self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log)
+                                             if eval_dataset is not None else (None, None))
+        for reward in functions:
+            for what, rows in (("train_dataset", self.prompt_rows), ("eval_dataset", self.eval_rows)):
+                if rows is not None:
+                    check_reward_fn_columns(reward.fn, reward_fn_name(reward.fn), rows, what)
+        self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
+        self.ds_config = None
+        if ds_request is not None:
+            self.ds_config, ds_notes = resolve_deepspeed_config(ds_request, config, self.sizes)
+            for note in ds_notes:
+                self.log(note)
+        self._resume_path = self._decide_resume()
+        longest_prompt = max(len(p) for p in self.prompts + (self.eval_prompts or []))
+        L.check_positions(model if isinstance(model, nn.Module) else policy_path, config, model_args, longest_prompt)
         fill_derived_sizes(config, self.sizes)
         if self.embedded:
             self.log(f"no model given: the embedded default (tiny Llama at {policy_path}, "
@@ -155,47 +132,31 @@ class PPOTrainer:
                                         reward_processing_classes, self.rewards),
                                     peft_config=peft_config),
                                config, model_args, policy_path, tokenizer, self.bf16, self.device,
-                               self.log, max([0, *self.stop_ids, *(max(p) for p in (self.prompts or []) + (self.eval_prompts or []) if p)]))
+                               self.log, max([0, *self.stop_ids, *(max(p) for p in self.prompts + (self.eval_prompts or []) if p)]))
         self.policy, self.ref_model, self.value_model, self.reward_models = built
         self.reward_model = self.reward_models[0] if self.reward_models else None  # TRL 0.26's one reward model
-        if loop:  # the models that read prompt + response beside the policy must have the positions for it
-            for what, other in (("reference model", self.ref_model), ("value model", self.value_model),
-                                *(("reward model", r.model) for r in self.rewards if r.tokenizer is None)):
-                if other is not None:
-                    L.check_positions(other, config, model_args, longest_prompt, what)
-        self.actor_critic = PolicyAndValue(self.policy, self.value_model, critic=not config.critic_free)
-        self.model = self.actor_critic
-        self.zero = None
-        if self.dist.world_size > 1 and self.ds_config is None:
-            self.model = nn.parallel.DistributedDataParallel(
-                self.actor_critic, device_ids=[self.device.index] if self.device.type == "cuda" else None
-            )
-        self.reference = Reference(self.ref_model, self.policy) if config.needs_reference else None
+        # the models that read prompt + response beside the policy must have the positions for it
+        for what, other in (("reference model", self.ref_model), ("value model", self.value_model),
+                            *(("reward model", r.model) for r in self.rewards if r.tokenizer is None)):
+            if other is not None:
+                L.check_positions(other, config, model_args, longest_prompt, what)
 
-        # --- optimizer, schedule, controllers, randomness
+        # --- the learner: actor-critic and its wrapper, reference, optimizer, schedule, controllers, randomness
         optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)
-        self.optimizer = optimizer or self._adamw()
-        if optimizer is not None:
-            L.check_optimizer_covers(optimizer, self.actor_critic)
-        if self.ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
-            self.zero = ZeRO(self.actor_critic, self.optimizer, self.ds_config, [self.ref_model, *self.reward_models],
-                             self.device, self.log, ds_request[1])
-            self.model = self.zero.engine
+        learner = build_learner(config, self.runtime, self.policy, self.ref_model, self.value_model,
+                                [self.ref_model, *self.reward_models], optimizer,
+                                lr_scheduler or (lambda opt: default_scheduler(config, self.sizes, opt)),
+                                self.ds_config, None if ds_request is None else ds_request[1])
+        (self.actor_critic, self.model, self.reference, self.optimizer, self.lr_scheduler, self.kl_ctl, self.moments,
+         self.shuffle, self.zero) = (learner.actor_critic, learner.model, learner.reference, learner.optimizer,
+                                     learner.lr_scheduler, learner.kl_ctl, learner.moments, learner.shuffle,
+                                     learner.zero)
         self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
                                                         None if self.zero is None else self.zero.stage, self._lm(),
                                                         self.log)
         self._static_decoder: StaticDecoder | None = None
-        # TRL 0.26 builds the schedule when none is given (Trainer.create_scheduler); a loop=False caller steps its own
-        self.lr_scheduler = lr_scheduler if lr_scheduler is not None or not loop else self._scheduler()
-        self.kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
-                       else FixedKLController(config.kl_coef))
-
-        self.moments = RunningMoments() if config.use_score_scaling else None
-        torch.manual_seed(config.seed + self.dist.rank * 100003)  # each process samples different responses
-        self.shuffle = torch.Generator().manual_seed(config.seed + self.dist.rank)
-        if loop:
-            self._batches = prompt_batches(len(self.prompts), self.sizes.local_prompts, self.dist.rank,
-                                           self.dist.world_size, config.seed)
+        self._batches = prompt_batches(len(self.prompts), self.sizes.local_prompts, self.dist.rank,
+                                       self.dist.world_size, config.seed)
 
         # transformers' handler, as TRL's trainer uses it: callback classes are instantiated, the default flow
         # callback decides should_save/should_training_stop from save_steps and max_steps
@@ -207,46 +168,11 @@ class PPOTrainer:
                                         "on_step_end")
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.actor_critic,
                                                 tokenizer, self.optimizer, self.lr_scheduler)
-        self.state = _new_state(self.sizes, len(self.prompts) if self.prompts else None, self.dist.is_main, config)
+        self.state = _new_state(self.sizes, len(self.prompts), self.dist.is_main, config)
         self.control = TrainerControl()
         self._logger = None
         self._run_lock = None
         self._training = False  # inside train(): the output_dir is this run's to write
-
-    def _adamw(self) -> torch.optim.Optimizer:
-        """AdamW over every trainable parameter; ``adamw_torch_fused``: one fused kernel for all of them
-        where the device has one (5x faster than the foreach one on the embedded model)."""
-        config = self.config
-        fused = config.optim == "adamw_torch_fused" and self.device.type in ("cuda", "cpu")
-        return torch.optim.AdamW(
-            [p for p in self.actor_critic.parameters() if p.requires_grad], lr=config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
-            fused=fused, foreach=None if fused else True,
-        )
-
-    def _scheduler(self):
-        """transformers' scheduler over the PPO iterations (stepped once each), with the linear warmup asked for."""
-        config, total = self.config, self.sizes.num_total_batches
-        warmup = config.warmup_steps if config.warmup_steps >= 1 else (config.warmup_steps or getattr(config, "warmup_ratio", 0.0)) * total
-        return get_scheduler(config.lr_scheduler_type, self.optimizer, num_warmup_steps=math.ceil(warmup),
-                             num_training_steps=total, scheduler_specific_kwargs=config.lr_scheduler_kwargs or {})
-
-    # ------------------------------------------------------------------ setup helpers
-
-    def _setup_console(self) -> None:
-        self.console = Console(stderr=False)
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-        try:  # transformers 5 writes checkpoints with huggingface_hub's progress bars
-            from huggingface_hub.utils import disable_progress_bars
-
-            disable_progress_bars()
-        except ImportError:  # pragma: no cover
-            pass
-
-    def log(self, msg: str) -> None:
-        if self.dist.is_main:
-            self.console.print(f"[fastppo] {msg}", highlight=False, markup=False, soft_wrap=True)
 
     # ------------------------------------------------------------------ 1. rollout
 
@@ -346,16 +272,11 @@ class PPOTrainer:
     def iteration(self, collect: Callable[[], RolloutBatch] | None = None, skip_masked: bool = False
                   ) -> IterationResult:
         """Steps 1-6 (``fastppo.train.ppo_iteration``), then the counters. Step 1 is ``collect``: by default
-        ``rollout()`` (the next prompts); a caller with its own samples hands them over (``update()``)."""
+        ``rollout()`` (the next prompts), or a caller's own samples."""
         result = ppo_iteration(self.learner, self.config, self.sizes, collect or self.rollout, skip_masked)
         self.state.global_step += 1
         self.state.episode += self.sizes.batch_size
         return result
-
-    def update(self, rollout: Rollout, scores: torch.Tensor, skip_masked: bool = False) -> IterationResult:
-        """Steps 2-6 on a caller's own samples and scores (the legacy ``step()``)."""
-        batch = RolloutBatch(rollout, scores, eos_count(rollout, self.tokenizer.eos_token_id))
-        return self.iteration(lambda: batch, skip_masked)
 
     # ------------------------------------------------------------------ the TRL 0.26 loop
 
@@ -368,9 +289,6 @@ class PPOTrainer:
         checkpoint (``control.should_save``: save_steps through transformers' DefaultFlowCallback, or a
         callback's own request), on_train_end."""
         sizes = self.sizes
-        if not self.loop:
-            raise RuntimeError("this trainer was built with loop=False (a caller drives update()); it has no "
-                               "prompts to train() on")
         if self.state.global_step >= sizes.num_total_batches:
             raise SettingsError(f"train() has already run all {sizes.num_total_batches} iterations of this trainer "
                                 "(its schedule is spent); to train further, build a new PPOTrainer (with "

@@ -7,7 +7,7 @@ import torch
 
 from fastppo import PPOConfig
 from fastppo.cli import EMBEDDED_PRESET
-from fastppo.train import IterationResult, RolloutBatch, ppo_iteration
+from fastppo.train import IterationResult, RolloutBatch, eos_count, ppo_iteration
 from fastppo.trainer import PPOTrainer
 from helpers import digest
 
@@ -33,12 +33,14 @@ def test_an_iteration_returns_what_it_was_made_of(tmp_path, model_dir):
     assert result.scores.shape == (b,) and result.experience.logprobs.shape == result.targets.advantages.shape
     assert {"objective/kl", "objective/scores", "loss/policy_avg", "val/num_eos_tokens"} <= set(result.metrics)
     assert result.metrics["objective/scores"] == pytest.approx(result.batch.scores.mean().item(), rel=1e-6)
-    assert {"generation", "reward", "scoring", "update"} <= set(result.seconds)
-    assert set(result.phases) == {"forward", "rewards"}
+    assert {"generation", "reward", "scoring", "update", "scoring/forwards", "scoring/advantages"} <= set(result.seconds)
+    assert result.seconds["scoring/forwards"] + result.seconds["scoring/advantages"] == pytest.approx(
+        result.seconds["scoring"])
 
 
 def test_a_callers_own_samples_run_the_same_iteration(tmp_path, model_dir):
-    """update(rollout, scores) (the legacy step()'s way in) and the trainer's own rollout give one iteration."""
+    """A caller's own samples and scores (the legacy step()'s way in: a RolloutBatch without texts or reward
+    columns) and the trainer's own rollout give one iteration."""
     drawn = trainer(tmp_path, "own")
     collected = trainer(tmp_path, "given")
     torch.manual_seed(0)
@@ -47,9 +49,10 @@ def test_a_callers_own_samples_run_the_same_iteration(tmp_path, model_dir):
     same = collected.rollout()
     assert torch.equal(batch.rollout.query_responses, same.rollout.query_responses)
     first = drawn.iteration(lambda: batch)
-    second = collected.update(same.rollout, same.scores)
+    given = RolloutBatch(same.rollout, same.scores, eos_count(same.rollout, collected.tokenizer.eos_token_id))
+    second = collected.iteration(lambda: given)
     assert digest(drawn.actor_critic.state_dict()) == digest(collected.actor_critic.state_dict())
-    # the same metrics, but for each reward's own columns: update() gets the caller's total scores only
+    # the same metrics, but for each reward's own columns: a caller hands over its total scores only
     mine = {k: v for k, v in first.metrics.items() if not k.startswith("rewards/")}
     assert mine == second.metrics and set(first.metrics) - set(mine) == {"rewards/positive_words/mean",
                                                                           "rewards/positive_words/std"}

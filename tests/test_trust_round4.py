@@ -531,7 +531,7 @@ def test_legacy_mixed_precision_bf16_is_bf16_autocast(tmp_path, model_dir):
                                           output_dir=str(tmp_path / "legacy"), **kwargs),
                              AutoModelForCausalLM.from_pretrained(model_dir), None, AutoTokenizer.from_pretrained(model_dir))
 
-    assert legacy(accelerator_kwargs={"mixed_precision": "bf16"})._core.bf16
-    assert not legacy()._core.bf16 and not legacy(accelerator_kwargs={"mixed_precision": "no"})._core.bf16
+    assert legacy(accelerator_kwargs={"mixed_precision": "bf16"}).runtime.bf16
+    assert not legacy().runtime.bf16 and not legacy(accelerator_kwargs={"mixed_precision": "no"}).runtime.bf16
     with pytest.raises(SettingsError, match="mixed_precision='fp16'.*use 'bf16'"):
         legacy(accelerator_kwargs={"mixed_precision": "fp16"})
