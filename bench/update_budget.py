@@ -37,7 +37,7 @@ def build(model: str, rows: int, micro: int, response_length: int, output_dir: s
     """(trainer, rollout, experience, targets) of one scored GAE rollout."""
     from fastppo.trainer import PPOTrainer
     from fastppo.config import PPOConfig
-    from fastppo.train import compute_advantages, per_token_rewards, score_rollout
+    from fastppo.train import compute_advantages, per_token_rewards, compute_experience
 
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
                   num_ppo_epochs=1, num_mini_batches=1, response_length=response_length, padding_free=True,
@@ -51,7 +51,7 @@ def build(model: str, rows: int, micro: int, response_length: int, output_dir: s
     trainer = PPOTrainer(args=PPOConfig(**kwargs))
     torch.manual_seed(0)
     rollout = trainer.rollout().rollout
-    experience = score_rollout(trainer.actor_critic, trainer.reference, rollout, trainer.config.temperature, "k1",
+    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, trainer.config.temperature, "k1",
                                rows, packed=True)
     scores = torch.randn(rows, generator=torch.Generator().manual_seed(0))
     rewards, nsr = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index, 0.05)
@@ -73,7 +73,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     from fastppo.config import derive_sizes
-    from fastppo.train import ppo_update, token_budget_batches
+    from fastppo.batching import token_budget_batches
+    from fastppo.train import ppo_update
 
     with tempfile.TemporaryDirectory() as out:
         trainer, rollout, experience, targets = build(args.model, args.rows, args.micro, args.response_length, out)

@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -609,3 +610,67 @@ def _jsonl_key(line: str, key: str) -> float:
         return json.loads(line).get(key, 0)
     except json.JSONDecodeError:
         return math.inf
+
+
+# ============================================================================ which run this one continues
+
+
+def decide_resume(config: PPOConfig, model_args, world_size: int, zero_stage: int | None, total_iterations: int,
+              log: Callable[[str], None] | None) -> str | None:
+    """Which checkpoint this run continues (None: a fresh run), and whether the output_dir may be written:
+    decided before any model loads, and again when ``train()`` starts writing (under the directory's
+    lock). A previous run there is never silently mixed with or overwritten. ``log``: where the notes go (None:
+    not again)."""
+    notes_to = log or (lambda _: None)
+    spec = config.resume_from_checkpoint
+    if spec is True or (isinstance(spec, str) and spec.lower() == "true"):
+        spec = "latest"  # transformers' meaning of True: the newest checkpoint in output_dir
+    elif spec is False or (isinstance(spec, str) and spec.lower() == "false"):
+        spec = None
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if spec is None and restarted:  # torchrun --max-restarts: carry on from the last checkpoint, if any
+        spec = "latest" if checkpoints(config.output_dir) else None
+        if spec:
+            notes_to("elastic restart: resuming from the latest checkpoint")
+    # a directory no fastppo run wrote (a transformers Trainer's output, the policy's own source): never written
+    refuse_foreign(config.output_dir)
+    existing = run_files(config.output_dir)  # a fastppo run's files: only where fastppo's own marker is
+    if spec is not None:
+        path = resolve_checkpoint(spec, config.output_dir, log=notes_to)
+
+        for note in check_compatible(path, config, world_size, zero_stage, model_args):
+            notes_to(note)
+        _check_resume_keeps_outputs(config, total_iterations, path, existing)
+        return path
+    if existing and not config.overwrite_output_dir and not restarted:
+        resumable = checkpoints(config.output_dir)
+        raise SettingsError(
+            f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}"
+            f"{', ...' if len(existing) > 6 else ''}); "
+            + ("pass --resume_from_checkpoint latest to continue it, " if resumable else
+               "it has no checkpoint to continue from: ")
+            + "--overwrite_output_dir to replace it, or another --output_dir"
+        )
+    return None
+
+def _check_resume_keeps_outputs(config: PPOConfig, total: int, path: str, existing: list[str]) -> None:
+    """A resume may redo what came after its checkpoint only where nothing finished lies there: the
+    iterations past a crash are lost anyway, but a finished run's final model and metrics are not."""
+    step = saved_step(path)
+    if step >= total:
+        raise SettingsError(
+            f"{path} is after iteration {step}, and this run has {total} iteration(s) in all (max_steps / "
+            "total_episodes): nothing is left to train; raise max_steps or total_episodes to train further")
+    inside = os.path.abspath(os.path.dirname(path)) == os.path.abspath(config.output_dir)
+    final = finished_step(config.output_dir)
+    if final is not None and final > step:
+        raise SettingsError(
+            f"--output_dir {config.output_dir!r} holds a finished run's final model (iteration {final}), newer "
+            f"than {os.path.basename(path)}: resuming there would replace that model and drop the metrics after "
+            f"iteration {step}; to redo from the checkpoint, resume into another --output_dir "
+            f"(--resume_from_checkpoint {path} --output_dir NEW)")
+    if not inside and existing and not config.overwrite_output_dir:
+        raise SettingsError(
+            f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}), and "
+            f"{path} is another directory's checkpoint: resume into an empty --output_dir, or pass "
+            "--overwrite_output_dir to replace that run")

@@ -42,7 +42,7 @@ from fastppo.layout import causal_lm_of, lm_of
 from fastppo.legacy_stats import legacy_log_stats, legacy_step_stats
 from fastppo.loading import build_models, embedding_rows, ensure_pad_token, is_peft, position_limit
 from fastppo.metrics import STAT
-from fastppo.train import (RolloutBatch, assemble, compute_advantages, eos_count, per_token_rewards, ppo_iteration,
+from fastppo.train import (ScoredRollout, assemble, compute_advantages, eos_count, per_token_rewards, ppo_iteration,
                            ppo_losses)
 from fastppo.trainer import fill_derived_sizes
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
@@ -560,7 +560,7 @@ class PPOTrainer:
                            None if user_mask is None else user_mask.to(device))
         if not bool(rollout.response_mask.any(1).all()):
             raise SettingsError("step: every response needs at least one token to train on (check response_masks)")
-        batch = RolloutBatch(rollout, scores, eos_count(rollout, self.tokenizer.eos_token_id))
+        batch = ScoredRollout(rollout, scores, eos_count(rollout, self.tokenizer.eos_token_id))
         # steps 2-6 of fastppo's one driver, on the caller's samples
         result = ppo_iteration(self.learner, self.core_config, self.sizes, lambda: batch,
                                skip_masked=response_masks is not None)
@@ -667,9 +667,11 @@ class PPOTrainer:
         if entropy.dim() < mask.dim():  # logits without a vocabulary axis (TRL's own tests pass such): per row
             entropy = entropy.reshape(*entropy.shape, *[1] * (mask.dim() - entropy.dim())).expand(mask.shape)
         c = self.config
-        common = (old_logprobs, values, advantages, returns, mask, c.cliprange, c.cliprange_value)
-        policy, _ = ppo_losses(logprobs, vpreds, entropy, *common, 0.0, 0.0, c.ratio_threshold)
-        total, stats = ppo_losses(logprobs, vpreds, entropy, *common, c.vf_coef, 0.0, c.ratio_threshold)
+        common = dict(cliprange=c.cliprange, cliprange_value=c.cliprange_value, entropy_coef=0.0,
+                      ratio_threshold=c.ratio_threshold)
+        inputs = (logprobs, vpreds, entropy, old_logprobs, values, advantages, returns, mask)
+        policy, _ = ppo_losses(*inputs, vf_coef=0.0, **common)
+        total, stats = ppo_losses(*inputs, vf_coef=c.vf_coef, **common)
         if stats[STAT["ratio_skipped"]] > 0:
             warnings.warn(f"The average ratio of batch ({stats[STAT['ratio']]:.2f}) exceeds threshold "
                           f"{c.ratio_threshold:.2f}. Skipping batch.", UserWarning, stacklevel=2)

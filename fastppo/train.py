@@ -40,6 +40,7 @@ from fastppo.config import PPOConfig, Sizes
 from fastppo.kernels import (clip_sides, clipped_surrogate, fused_full_kl, gae, kl_penalty, masked_mean, masked_var,
                              masked_whiten, truncate_at_stop)
 from fastppo.kernels.stats import WHITEN_EPS
+from fastppo.batching import micro_batches, token_budget_batches
 from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, gather_metrics, objective_sums
 from fastppo.layout import gathered, lm_head_of, make_layout
 from fastppo.rewards import transform_scores
@@ -163,8 +164,8 @@ class Experience:
     kl: torch.Tensor  # per-token KL estimate (0 without a reference)
 
 
-def score_rollout(actor_critic, reference, rollout: Rollout, temperature: float, kl_estimator: str,
-                  chunk: int, packed: bool = False, seconds: dict | None = None, policy: bool = True) -> Experience:
+def compute_experience(actor_critic, reference, rollout: Rollout, temperature: float, kl_estimator: str, chunk: int,
+                       packed: bool = False, seconds: dict | None = None, policy: bool = True) -> Experience:
     """Step 2: log π_θ_old and V (one call of the trained module), log π_ref and the per-token KL, in
     chunks of ``chunk`` rows, under ``torch.inference_mode``.
 
@@ -398,9 +399,9 @@ def policy_loss_weights(loss_type: str, mask: torch.Tensor, response_length: int
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask,
+def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask, *,
                cliprange: float, cliprange_value: float, vf_coef: float, entropy_coef: float,
-               ratio_threshold: float, fused_policy_loss=None, *, ref_logprobs=None, beta: float = 0.0,
+               ratio_threshold: float, fused_policy_loss=None, ref_logprobs=None, beta: float = 0.0,
                kl_loss_type: str = "k3", bias_correction_kl: bool = True, cliprange_high: float | None = None,
                delta: float | None = None, sequence_level: bool = False, token_weights=None, normalizer=None,
                mean_weights=None):
@@ -478,54 +479,6 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
         if beta:
             stats[STAT["kl_loss"]] = kl_loss
     return loss, stats
-
-
-def micro_batches(order: list[int], sizes: Sizes, lengths: Sequence[int], group_by_length: bool) -> list[list[list[int]]]:
-    """The rows of each micro-batch of each minibatch of one epoch, from the epoch's random order.
-
-    Minibatches are consecutive slices of the order (TRL's). ``group_by_length``: within a minibatch,
-    rows of similar length share a micro-batch (less padding to compute on); the minibatch, and so
-    the optimizer step's rows, is the same random draw.
-    """
-    out = []
-    for mb in range(sizes.num_mini_batches):
-        rows = order[mb * sizes.local_mini_batch_size : (mb + 1) * sizes.local_mini_batch_size]
-        if group_by_length and sizes.micro_steps > 1:
-            rows = sorted(rows, key=lambda r: lengths[r])
-        out.append([rows[k * sizes.micro_batch_size : (k + 1) * sizes.micro_batch_size]
-                    for k in range(sizes.micro_steps)])
-    return out
-
-
-def token_budget_batches(rows: list[int], query_lengths: Sequence[int], response_lengths: Sequence[int], budget: int,
-                         packed: bool) -> list[list[int]]:
-    """``rows`` regrouped into micro-batches of at most ``budget`` tokens (a row longer than that alone), few of
-    them: packed (``padding_free``: a micro-batch costs its rows' summed lengths), first-fit decreasing; padded
-    (rows × (longest query + longest response): the columns a layout keeps), longest rows first, each joining
-    the last micro-batch while it fits."""
-    size = {r: query_lengths[r] + response_lengths[r] for r in rows}
-    ordered = sorted(rows, key=lambda r: (-size[r], r))
-    batches: list[list[int]] = []
-    if packed:
-        room: list[int] = []
-        for r in ordered:
-            fit = next((i for i, free in enumerate(room) if size[r] <= free), None)
-            if fit is None:
-                batches.append([r])
-                room.append(budget - size[r])
-            else:
-                batches[fit].append(r)
-                room[fit] -= size[r]
-        return batches
-    for r in ordered:
-        if batches:
-            grown = batches[-1] + [r]
-            width = max(query_lengths[i] for i in grown) + max(response_lengths[i] for i in grown)
-            if len(grown) * width <= budget:
-                batches[-1] = grown
-                continue
-        batches.append([r])
-    return batches
 
 
 def step_token_weights(micro: list[list[int]], loss_mask: torch.Tensor, loss_type: str, response_length: int,
@@ -629,8 +582,9 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         seen[index] = old_logprobs.float()
                     loss, stats[:, epoch, mb, k] = ppo_losses(
                         out.logprobs, out.values, out.entropy, old_logprobs, old_values, advantages, returns, mask,
-                        config.cliprange, config.cliprange_value, config.vf_coef, config.entropy_coef,
-                        config.ratio_threshold, out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
+                        cliprange=config.cliprange, cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
+                        entropy_coef=config.entropy_coef, ratio_threshold=config.ratio_threshold,
+                        fused_policy_loss=out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
                         kl_loss_type=config.kl_loss_type, bias_correction_kl=config.use_bias_correction_kl,
                         sequence_level=sequence_level, token_weights=token_weights, normalizer=normalizer,
                         mean_weights=mean_weights, **clip,
@@ -713,7 +667,7 @@ def with_old_logprobs(experience: Experience, logprobs: torch.Tensor, mask: torc
 
 
 @dataclass(frozen=True)
-class RolloutBatch:
+class ScoredRollout:
     """Step 1's output: the samples, their scores r(x, y), texts and timing (``PPOTrainer.rollout()``)."""
 
     rollout: Rollout
@@ -747,7 +701,7 @@ class Learner:
 class IterationResult:
     """What one iteration made: its samples, what the update was made of, TRL's metrics, and timing."""
 
-    batch: RolloutBatch
+    batch: ScoredRollout
     experience: Experience
     targets: Targets
     update: UpdateResult
@@ -760,7 +714,7 @@ class IterationResult:
     seconds: dict[str, float]
 
 
-def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Callable[[], RolloutBatch],
+def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Callable[[], ScoredRollout],
                   skip_masked: bool = False) -> IterationResult:
     """One PPO iteration. ``collect`` is step 1 (the trainer samples and scores; the legacy ``step()`` hands
     over the caller's samples). ``skip_masked``: GAE bootstraps across positions a caller masked out."""
@@ -773,7 +727,7 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     scoring_seconds = {}
     in_update = old_logprobs_in_update(config)
     with learner.autocast():
-        experience = score_rollout(learner.actor_critic, learner.reference, rollout, config.temperature,
+        experience = compute_experience(learner.actor_critic, learner.reference, rollout, config.temperature,
                                    config.kl_estimator, config.local_rollout_forward_batch_size, config.padding_free,
                                    scoring_seconds, policy=not in_update)
     t_forward = time.perf_counter()

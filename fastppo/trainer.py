@@ -37,7 +37,8 @@ from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, s
 from fastppo.rewards import check_reward_fn_columns, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
-from fastppo.train import (IterationResult, Learner, RolloutBatch, apply_eos_penalties, contains_stop, eos_count, make_rollout, ppo_iteration)
+from fastppo.train import (IterationResult, Learner, ScoredRollout, apply_eos_penalties, contains_stop, eos_count,
+                           make_rollout, ppo_iteration)
 
 
 class PPOTrainer:
@@ -178,7 +179,7 @@ class PPOTrainer:
 
     @torch.no_grad()
     def rollout(self, prompt_ids: Sequence[Sequence[int]] | None = None, temperature: float | None = None,
-                rows=None) -> RolloutBatch:
+                rows=None) -> ScoredRollout:
         """Step 1: the next prompts (or ``prompt_ids``), responses y ~ π_θ_old, cut at the stop token, scored.
 
         ``temperature``: sample at this one instead of the config's (the near-greedy sample table);
@@ -210,7 +211,7 @@ class PPOTrainer:
         scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,
                                      config.penalty_reward_value)
         seconds = {"generation": t1 - t0, "reward": time.perf_counter() - t1}
-        return RolloutBatch(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds,
+        return ScoredRollout(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds,
                             columns)
 
     def _decoder(self) -> StaticDecoder | None:
@@ -269,7 +270,7 @@ class PPOTrainer:
         return Learner(self.actor_critic, self.model, self.reference, self.optimizer, self.lr_scheduler, self.kl_ctl,
                        self.moments, self.shuffle, self.autocast, self.log, self.zero)
 
-    def iteration(self, collect: Callable[[], RolloutBatch] | None = None, skip_masked: bool = False
+    def iteration(self, collect: Callable[[], ScoredRollout] | None = None, skip_masked: bool = False
                   ) -> IterationResult:
         """Steps 1-6 (``fastppo.train.ppo_iteration``), then the counters. Step 1 is ``collect``: by default
         ``rollout()`` (the next prompts), or a caller's own samples."""
@@ -435,65 +436,8 @@ class PPOTrainer:
         return self.state.global_step + 1
 
     def _decide_resume(self, log_notes: bool = True) -> str | None:
-        """Which checkpoint this run continues (None: a fresh run), and whether the output_dir may be written:
-        decided before any model loads, and again when ``train()`` starts writing (under the directory's
-        lock). A previous run there is never silently mixed with or overwritten."""
-        config = self.config
-        spec = config.resume_from_checkpoint
-        if spec is True or (isinstance(spec, str) and spec.lower() == "true"):
-            spec = "latest"  # transformers' meaning of True: the newest checkpoint in output_dir
-        elif spec is False or (isinstance(spec, str) and spec.lower() == "false"):
-            spec = None
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        if spec is None and restarted:  # torchrun --max-restarts: carry on from the last checkpoint, if any
-            spec = "latest" if C.checkpoints(config.output_dir) else None
-            if spec and log_notes:
-                self.log("elastic restart: resuming from the latest checkpoint")
-        # a directory no fastppo run wrote (a transformers Trainer's output, the policy's own source): never written
-        C.refuse_foreign(config.output_dir)
-        existing = C.run_files(config.output_dir)  # a fastppo run's files: only where fastppo's own marker is
-        if spec is not None:
-            path = C.resolve_checkpoint(spec, config.output_dir, log=self.log if log_notes else lambda _: None)
-
-            notes = C.check_compatible(path, config, self.dist.world_size, zero_stage_of(self.ds_config),
-                                       self.model_args)
-            for note in notes if log_notes else ():
-                self.log(note)
-            self._check_resume_keeps_outputs(path, existing)
-            return path
-        if existing and not config.overwrite_output_dir and not restarted:
-            resumable = C.checkpoints(config.output_dir)
-            raise SettingsError(
-                f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}"
-                f"{', ...' if len(existing) > 6 else ''}); "
-                + ("pass --resume_from_checkpoint latest to continue it, " if resumable else
-                   "it has no checkpoint to continue from: ")
-                + "--overwrite_output_dir to replace it, or another --output_dir"
-            )
-        return None
-
-    def _check_resume_keeps_outputs(self, path: str, existing: list[str]) -> None:
-        """A resume may redo what came after its checkpoint only where nothing finished lies there: the
-        iterations past a crash are lost anyway, but a finished run's final model and metrics are not."""
-        config, total = self.config, self.sizes.num_total_batches
-        step = C.saved_step(path)
-        if step >= total:
-            raise SettingsError(
-                f"{path} is after iteration {step}, and this run has {total} iteration(s) in all (max_steps / "
-                "total_episodes): nothing is left to train; raise max_steps or total_episodes to train further")
-        inside = os.path.abspath(os.path.dirname(path)) == os.path.abspath(config.output_dir)
-        final = C.finished_step(config.output_dir)
-        if final is not None and final > step:
-            raise SettingsError(
-                f"--output_dir {config.output_dir!r} holds a finished run's final model (iteration {final}), newer "
-                f"than {os.path.basename(path)}: resuming there would replace that model and drop the metrics after "
-                f"iteration {step}; to redo from the checkpoint, resume into another --output_dir "
-                f"(--resume_from_checkpoint {path} --output_dir NEW)")
-        if not inside and existing and not config.overwrite_output_dir:
-            raise SettingsError(
-                f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}), and "
-                f"{path} is another directory's checkpoint: resume into an empty --output_dir, or pass "
-                "--overwrite_output_dir to replace that run")
+        return C.decide_resume(self.config, self.model_args, self.dist.world_size, zero_stage_of(self.ds_config),
+                               self.sizes.num_total_batches, self.log if log_notes else None)
 
     def save_checkpoint(self) -> str:
         """``checkpoint-<iteration>`` with everything needed to continue exactly (see ``fastppo.checkpoint``)."""

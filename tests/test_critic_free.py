@@ -172,7 +172,8 @@ def test_the_in_loss_kl_and_no_value_terms_against_trl_grpos_definition(correcti
                                correction)
     want.backward()
     new = logp.clone().requires_grad_()
-    loss, stats = ppo_losses(new, None, torch.rand(b, t), old, None, adv, None, mask, 0.2, 0.2, 0.1, 0.0, 10.0,
+    loss, stats = ppo_losses(new, None, torch.rand(b, t), old, None, adv, None, mask, cliprange=0.2,
+                             cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=10.0,
                              ref_logprobs=ref, beta=0.04, kl_loss_type="k3", bias_correction_kl=correction)
     loss.backward()
     torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-6, atol=1e-7)
@@ -186,7 +187,8 @@ def test_the_in_loss_kl_and_no_value_terms_against_trl_grpos_definition(correcti
     for name in ("vf_loss", "vf_clipfrac", "returns_mean", "vpred_mean", "values_mean"):
         assert s[name] != s[name], name  # NaN: not computed, so not averaged into any metric
     # beta 0: the loss is the clipped surrogate alone
-    plain, stats0 = ppo_losses(logp, None, torch.rand(b, t), old, None, adv, None, mask, 0.2, 0.2, 0.1, 0.0, 10.0,
+    plain, stats0 = ppo_losses(logp, None, torch.rand(b, t), old, None, adv, None, mask, cliprange=0.2,
+                               cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=10.0,
                                ref_logprobs=ref, beta=0.0)
     torch.testing.assert_close(plain.double(), grpo_loss_reference(logp.double(), old.double(), ref.double(),
                                                                    adv.double(), mask.double(), 0.2, 0.0, correction))
@@ -422,13 +424,13 @@ def test_one_epoch_of_one_minibatch_needs_no_forward_of_the_old_policy(tmp_path,
 
     kwargs = dict(advantage_estimator="grpo", num_generations=4, num_ppo_epochs=1, total_episodes=24, **extra)
     calls = []
-    forward = T.score_rollout
+    forward = T.compute_experience
 
     def counted(*args, **kw):
         calls.append(kw.get("policy", True))
         return forward(*args, **kw)
 
-    monkeypatch.setattr(T, "score_rollout", counted)
+    monkeypatch.setattr(T, "compute_experience", counted)
     fast = make_trainer(small(tmp_path / "fast", **kwargs))
     assert T.old_logprobs_in_update(fast.config)
     fast.train()

@@ -12,8 +12,9 @@ from fastppo.config import PPOConfig, derive_sizes
 from fastppo.data import left_pad
 from fastppo.generation import sample_responses
 from fastppo.trainer import PPOTrainer
-from fastppo.train import Targets, compute_advantages, micro_batches, per_token_rewards, ppo_update, \
-    score_rollout
+from fastppo.batching import micro_batches
+from fastppo.train import Targets, compute_advantages, per_token_rewards, ppo_update, \
+    compute_experience
 
 from helpers import small_config
 
@@ -154,8 +155,8 @@ def test_packed_scoring_and_reward_model_equal_padded(tmp_path, model_dir):
 
     trainer, batch = scored(tmp_path)
     rm = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(model_dir, num_labels=1)).eval()
-    padded = score_rollout(trainer.actor_critic, trainer.reference, batch.rollout, 1.0, "k3", 3, packed=False)
-    packed = score_rollout(trainer.actor_critic, trainer.reference, batch.rollout, 1.0, "k3", 5, packed=True)
+    padded = compute_experience(trainer.actor_critic, trainer.reference, batch.rollout, 1.0, "k3", 3, packed=False)
+    packed = compute_experience(trainer.actor_critic, trainer.reference, batch.rollout, 1.0, "k3", 5, packed=True)
     for a, b in zip(padded.__dict__.values(), packed.__dict__.values()):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(reward_model_scores(rm, batch.rollout, 3, False),
@@ -203,7 +204,7 @@ def prepared_update(tmp_path, fused: bool, optimizer_fused: bool = True, **overr
     """Everything ppo_update needs for one scored rollout, and a function that runs it."""
     trainer, batch = scored(tmp_path, fused_policy_loss=fused, entropy_coef=0.05, **overrides)
     rollout = batch.rollout
-    experience = score_rollout(trainer.actor_critic, trainer.reference, rollout, 1.0, "k1", 8)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, 1.0, "k1", 8)
     rewards, nsr = per_token_rewards(experience.kl, torch.linspace(-1, 1, 8), rollout.response_mask,
                                      rollout.score_index, 0.05)
     adv, ret = compute_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
@@ -256,7 +257,7 @@ def test_update_loop_never_waits_for_the_device(tmp_path, model_dir, monkeypatch
 def test_non_finite_steps_are_skipped_on_the_device_or_host(tmp_path, model_dir, optimizer_fused, capsys):
     trainer, batch = scored(tmp_path)
     rollout = batch.rollout
-    experience = score_rollout(trainer.actor_critic, trainer.reference, rollout, 1.0, "k1", 8)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, 1.0, "k1", 8)
     nan = torch.full_like(experience.values, float("nan"))
     module = trainer.actor_critic
     before = {k: v.clone() for k, v in module.state_dict().items()}

@@ -7,7 +7,7 @@ import torch
 
 from fastppo import PPOConfig
 from fastppo.cli import EMBEDDED_PRESET
-from fastppo.train import IterationResult, RolloutBatch, eos_count, ppo_iteration
+from fastppo.train import IterationResult, ScoredRollout, eos_count, ppo_iteration
 from fastppo.trainer import PPOTrainer
 from helpers import digest
 
@@ -26,7 +26,7 @@ def test_an_iteration_returns_what_it_was_made_of(tmp_path, model_dir):
     t = trainer(tmp_path, "a")
     lr_before = t.optimizer.param_groups[0]["lr"]
     result = t.iteration()
-    assert isinstance(result, IterationResult) and isinstance(result.batch, RolloutBatch)
+    assert isinstance(result, IterationResult) and isinstance(result.batch, ScoredRollout)
     assert t.state.global_step == 1 and t.state.episode == t.sizes.batch_size
     assert result.lr == lr_before and t.optimizer.param_groups[0]["lr"] < lr_before  # the schedule moved on
     b = result.batch.rollout.response_mask.shape[0]
@@ -39,7 +39,7 @@ def test_an_iteration_returns_what_it_was_made_of(tmp_path, model_dir):
 
 
 def test_a_callers_own_samples_run_the_same_iteration(tmp_path, model_dir):
-    """A caller's own samples and scores (the legacy step()'s way in: a RolloutBatch without texts or reward
+    """A caller's own samples and scores (the legacy step()'s way in: a ScoredRollout without texts or reward
     columns) and the trainer's own rollout give one iteration."""
     drawn = trainer(tmp_path, "own")
     collected = trainer(tmp_path, "given")
@@ -49,7 +49,7 @@ def test_a_callers_own_samples_run_the_same_iteration(tmp_path, model_dir):
     same = collected.rollout()
     assert torch.equal(batch.rollout.query_responses, same.rollout.query_responses)
     first = drawn.iteration(lambda: batch)
-    given = RolloutBatch(same.rollout, same.scores, eos_count(same.rollout, collected.tokenizer.eos_token_id))
+    given = ScoredRollout(same.rollout, same.scores, eos_count(same.rollout, collected.tokenizer.eos_token_id))
     second = collected.iteration(lambda: given)
     assert digest(drawn.actor_critic.state_dict()) == digest(collected.actor_critic.state_dict())
     # the same metrics, but for each reward's own columns: a caller hands over its total scores only

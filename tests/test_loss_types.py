@@ -21,7 +21,7 @@ from fastppo.config import PPOConfig, derive_sizes
 from fastppo.errors import SettingsError
 from fastppo.metrics import STAT
 from fastppo.train import (Experience, Targets, aggregate, estimate_advantages, per_token_rewards, policy_loss_weights,
-                           ppo_update, score_rollout, trained_mask)
+                           ppo_update, compute_experience, trained_mask)
 from helpers import cli_trainer, make_trainer, metrics_without_clock, small_config
 
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time in a land", "Why"]
@@ -45,7 +45,7 @@ def scored(tmp_path_factory, model_dir):
     assert len(set(rollout.response_lengths)) > 2, rollout.response_lengths
     assert 0 < int(rollout.has_stop.sum()) < B, rollout.has_stop
     module = trainer.actor_critic.double()
-    experience = score_rollout(module, trainer.reference, rollout, trainer.config.temperature, "k1", B)
+    experience = compute_experience(module, trainer.reference, rollout, trainer.config.temperature, "k1", B)
     g = torch.Generator().manual_seed(3)
     mask = rollout.response_mask
     old = experience.logprobs + 0.4 * torch.randn(experience.logprobs.shape, generator=g, dtype=torch.float64) * mask
@@ -233,7 +233,7 @@ def scored_gae(tmp_path_factory, model_dir):
     torch.manual_seed(7)
     rollout = trainer.rollout(ids).rollout
     module = trainer.actor_critic.double()
-    experience = score_rollout(module, trainer.reference, rollout, trainer.config.temperature, "k1", B)
+    experience = compute_experience(module, trainer.reference, rollout, trainer.config.temperature, "k1", B)
     g = torch.Generator().manual_seed(4)
     mask = rollout.response_mask
     noise = lambda: torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask  # noqa: E731
@@ -283,7 +283,7 @@ def test_token_budget_with_the_fused_loss_and_gspo(scored):
 @given(sizes=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=12),
        budget=st.integers(1, 60), packed=st.booleans())
 def test_property_token_budget_batches_partition_within_the_budget(sizes, budget, packed):
-    from fastppo.train import token_budget_batches
+    from fastppo.batching import token_budget_batches
 
     queries, responses = [q for q, _ in sizes], [r for _, r in sizes]
     rows = list(range(len(sizes)))

@@ -18,7 +18,7 @@ from fastppo.data import left_pad
 from fastppo.generation import sample_responses
 from fastppo.kernels import masked_mean
 from fastppo.metrics import STAT, objective_sums
-from fastppo.train import compute_advantages, per_token_rewards, ppo_losses, score_rollout
+from fastppo.train import compute_advantages, per_token_rewards, ppo_losses, compute_experience
 
 from realmodel import copy_checkpoint
 
@@ -72,7 +72,7 @@ def assert_first_ratio_is_one(trainer) -> None:
     batch = trainer.rollout()
     assert all(isinstance(c, str) for c in batch.completions) and any(c.strip() for c in batch.completions)
     rollout = batch.rollout
-    experience = score_rollout(trainer.actor_critic, trainer.reference, rollout, config.temperature,
+    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, config.temperature,
                                config.kl_estimator, config.local_rollout_forward_batch_size)
     trainer.actor_critic.train()
     n = rollout.query_responses.shape[0]
@@ -325,8 +325,8 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, smoll
 
     # scoring: the log-probs of every real token, the stop token included, are those of the sequence run alone;
     # padded and packed (padding-free) layouts agree
-    experience = score_rollout(trainer.actor_critic, trainer.reference, r, cfg.temperature, cfg.kl_estimator, 64)
-    packed = score_rollout(trainer.actor_critic, trainer.reference, r, cfg.temperature, cfg.kl_estimator, 64,
+    experience = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, cfg.kl_estimator, 64)
+    packed = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, cfg.kl_estimator, 64,
                            packed=True)
     torch.testing.assert_close(packed.logprobs, experience.logprobs, atol=1e-4, rtol=0)
     torch.testing.assert_close(packed.values, experience.values, atol=1e-4, rtol=0)
@@ -349,8 +349,9 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, smoll
     trainer.actor_critic.train()
     new_logprobs, entropy, new_values, _, _ = trainer.actor_critic(r.layout(), cfg.temperature, return_entropy=True)
     loss, stats = ppo_losses(new_logprobs, new_values, entropy, experience.logprobs, experience.values, advantages,
-                             returns, r.response_mask, cfg.cliprange, cfg.cliprange_value, cfg.vf_coef,
-                             cfg.entropy_coef, cfg.ratio_threshold)
+                             returns, r.response_mask, cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value,
+                             vf_coef=cfg.vf_coef,
+                             entropy_coef=cfg.entropy_coef, ratio_threshold=cfg.ratio_threshold)
     grad = torch.autograd.grad(loss, new_logprobs)[0]
     assert (grad[rows, eos_cols] != 0).all() and grad[pad].abs().max().item() == 0.0
     assert stats[STAT["ratio"]].item() == pytest.approx(1.0, abs=1e-5)

@@ -28,7 +28,7 @@ from fastppo.train import (
     per_token_rewards,
     ppo_losses,
     ppo_update,
-    score_rollout,
+    compute_experience,
 )
 
 pytestmark = pytest.mark.usefixtures("reference_path", "model_dir")  # model_dir: the embedded model, built once
@@ -91,7 +91,8 @@ def test_ppo_losses_at_ratio_one():
     logp = torch.randn(3, 5)
     adv, ret, values = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
     mask = torch.ones(3, 5, dtype=torch.bool)
-    loss, stats = ppo_losses(logp, values, torch.rand(3, 5), logp, values, adv, ret, mask, 0.2, 0.2, 0.1, 0.0, 10.0)
+    loss, stats = ppo_losses(logp, values, torch.rand(3, 5), logp, values, adv, ret, mask, cliprange=0.2,
+                             cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=10.0)
     s = dict(zip(STAT_NAMES, stats.tolist()))
     assert s["ratio"] == 1.0 and s["approxkl"] == 0.0 and s["pg_clipfrac"] == 0.0 and s["vf_clipfrac"] == 0.0
     torch.testing.assert_close(s["pg_loss"], -adv.mean().item())
@@ -103,8 +104,9 @@ def test_ppo_losses_with_a_single_trained_token():
     variance statistics are NaN (dropped from the logged means), the loss is finite."""
     logp, adv, ret, values = (torch.randn(1, 4) for _ in range(4))
     mask = torch.tensor([[True, False, False, False]])
-    loss, stats = ppo_losses(logp + 0.1, values, torch.rand(1, 4), logp, values, adv, ret, mask, 0.2, 0.2, 0.1, 0.0,
-                             10.0)
+    loss, stats = ppo_losses(logp + 0.1, values, torch.rand(1, 4), logp, values, adv, ret, mask, cliprange=0.2,
+                             cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0,
+                             ratio_threshold=10.0)
     s = dict(zip(STAT_NAMES, stats.tolist()))
     assert torch.isfinite(loss) and math.isnan(s["returns_var"]) and math.isnan(s["values_var"])
     assert s["ratio"] == pytest.approx(math.exp(0.1), rel=1e-6)
@@ -147,7 +149,7 @@ def build_rollout(config: PPOConfig, n: int = 8):
     trainer = PPOTrainer(args=config)
     prompts = [trainer.tokenizer(p)["input_ids"] for p in ["the movie was", "i think the plot is", "overall the cast"] * 3]
     batch = trainer.rollout(prompts[:n])
-    experience = score_rollout(trainer.actor_critic, trainer.reference, batch.rollout, config.temperature,
+    experience = compute_experience(trainer.actor_critic, trainer.reference, batch.rollout, config.temperature,
                                config.kl_estimator, config.local_rollout_forward_batch_size)
     return trainer, batch.rollout, experience
 

@@ -15,7 +15,7 @@ from fastppo import PPOConfig, PPOTrainer
 from fastppo.cli import parse_args
 from fastppo.config import derive_sizes
 from helpers import make_trainer, small_config
-from fastppo.train import apply_eos_penalties, compute_advantages, per_token_rewards, score_rollout
+from fastppo.train import apply_eos_penalties, compute_advantages, compute_experience, per_token_rewards
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
@@ -253,7 +253,7 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, model
         assert r.response_mask[i, :length].all() and not r.response_mask[i, length:].any()  # and trained on
         assert (r.responses[i, length:] == eos).all()  # padding (== eos) after it is not part of the response
     assert batch.eos_count.item() == sum(stopped)  # eos tokens among real tokens only: never the padding
-    experience = score_rollout(trainer.actor_critic, trainer.reference, r, cfg.temperature, "k1", 8)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, "k1", 8)
     rewards, _ = per_token_rewards(experience.kl, batch.scores, r.response_mask, r.score_index, 0.05)
     for i in range(len(stopped)):
         last = r.response_lengths[i] - 1
@@ -278,7 +278,7 @@ def test_early_stopping_stops_the_epochs_on_the_policy_kl_legacy_semantics(tmp_p
     trainer = PPOTrainer(args=cfg)
     batch = trainer.rollout()
     r = batch.rollout
-    experience = score_rollout(trainer.actor_critic, trainer.reference, r, cfg.temperature, "k1", 8)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, "k1", 8)
     rewards, nsr = per_token_rewards(experience.kl, torch.linspace(-2, 2, 8), r.response_mask, r.score_index, 0.05)
     adv, ret = compute_advantages(rewards, experience.values, r.response_mask, 1.0, 0.95, False)
     result = ppo_update(trainer.actor_critic, trainer.optimizer, r, experience, Targets(rewards, nsr, adv, ret), cfg,
@@ -313,7 +313,7 @@ def test_full_kl_includes_the_lm_head_bias(tmp_path, model_dir):
         trainer.policy.lm_head.bias.add_(torch.randn_like(trainer.policy.lm_head.bias))
     batch = trainer.rollout()
     r = batch.rollout
-    experience = score_rollout(trainer.actor_critic, trainer.reference, r, cfg.temperature, "full", 8)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, "full", 8)
     with torch.no_grad():
         ids, mask, c = r.query_responses, r.attention_mask, r.context_length
         pos = (mask.cumsum(1) - 1).clamp(min=0)

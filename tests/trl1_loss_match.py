@@ -180,8 +180,11 @@ def fastppo_grpo(path, batch, old, ref, scale: str, beta: float) -> dict:
     out = PolicyAndValue(policy, None, critic=False)(rollout.layout(range(P * K)), config.temperature,
                                                     return_entropy=True)
     # as ppo_update calls it (no critic: no values, no returns)
-    loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask, config.cliprange,
-                             config.cliprange_value, config.vf_coef, config.entropy_coef, config.ratio_threshold, None,
+    loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
+                             cliprange=config.cliprange,
+                             cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
+                             entropy_coef=config.entropy_coef, ratio_threshold=config.ratio_threshold,
+                             fused_policy_loss=None,
                              ref_logprobs=ref, beta=config.beta, kl_loss_type=config.kl_loss_type,
                              bias_correction_kl=config.use_bias_correction_kl)
     loss.backward()
@@ -216,9 +219,12 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
                           if config.importance_sampling_level == "sequence" else None, **clip)
     out = PolicyAndValue(policy, None, critic=False)(layout, config.temperature, return_entropy=True,
                                                     policy_loss=fused_loss)
-    loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask, config.cliprange,
-                             config.cliprange_value, config.vf_coef, config.entropy_coef, config.ratio_threshold,
-                             out.policy_loss, ref_logprobs=ref, beta=config.beta, kl_loss_type=config.kl_loss_type,
+    loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
+                             cliprange=config.cliprange,
+                             cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
+                             entropy_coef=config.entropy_coef, ratio_threshold=config.ratio_threshold,
+                             fused_policy_loss=out.policy_loss, ref_logprobs=ref, beta=config.beta,
+                             kl_loss_type=config.kl_loss_type,
                              bias_correction_kl=config.use_bias_correction_kl,
                              sequence_level=config.importance_sampling_level == "sequence",
                              token_weights=token_weights, normalizer=normalizer, **clip)

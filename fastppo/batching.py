@@ -1,0 +1,59 @@
+"""How one epoch's rows are cut for the PPO update (``train.ppo_update``): minibatches as TRL slices them,
+micro-batches by row count (optionally grouped by length) or by a token budget (verl's and OpenRLHF's dynamic
+batching). Which rows go together only: how their losses are weighted so that any cut gives the same
+gradient is ``train.step_token_weights``."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastppo.config import Sizes
+
+__all__ = ["micro_batches", "token_budget_batches"]
+
+
+def micro_batches(order: list[int], sizes: Sizes, lengths: Sequence[int], group_by_length: bool) -> list[list[list[int]]]:
+    """The rows of each micro-batch of each minibatch of one epoch, from the epoch's random order.
+
+    Minibatches are consecutive slices of the order (TRL's). ``group_by_length``: within a minibatch,
+    rows of similar length share a micro-batch (less padding to compute on); the minibatch, and so
+    the optimizer step's rows, is the same random draw.
+    """
+    out = []
+    for mb in range(sizes.num_mini_batches):
+        rows = order[mb * sizes.local_mini_batch_size : (mb + 1) * sizes.local_mini_batch_size]
+        if group_by_length and sizes.micro_steps > 1:
+            rows = sorted(rows, key=lambda r: lengths[r])
+        out.append([rows[k * sizes.micro_batch_size : (k + 1) * sizes.micro_batch_size]
+                    for k in range(sizes.micro_steps)])
+    return out
+
+
+def token_budget_batches(rows: list[int], query_lengths: Sequence[int], response_lengths: Sequence[int], budget: int,
+                         packed: bool) -> list[list[int]]:
+    """``rows`` regrouped into micro-batches of at most ``budget`` tokens (a row longer than that alone), few of
+    them: packed (``padding_free``: a micro-batch costs its rows' summed lengths), first-fit decreasing; padded
+    (rows × (longest query + longest response): the columns a layout keeps), longest rows first, each joining
+    the last micro-batch while it fits."""
+    size = {r: query_lengths[r] + response_lengths[r] for r in rows}
+    ordered = sorted(rows, key=lambda r: (-size[r], r))
+    batches: list[list[int]] = []
+    if packed:
+        room: list[int] = []
+        for r in ordered:
+            fit = next((i for i, free in enumerate(room) if size[r] <= free), None)
+            if fit is None:
+                batches.append([r])
+                room.append(budget - size[r])
+            else:
+                batches[fit].append(r)
+                room[fit] -= size[r]
+        return batches
+    for r in ordered:
+        if batches:
+            grown = batches[-1] + [r]
+            width = max(query_lengths[i] for i in grown) + max(response_lengths[i] for i in grown)
+            if len(grown) * width <= budget:
+                batches[-1] = grown
+                continue
+        batches.append([r])
+    return batches
