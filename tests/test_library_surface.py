@@ -363,7 +363,6 @@ def test_a_backend_timeout_in_a_collective_is_a_collective_timeout(monkeypatch):
 
 def test_main_guard_exits_1_on_a_collective_timeout_and_on_no_other_timeout(capsys):
     from fastppo.cli import main_guard
-    from fastppo.config import PPOConfig
     from fastppo.errors import CollectiveTimeout
 
     def raising(error):
