@@ -20,9 +20,9 @@ One iteration (numbers match the step comments below):
     6. logging    every metric TRL's PPOTrainer logs, masked to real response tokens
 
 Every per-token computation (log-probs, entropy, KL, GAE, masking, whitening) is a
-``fastppo.kernels`` call. The plumbing lives beside this file: ``config`` (flags, sizes), ``models``
-(loading, the actor-critic forward), ``data``, ``rewards``, ``generation``, ``metrics``, ``dist``,
-``checkpoint``.
+``fastppo.kernels`` call. The plumbing lives beside this file: ``config`` (flags, sizes), ``layout`` and
+``actor_critic`` (the forwards), ``batching`` (micro-batch cuts), ``data``, ``rewards``, ``generation``,
+``metrics``, ``dist``; ``build`` makes a ``Learner``.
 """
 from __future__ import annotations
 
