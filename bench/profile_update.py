@@ -34,9 +34,18 @@ ATTENTION = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
 OPTIMIZER = ("aten::_fused_adamw", "aten::_foreach_", "Optimizer.step")
 
 
-def kind_of(name: str, shapes, vocab: int) -> str:
+def kind_of(event, vocab: int) -> str:
+    """The kind of a profiled operator: inside the chunked LM head's range (fastppo.kernels._lmhead.LM_HEAD_RANGE),
+    or a product with a vocabulary-sized dimension (an LM head run whole), else by its name."""
+    from fastppo.kernels._lmhead import LM_HEAD_RANGE
+
+    name, parent, head = event.name, event.cpu_parent, False
+    while parent is not None and not head:
+        head, parent = parent.name == LM_HEAD_RANGE, parent.cpu_parent
+    if head or (name in GEMMS and any(vocab in s for s in event.input_shapes or [] if s)):
+        return "LM head (its GEMMs and the softmax statistics)"
     if name in GEMMS:
-        return "LM head GEMMs" if any(vocab in s for s in shapes or [] if s) else "other GEMMs (trunk, value model)"
+        return "other GEMMs (trunk, value model)"
     if name.startswith(ATTENTION):
         return "attention"
     if name.startswith(OPTIMIZER):
@@ -48,9 +57,9 @@ def kinds_report(events, wall: float, vocab: int, seconds: dict) -> str:
     """Self CPU time by kind of operator, beside the profiled wall time (steps 2-6 of one iteration)."""
     totals: dict[str, float] = {}
     for e in events:
-        if e.key.startswith("Optimizer.step"):  # a wrapper: its self time is Python
-            continue
-        k = kind_of(e.key, e.input_shapes, vocab)
+        if e.name.startswith(("Optimizer.step", "autograd::engine", "fastppo.")) or e.device_type.name != "CPU":
+            continue  # wrappers and ranges: their self time is Python, counted below
+        k = kind_of(e, vocab)
         totals[k] = totals.get(k, 0.0) + e.self_cpu_time_total / 1e6
     totals["inside no operator (Python, dispatch)"] = max(0.0, wall - sum(totals.values()))
     lines = [f"steps 2-6 of one iteration, profiled: {wall:.2f} s wall (update {seconds.get('update', 0):.2f} s, "
@@ -84,7 +93,7 @@ def main(argv=None) -> None:
                                         row_limit=args.rows))
         if not cuda:
             vocab = learner.actor_critic.policy.config.vocab_size
-            print(kinds_report(prof.key_averages(group_by_input_shape=True), wall, vocab, out.seconds))
+            print(kinds_report(prof.events(), wall, vocab, out.seconds))
         return out
 
     T.ppo_iteration = profiled  # the name the trainer calls

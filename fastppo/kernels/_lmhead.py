@@ -810,11 +810,15 @@ def _materialised_stats(hidden2d, weight, bias, index, transform: LogitTransform
     return logp, entropy
 
 
+# the profiler range the chunked LM head runs under (bench/profile_update.py sums the time inside it)
+LM_HEAD_RANGE = "fastppo.lm_head"
+
+
 class _ChunkedLMHeadStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden2d, weight, bias, index, transform, wants, plan):
         guard = _neg_inf_logits_possible(bias, transform)
-        with no_autocast(hidden2d.device):
+        with no_autocast(hidden2d.device), torch.profiler.record_function(LM_HEAD_RANGE):
             ops = _operands(hidden2d, weight, bias, plan)
             logp, lse, ent, sum_sq, mean, top1 = _chunked_forward(ops, index, transform, wants, plan, guard)
         ctx.save_for_backward(hidden2d, weight, bias, index, lse, ent)
@@ -838,7 +842,7 @@ class _ChunkedLMHeadStats(torch.autograd.Function):
                 grads = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
                                                  create_graph=True, allow_unused=True))
             return (*(next(grads) if need else None for need in needs), *none)
-        with no_autocast(hidden2d.device):
+        with no_autocast(hidden2d.device), torch.profiler.record_function(LM_HEAD_RANGE):
             ops = _operands(hidden2d, weight, bias, ctx.plan)
             grads = _chunked_backward(ops, weight, bias, index, lse, ent, g_logp, g_ent, ctx.transform, ctx.plan,
                                       ctx.guard, needs)
