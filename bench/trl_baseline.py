@@ -58,8 +58,6 @@ FASTPPO_VARIANTS = {
     # one network (the value head on the policy's trunk) and packed rows: a different value model, so a
     # different run; same sampler, same losses
     "fastppo-fast": {"shared_value_head": True, "padding_free": True},
-    # packed rows alone: the same value model and math as "fastppo", no padding computed on
-    "fastppo-packed": {"padding_free": True},
     # the sampler pinned either way (unset, the default: compiled on CUDA, eager on a CPU)
     "fastppo-eager": {"compiled_decode": False},
     "fastppo-compiled": {"compiled_decode": True},
