@@ -508,8 +508,7 @@ def vocab_chunked_backward(
     grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
     grad_b = torch.empty(vocab, dtype=bias.dtype, device=bias.device) if need_b else None
     chunk = bwd_chunk_cols(n_rows, vocab, hidden2d.device)
-    for v0 in range(0, vocab, chunk):
-        v1 = min(vocab, v0 + chunk)
+    for v0, v1 in _spans(vocab, chunk):
         w_c = weight[v0:v1]
         x_c = mm_acc(hidden2d, w_c.t())  # [N, C] fp32 (fp64): the forward's rounding
         if bias is not None:
@@ -595,6 +594,18 @@ def _tile(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buffer[:rows * cols].view(rows, cols)
 
 
+def _spans(total: int, step: int):
+    """(start, stop) of each chunk of ``step`` (the last one shorter) covering range(total)."""
+    for start in range(0, total, step):
+        yield start, min(total, start + step)
+
+
+def _weight_grad_tile(grad_w, gw_acc, v0: int, v1: int, hdim: int):
+    """Where a vocabulary chunk's weight gradient is summed: ``grad_w``'s rows themselves, or the accumulation
+    dtype's tile (``gw_acc``) when the weight's dtype is narrower."""
+    return grad_w[v0:v1] if gw_acc is None else _tile(gw_acc, v1 - v0, hdim)
+
+
 class _Operands(NamedTuple):
     hidden: torch.Tensor  # [N, H] in the accumulation dtype (an upcast copy of a 16-bit hidden)
     weight: torch.Tensor  # [V, H] as given (any strides)
@@ -667,11 +678,9 @@ def _chunked_forward(ops: _Operands, index, transform: LogitTransform, wants, pl
     size = plan.rows * plan.cols
     xbuf = torch.empty(size, dtype=acc, device=device)
     ebuf = torch.empty(size, dtype=acc, device=device)
-    for v0 in range(0, vocab, plan.cols):
-        v1 = min(vocab, v0 + plan.cols)
+    for v0, v1 in _spans(vocab, plan.cols):
         w_c = ops.weight_chunk(v0, v1)
-        for r0 in range(0, n_rows, plan.rows):
-            r1 = min(n_rows, r0 + plan.rows)
+        for r0, r1 in _spans(n_rows, plan.rows):
             x = _transform_(ops.logits_(_tile(xbuf, r1 - r0, v1 - v0), r0, r1, v0, v1, w_c), transform)
             rs = slice(r0, r1)
             if want_mean:
@@ -761,15 +770,13 @@ def _chunked_backward(ops: _Operands, weight, bias, index, lse, ent, g_logp, g_e
     xbuf = torch.empty(size, dtype=acc, device=device)
     pbuf = torch.empty(size, dtype=acc, device=device) if g_ent is not None else None
     tbuf = torch.empty(size, dtype=acc, device=device) if capped else None
-    for v0 in range(0, vocab, plan.cols):
-        v1 = min(vocab, v0 + plan.cols)
+    for v0, v1 in _spans(vocab, plan.cols):
         c = v1 - v0
         w_c = ops.weight_chunk(v0, v1)
         gw_c = None
         if need_w:
-            gw_c = grad_w[v0:v1] if gw_acc is None else _tile(gw_acc, c, hdim)
-        for r0 in range(0, n_rows, plan.rows):
-            r1 = min(n_rows, r0 + plan.rows)
+            gw_c = _weight_grad_tile(grad_w, gw_acc, v0, v1, hdim)
+        for r0, r1 in _spans(n_rows, plan.rows):
             rs = slice(r0, r1)
             th = _tile(tbuf, r1 - r0, c) if capped else None
             x = _transform_(ops.logits_(_tile(xbuf, r1 - r0, c), r0, r1, v0, v1, w_c), transform, th)
@@ -897,11 +904,9 @@ def _chunked_full_kl_forward(pol: _Operands, ref: _Operands, temperature: float,
         m_ref = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
         return m_new, m_ref, torch.exp(m - m_ref)
 
-    for v0 in range(0, vocab, plan.cols):
-        v1 = min(vocab, v0 + plan.cols)
+    for v0, v1 in _spans(vocab, plan.cols):
         w_c, rw_c = pol.weight_chunk(v0, v1), ref.weight_chunk(v0, v1)
-        for r0 in range(0, n_rows, plan.rows):
-            r1 = min(n_rows, r0 + plan.rows)
+        for r0, r1 in _spans(n_rows, plan.rows):
             rs, shape = slice(r0, r1), (r1 - r0, v1 - v0)
             z = _transform_(pol.logits_(_tile(zbuf, *shape), r0, r1, v0, v1, w_c), transform)
             y = _transform_(ref.logits_(_tile(ybuf, *shape), r0, r1, v0, v1, rw_c), transform)
@@ -940,15 +945,13 @@ def _chunked_full_kl_backward(pol: _Operands, ref: _Operands, weight, bias, kl, 
     gw_acc = torch.empty(plan.cols * hdim, dtype=acc, device=device) if need_w and weight.dtype != acc else None
     size = plan.rows * plan.cols
     zbuf, ybuf = (torch.empty(size, dtype=acc, device=device) for _ in range(2))
-    for v0 in range(0, vocab, plan.cols):
-        v1 = min(vocab, v0 + plan.cols)
+    for v0, v1 in _spans(vocab, plan.cols):
         c = v1 - v0
         w_c, rw_c = pol.weight_chunk(v0, v1), ref.weight_chunk(v0, v1)
         gw_c = None
         if need_w:
-            gw_c = grad_w[v0:v1] if gw_acc is None else _tile(gw_acc, c, hdim)
-        for r0 in range(0, n_rows, plan.rows):
-            r1 = min(n_rows, r0 + plan.rows)
+            gw_c = _weight_grad_tile(grad_w, gw_acc, v0, v1, hdim)
+        for r0, r1 in _spans(n_rows, plan.rows):
             rs = slice(r0, r1)
             z = _transform_(pol.logits_(_tile(zbuf, r1 - r0, c), r0, r1, v0, v1, w_c), transform)
             y = _transform_(ref.logits_(_tile(ybuf, r1 - r0, c), r0, r1, v0, v1, rw_c), transform)
