@@ -8,7 +8,6 @@ TRL 0.26's ``PPOTrainer`` (``trainer.py``) and the legacy adapter (``legacy.py``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,13 +91,13 @@ def default_scheduler(config: PPOConfig, sizes: Sizes, optimizer: torch.optim.Op
 
 
 def build_learner(config: PPOConfig, runtime: Runtime, policy: nn.Module, ref_model: nn.Module | None,
-                  value_model: nn.Module | None, frozen: list[nn.Module], optimizer=None,
-                  lr_scheduler: Callable[[torch.optim.Optimizer], object] | object | None = None,
+                  value_model: nn.Module | None, frozen: list[nn.Module], optimizer=None, lr_scheduler=None,
                   ds_config: dict | None = None, ds_engine_args=None) -> Learner:
     """The :class:`~fastppo.train.Learner` over loaded models (``loading.build_models``).
 
     ``optimizer``: the caller's (it must cover every trainable parameter) or None for :func:`default_optimizer`;
-    ``lr_scheduler``: the caller's object, a function of the optimizer that makes one, or None (none stepped).
+    ``lr_scheduler``: the caller's, or None (none stepped; :func:`default_scheduler` makes TRL's over the
+    returned optimizer).
     With ``ds_config`` DeepSpeed's engine wraps the actor-critic and the optimizer (``frozen``: the models it
     shards beside them); with several processes and no DeepSpeed, DDP wraps it. After building, each process
     reseeds torch with its own seed (each samples different responses) and gets its own shuffle generator."""
@@ -116,8 +115,6 @@ def build_learner(config: PPOConfig, runtime: Runtime, policy: nn.Module, ref_mo
     if ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
         zero = ZeRO(actor_critic, optimizer, ds_config, frozen, device, runtime.log, ds_engine_args)
         model = zero.engine
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        lr_scheduler = lr_scheduler(optimizer)
     kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
               else FixedKLController(config.kl_coef))
     moments = RunningMoments() if config.use_score_scaling else None

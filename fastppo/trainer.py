@@ -8,6 +8,7 @@ signals), save. The legacy API (TRL <= 0.11's ``generate``/``step`` loop) is ``f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -145,9 +146,11 @@ class PPOTrainer:
         # --- the learner: actor-critic and its wrapper, reference, optimizer, schedule, controllers, randomness
         optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)
         learner = build_learner(config, self.runtime, self.policy, self.ref_model, self.value_model,
-                                [self.ref_model, *self.reward_models], optimizer,
-                                lr_scheduler or (lambda opt: default_scheduler(config, self.sizes, opt)),
-                                self.ds_config, None if ds_request is None else ds_request[1])
+                                [self.ref_model, *self.reward_models], optimizer, lr_scheduler, self.ds_config,
+                                None if ds_request is None else ds_request[1])
+        if lr_scheduler is None:  # TRL 0.26 builds the schedule when none is given (Trainer.create_scheduler)
+            learner = dataclasses.replace(learner, lr_scheduler=default_scheduler(config, self.sizes,
+                                                                                 learner.optimizer))
         (self.actor_critic, self.model, self.reference, self.optimizer, self.lr_scheduler, self.kl_ctl, self.moments,
          self.shuffle, self.zero) = (learner.actor_critic, learner.model, learner.reference, learner.optimizer,
                                      learner.lr_scheduler, learner.kl_ctl, learner.moments, learner.shuffle,
