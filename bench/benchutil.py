@@ -31,7 +31,8 @@ SHAPES = {
     "lm_head": {
         "full": [HEADLINE_LM_HEAD] + [(n, h, v) for n in (4096, 16384) for h in (2048, 4096)
                                       for v in (32000, 128256, 151936)],
-        "quick": [HEADLINE_LM_HEAD],
+        # the second vocabulary (Qwen2.5's) beside Llama 3's
+        "quick": [HEADLINE_LM_HEAD, (8192, 4096, 151936)],
         "smoke": [(24, 40, 97)],
     },
     # token_logprobs: logits [B, T, V]

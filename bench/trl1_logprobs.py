@@ -131,14 +131,19 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk", type=int, default=4096, help="TRL's vocabulary chunk (its trainers pass 4,096)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--shape", type=int, nargs=3, action="append", metavar=("N", "H", "V"),
+                        help="a shape to time instead of SmolLM2's head (repeatable), e.g. 8192 4096 128256")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), action="append",
+                        help="only these operand dtypes (repeatable; default both)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = [(64, 64, 1000)] if args.quick else [(512, 576, 49152), (2048, 576, 49152)]
+    shapes = args.shape or ([(64, 64, 1000)] if args.quick else [(512, 576, 49152), (2048, 576, 49152)])
+    dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtype or ("fp32", "bf16")]
     rounds = 2 if args.quick else args.rounds
     impls = implementations(device, args.chunk)
     results = []
     for n, hdim, vocab in shapes:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             for backward in (False, True):
                 results.append(bench_case(impls, n, hdim, vocab, dtype, device, backward, rounds))
     names = list(impls)
