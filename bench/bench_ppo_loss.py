@@ -8,8 +8,9 @@ kernels issue's target is ≤ 1.1x the bare three GEMMs there), plus N=4096 at (
 and (4096, 151,936). Inputs: clip range 0.2, entropy coefficient 0.01, old log-probs 0.2 (std) away
 from the current ones so that tokens fall on both sides of the clip, 10% of the tokens masked.
 
-Implementations, all fwd+bwd (the loss and its gradients to hidden and weight), each checked against
-the reference on the same inputs before it is timed:
+Implementations, all fwd+bwd (the loss and its gradients to hidden and weight), each checked on the same
+inputs before it is timed against ``fused_ppo_policy_loss_reference`` (fp32 logits; the bf16 baseline on its
+loss only, since its bf16 logits flip the clip decision of tokens at a clip bound):
   * reference: what a trainer does without fused kernels (TRL): bf16 logits = hidden @ weight.T,
     fp32 log-softmax and entropy (``token_logprobs_reference``), the clipped loss in PyTorch;
   * fastppo fused_token_logprobs + loss: fastppo's unfused path (the trainer's today): the fused
@@ -88,8 +89,16 @@ def test_fused_ppo_policy_loss_gpu(measure, gpu_device, ppo_loss_shape, impl):
         return call
 
     call = call_of(IMPLS[impl])
-    # Relative to each output's scale: bf16 logits on the reference's side, fp32 in the fused kernels.
-    assert_agrees(call(), call_of(_reference)(), impl, rtol=5e-2, atol_of_max=3e-2)
+    # Checked against the fp32-logit oracle, not the bf16-logit baseline: at 8,192 tokens a few ratios sit
+    # within bf16's rounding of a clip bound, and the baseline's bf16 logits flip those tokens' clip decisions,
+    # so whole rows of its hidden-state gradient differ (seen on an H200: 2-5 rows). The baseline itself is held
+    # to the oracle on the loss alone.
+    oracle = call_of(lambda *args: fused_ppo_policy_loss_reference(*args, CLIPRANGE, ENTROPY_COEF).loss)()
+    got = call()
+    if impl == "reference":
+        got, oracle = got[0], oracle[0]
+    assert_agrees(got, oracle, impl, rtol=5e-2, atol_of_max=3e-2)
+    del got, oracle
     floor_s = gemm_floor(gpu_device, [(hidden, weight)], (hidden, weight))
     measure(call, group=f"ppo_loss: fused_ppo_policy_loss fwd+bwd {gpu_device} N={n_tokens} H={hid} V={vocab} "
                         f"{dtype_name(dtype)}",
