@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__linux__)
@@ -45,17 +46,22 @@ static at::Tensor empty_for_streaming_write(at::IntArrayRef sizes, const at::Ten
 }
 #endif
 
+// Every message below is one std::string, built with std::to_string: TORCH_CHECK with several arguments formats
+// them through std::ostringstream, and a toolchain that links libstdc++ into this library statically (the GPU
+// image's does) gives it its own locale, never initialised. There a streamed number came out empty (this op built
+// with -static-libstdc++ on a CPU) or crashed the process (on an H200; bench/RESULTS.md, issue 37).
 TruncateOutputs check_and_allocate(const at::Tensor& responses, const at::Tensor& stop_ids, int64_t pad_id) {
-  TORCH_CHECK(responses.dim() == 2, "responses must be 2-D [B, T], got ", responses.dim(), "-D");
+  const auto dtype_name = [](const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); };
+  TORCH_CHECK(responses.dim() == 2, "responses must be 2-D [B, T], got " + std::to_string(responses.dim()) + "-D");
   TORCH_CHECK(responses.scalar_type() == at::kLong || responses.scalar_type() == at::kInt,
-              "responses must be int32 or int64, got ", responses.scalar_type());
+              "responses must be int32 or int64, got " + dtype_name(responses));
   TORCH_CHECK(stop_ids.dim() == 1 && stop_ids.numel() > 0, "stop_ids must be a non-empty 1-D tensor");
-  TORCH_CHECK(stop_ids.scalar_type() == at::kLong, "stop_ids must be int64, got ", stop_ids.scalar_type());
-  TORCH_CHECK(stop_ids.device() == responses.device(), "stop_ids is on ", stop_ids.device(),
-              " but responses is on ", responses.device());
-  TORCH_CHECK(pad_id >= 0, "pad_id must be >= 0, got ", pad_id);
+  TORCH_CHECK(stop_ids.scalar_type() == at::kLong, "stop_ids must be int64, got " + dtype_name(stop_ids));
+  TORCH_CHECK(stop_ids.device() == responses.device(),
+              "stop_ids is on " + stop_ids.device().str() + " but responses is on " + responses.device().str());
+  TORCH_CHECK(pad_id >= 0, "pad_id must be >= 0, got " + std::to_string(pad_id));
   TORCH_CHECK(responses.scalar_type() == at::kLong || pad_id <= std::numeric_limits<int32_t>::max(),
-              "pad_id ", pad_id, " does not fit in int32 responses");
+              "pad_id " + std::to_string(pad_id) + " does not fit in int32 responses");
   const auto B = responses.size(0);
   const auto T = responses.size(1);
   auto long_opts = responses.options().dtype(at::kLong);

@@ -173,6 +173,41 @@ def test_op_itself_checks_arguments():
         torch.ops.fastppo.truncate_at_stop(torch.ones(3, dtype=torch.long), torch.tensor([1]), 0)
 
 
+_STATIC_PROBE = """
+import sys, torch
+from torch.utils.cpp_extension import load
+load(name="fastppo_static_libstdcxx", sources=[sys.argv[1]], extra_cflags=["-O1", "-std=c++17"],
+     extra_ldflags=["-static-libstdc++"], build_directory=sys.argv[2], is_python_module=False)
+op = torch.ops.fastppo.truncate_at_stop
+for args in [(torch.ones(2, 3, dtype=torch.long), torch.tensor([1]), -2),
+             (torch.ones(2, 3, dtype=torch.int32), torch.tensor([1]), 2**31),
+             (torch.ones(3, 2, 2, dtype=torch.long), torch.tensor([1]), 0),
+             (torch.ones(2, 3), torch.tensor([1]), 0)]:
+    try:
+        op(*args)
+    except RuntimeError as e:
+        print(str(e).splitlines()[0])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+def test_op_messages_survive_a_statically_linked_libstdcxx(tmp_path):
+    # The GPU image's toolchain links libstdc++ into the extension statically. That copy's locale is never set up,
+    # so numbers streamed into a message came out empty here and crashed the process on an H200 (issue 37). The
+    # op is built that way in a fresh process (its TORCH_LIBRARY must not meet the one already loaded here).
+    source = os.path.join(os.path.dirname(__file__), os.pardir, "csrc", "truncate_at_stop.cpp")
+    proc = subprocess.run([sys.executable, "-c", _STATIC_PROBE, source, str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "pad_id must be >= 0, got -2",
+        "pad_id 2147483648 does not fit in int32 responses",
+        "responses must be 2-D [B, T], got 3-D",
+        "responses must be int32 or int64, got Float",
+    ]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 def test_cuda_source_compiles(tmp_path):
     # No GPU in CI, but a CUDA syntax or type error must still fail the build.
