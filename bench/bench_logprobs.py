@@ -17,7 +17,9 @@ Implementations (each checked against the reference on the same inputs before it
   * fused_token_logprobs: what a trainer does without the fused op (TRL, verl): bf16 logits =
     hidden @ weight.T, then ``token_logprobs_reference`` — and its ``torch.compile`` (headline
     shape only: one compile per shape costs more than the case); Liger-Kernel's fused linear
-    cross-entropy, reduction="none" (no entropy). ``fused_token_logprobs_reference`` upcasts hidden
+    cross-entropy, reduction="none" (no entropy); "fastppo gemm+rows": the same op with its forward's
+    GEMM-then-rows candidate (cuBLAS logits of 512 rows at a time, then the row kernel; off by default until a GPU
+    has timed it). ``fused_token_logprobs_reference`` upcasts hidden
     and weight to fp32 first (it is the accuracy oracle), which would make the baseline needlessly
     slow. Upstream gradients are all ones for every implementation (see ``peers.liger_flce_logprobs``).
 
@@ -31,8 +33,9 @@ import pytest
 import torch
 
 import peers
-from benchutil import HEADLINE_LM_HEAD, assert_agrees, bench_dtype, dtype_name, gemm_floor, with_backward
+from benchutil import GEMM_ROWS, HEADLINE_LM_HEAD, assert_agrees, bench_dtype, dtype_name, gemm_floor, with_backward
 from fastppo.kernels import fused_token_logprobs, token_logprobs, token_logprobs_reference
+from fastppo.kernels._common import override_tile
 
 ENTROPY = pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no-entropy"])
 PASSES = pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
@@ -111,7 +114,13 @@ def test_fused_token_logprobs_cpu(measure, quick):
             device="cpu")
 
 
-FUSED_IMPLS = ["reference", "reference torch.compile", "fastppo triton", "liger flce"]
+FUSED_IMPLS = ["reference", "reference torch.compile", "fastppo triton", "fastppo gemm+rows", "liger flce"]
+
+
+def _gemm_rows_fused_token_logprobs(*args, **kwargs):
+    """``fused_token_logprobs`` with its forward's GEMM-then-rows candidate (``bench/tune.py lmhead_forward_rows``)."""
+    with override_tile("lmhead_forward_rows", GEMM_ROWS):
+        return fused_token_logprobs(*args, **kwargs)
 
 
 def _fused_impl(impl, device, shape, hidden, weight, index, entropy):
@@ -125,6 +134,7 @@ def _fused_impl(impl, device, shape, hidden, weight, index, entropy):
         "reference": _materialised_reference,
         "reference torch.compile": peers.compiled(_materialised_reference, device),
         "fastppo triton": fused_token_logprobs,
+        "fastppo gemm+rows": _gemm_rows_fused_token_logprobs,
     }[impl]
     return lambda: op(hidden, weight, index, 1.0, return_entropy=entropy)
 

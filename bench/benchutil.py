@@ -25,6 +25,9 @@ HAS_CUDA = torch.cuda.is_available()
 # The kernels issue's headline shapes.
 HEADLINE_LM_HEAD = (8192, 4096, 128256)  # (tokens N, hidden H, vocab V)
 HEADLINE_LOGITS = (16, 512, 128256)  # [B, T, V]: N = 8192 tokens
+# Rows per GEMM of fused_token_logprobs's GEMM-then-rows forward candidate when a bench times it beside the fused
+# kernel: [512, V] fp32 logits, 250 MiB at V 128,256.
+GEMM_ROWS = 512
 
 SHAPES = {
     # fused_token_logprobs: (N, H, V)

@@ -13,7 +13,9 @@ against a float64 run first:
   of ``fastppo/kernels/_lmhead.py``, no [N, V] logits; it was the reference path, fp32 logits of the whole batch,
   when bench/RESULTS.md's first table of this script was measured; on CUDA the fused Triton kernel);
 * ``trl``: TRL 1.x's ``_ChunkedLogProbFunction`` (chunk 4,096 × ``--chunk``; on a CPU its torch fold);
-* ``liger``: Liger-Kernel's fused linear cross-entropy, reduction "none", log-probs only (CUDA only).
+* ``liger``: Liger-Kernel's fused linear cross-entropy, reduction "none", log-probs only (CUDA only);
+* ``fastppo gemm+rows`` (CUDA only): ``fastppo`` with its forward's GEMM-then-rows candidate
+  (``benchutil.GEMM_ROWS`` rows a GEMM).
 
 Each time is the median of ``--rounds`` rounds; the floor column is the bare GEMMs (hidden @ Wᵀ forward,
 plus dlogits @ W and dlogitsᵀ @ hidden backward) at this machine's measured GEMM rate for that dtype.
@@ -27,7 +29,9 @@ import time
 
 import torch
 
+from benchutil import GEMM_ROWS
 from fastppo.kernels import fused_token_logprobs
+from fastppo.kernels._common import override_tile
 
 
 def _trl_seam():
@@ -53,6 +57,11 @@ def implementations(device: torch.device, chunk: int):
 
     impls = {"fastppo": fastppo, f"trl {version}": trl}
     if device.type == "cuda":
+        def fastppo_gemm_rows(h, w, idx):  # the forward's GEMM-then-rows candidate
+            with override_tile("lmhead_forward_rows", GEMM_ROWS):
+                return fastppo(h, w, idx)
+
+        impls["fastppo gemm+rows"] = fastppo_gemm_rows
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 

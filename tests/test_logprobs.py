@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastppo.kernels import logprobs as logprobs_mod
+from fastppo.kernels._common import override_tile
 from fastppo.kernels import (
     fused_token_logprobs,
     fused_token_logprobs_reference,
@@ -276,6 +277,38 @@ def test_fused_matches_materialised(triton_device, lead_shape, hdim, vocab, dtyp
 def test_fused_partial_gradients(triton_device, return_entropy, grad_logp, grad_ent, frozen_weight):
     _check_fused(triton_device, (4,), 20, 70, torch.float32, 1.0, with_bias=True, return_entropy=return_entropy,
                  grad_logp=grad_logp, grad_ent=grad_ent, frozen_weight=frozen_weight)
+
+
+# The GEMM-then-rows forward (``_gemm_rows_forward``, a tune.py candidate, off by default): the same five cases
+# as the fused kernel, 3 rows per GEMM so every case has several chunks and a short last one; the backward is
+# the same chunked one either way.
+@pytest.mark.parametrize(
+    "lead_shape, hdim, vocab, dtype, temperature, with_bias",
+    [((2, 5), 40, 150, torch.float32, 1.3, True), ((20,), 24, 33, torch.float32, 0.3, False),
+     ((7,), 32, 61, torch.bfloat16, 1.0, True), ((1,), 17, 50, torch.float16, 1.7, False),
+     ((3,), 16, 40, torch.float64, 0.5, True)],
+)
+def test_gemm_rows_forward_matches_materialised(triton_device, lead_shape, hdim, vocab, dtype, temperature,
+                                                with_bias):
+    rows = 3
+    with override_tile("lmhead_forward_rows", rows), \
+            recorded_launches(logprobs_mod, "_token_logprobs_fwd_kernel") as row_launches, \
+            recorded_launches(logprobs_mod, "_fused_token_logprobs_fwd_kernel") as fused_launches:
+        _check_fused(triton_device, lead_shape, hdim, vocab, dtype, temperature, with_bias=with_bias,
+                     return_entropy=True)
+    assert len(row_launches) == math.ceil(math.prod(lead_shape) / rows) and not fused_launches
+
+
+def test_gemm_rows_forward_leaves_what_it_cannot_do_to_the_fused_kernel(triton_device):
+    # The statistics beyond log-probs and entropy, and a soft cap, are the fused kernel's alone.
+    hidden = torch.randn(6, 16, device=triton_device)
+    weight = torch.randn(40, 16, device=triton_device)
+    index = torch.randint(0, 40, (6,), device=triton_device)
+    for kwargs in (dict(outputs=("logprobs", "is_top1")), dict(softcap=5.0, return_entropy=True)):
+        with override_tile("lmhead_forward_rows", 4), \
+                recorded_launches(logprobs_mod, "_fused_token_logprobs_fwd_kernel") as fused_launches:
+            fused_token_logprobs(hidden, weight, index, **kwargs)
+        assert len(fused_launches) == 1, kwargs
 
 
 def test_fused_equals_token_logprobs(triton_device):

@@ -226,6 +226,7 @@ TILE_NAMES = (
     "token_logprobs",  # logprobs._token_logprobs_tile: row forward kernel
     "softmax_dlogits",  # logprobs._softmax_dlogits_tile: elementwise dlogits kernels (both LM-head backwards)
     "fused_token_logprobs",  # logprobs._fused_token_logprobs_tile: fused forward
+    "lmhead_forward_rows",  # logprobs._lmhead_forward_rows: rows per chunk of the GEMM-then-rows forward (0: fused)
     "fused_full_kl",  # kl._full_kl_tile: fused forward
     "lmhead_backward",  # _lmhead.bwd_chunk_cols: vocabulary columns per backward chunk
     "fused_ppo_policy_loss",  # ppo_loss._ppo_loss_tile: token chunk and row kernel

@@ -600,6 +600,14 @@ def _spans(total: int, step: int):
         yield start, min(total, start + step)
 
 
+def span_tiles(total: int, step: int, width: int, dtype: torch.dtype, device: torch.device):
+    """(start, stop, tile) for each chunk of ``step`` rows of range(total): ``tile`` a contiguous [stop − start,
+    width] view of one buffer allocated once, for a GEMM to write with out=."""
+    buffer = torch.empty(min(step, total) * width, dtype=dtype, device=device)
+    for start, stop in _spans(total, step):
+        yield start, stop, _tile(buffer, stop - start, width)
+
+
 def _weight_grad_tile(grad_w, gw_acc, v0: int, v1: int, hdim: int):
     """Where a vocabulary chunk's weight gradient is summed: ``grad_w``'s rows themselves, or the accumulation
     dtype's tile (``gw_acc``) when the weight's dtype is narrower."""

@@ -53,7 +53,7 @@ from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, INTERPRETER_LMHEAD_TILE, L
 from fastppo.kernels._lmhead import check_lm_head_args, dot_precision, dot_upcast, lm_head_logits_reference
 from fastppo.kernels._lmhead import cap_logits_reference, merge_splits, row_tile, softmax_dlogits_tile, split_plan
 from fastppo.kernels._lmhead import compute_dtype_of, lm_head_operands, no_autocast, tl_dtype  # noqa: F401
-from fastppo.kernels._lmhead import LogitTransform, chunked_lm_head_stats, vocab_chunked_backward
+from fastppo.kernels._lmhead import LogitTransform, chunked_lm_head_stats, mm_acc, span_tiles, vocab_chunked_backward
 
 if HAS_TRITON:
     from fastppo.kernels._lmhead import elementwise_tile, logits_tile, online_update, row_pick, row_softmax
@@ -230,6 +230,14 @@ def _fused_token_logprobs_tile(dtype: torch.dtype, device: torch.device) -> LMHe
     return tile_choice("fused_token_logprobs", tile)
 
 
+def _lmhead_forward_rows(n_rows: int, vocab: int, device: torch.device) -> int:
+    """Rows per chunk of ``fused_token_logprobs``'s GEMM-then-rows forward (``_gemm_rows_forward``), or 0 for the
+    fused kernel. 0 everywhere until a GPU has timed the candidate (``bench/tune.py lmhead_forward_rows``): on an
+    H200 the fused forward ran at 2.1-2.9x its one bare GEMM where TRL 1.16's chunks of cuBLAS logits ran at 1.2x
+    (bench/RESULTS.md, second lease)."""
+    return tile_choice("lmhead_forward_rows", 0)
+
+
 def _launch_token_logprobs_fwd(x2d: torch.Tensor, index: torch.Tensor, temperature: float, compute_entropy: bool):
     n_rows, n_cols = x2d.shape
     acc = acc_dtype(x2d.dtype)
@@ -271,6 +279,10 @@ def _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, head: HeadMa
         empty = hidden2d.new_empty(0, dtype=acc)
         return (empty, empty, *(empty if w else None for w in (want_entropy, want_sum_sq, want_mean)),
                 empty.bool() if want_top1 else None)
+    rows = _lmhead_forward_rows(n_rows, vocab, device)
+    if rows > 0 and not (want_sum_sq or want_mean or want_top1 or head.has_softcap):
+        logp, lse, ent = _gemm_rows_forward(hidden2d, weight, bias, index, head.temperature, want_entropy, rows)
+        return logp, lse, ent, None, None, None
     tile = _fused_token_logprobs_tile(hidden2d.dtype, device)
     plan = split_plan(n_rows, vocab, tile, device)
     m_part = torch.empty(plan.splits, n_rows, dtype=acc, device=device)
@@ -297,6 +309,31 @@ def _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, head: HeadMa
     if want_top1:  # the same z values are compared, so the ties are exact
         top1 = valid & (target >= m_part.amax(0)) & (target > before_part.amax(0))
     return logp, stats.lse, stats.entropy, stats.log_sum_sq, mean, top1
+
+
+def _gemm_rows_forward(hidden2d, weight, bias, index, temperature: float, want_entropy: bool, rows: int):
+    """(logp, lse, entropy or None) [N] as the backward computes logits: ``rows`` rows at a time, their fp32 (fp64)
+    logits [rows, V] by one GEMM (``mm_acc``: 16-bit operands, an unrounded output, the fused kernel's numerics),
+    then ``token_logprobs``'s row kernel over them. One [rows, V] buffer exists at a time, never [N, V]."""
+    n_rows, vocab = hidden2d.shape[0], weight.shape[0]
+    acc = acc_dtype(hidden2d.dtype)
+    logp = torch.empty(n_rows, dtype=acc, device=hidden2d.device)
+    lse = torch.empty_like(logp)
+    ent = torch.empty_like(logp) if want_entropy else None
+    # An id outside [0, V) must not be read by the row kernel: it is clamped there and its log-prob is NaN, as
+    # the fused kernel returns it.
+    valid = (index >= 0) & (index < vocab)
+    safe_index = index.clamp(0, vocab - 1)
+    for r0, r1, x in span_tiles(n_rows, rows, vocab, acc, hidden2d.device):
+        mm_acc(hidden2d[r0:r1], weight.t(), out=x)
+        if bias is not None:
+            x += bias
+        lp, ls, en = _launch_token_logprobs_fwd(x, safe_index[r0:r1], temperature, want_entropy)
+        logp[r0:r1], lse[r0:r1] = lp, ls
+        if want_entropy:
+            ent[r0:r1] = en
+    logp = torch.where(valid, logp, torch.full_like(logp, float("nan")))
+    return logp, lse, ent
 
 
 def _fused_token_logprobs_backward(hidden2d, weight, bias, index, lse, ent, g_logp, g_ent, head, needs):
