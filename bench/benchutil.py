@@ -92,6 +92,7 @@ class Result:
     peak_bytes: int | None
     floor_s: float | None = None
     note: str = ""
+    graph_s: float | None = None  # the same call's GPU work alone, as a CUDA-graph replay (short calls only)
 
 
 @dataclass
@@ -122,6 +123,34 @@ def cuda_event_times(fn, repeats: int = 50, warmup: int = 5) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return times
+
+
+# A call timed by events alone below this also times the host's launch work (Python, Triton's launcher, the
+# argument checks): the GPU idles until the launch arrives. Such a call is also timed as a CUDA-graph replay.
+GRAPH_TIMING_BELOW_S = 1e-3
+
+
+def cuda_graph_times(fn, repeats: int = 20, calls: int = 10) -> list[float] | None:
+    """Seconds per call of ``fn``'s GPU work alone: ``calls`` calls captured into one CUDA graph, replayed and
+    timed by CUDA events, so no host launch overhead is in the figure. None when ``fn`` cannot be captured (a
+    host sync, a CPU tensor, memory): the call-time figure then stands alone."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side):
+            fn()  # warm-up on the capture's side stream, as capture asks
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        times = cuda_event_times(graph.replay, repeats=repeats, warmup=2)
+    except Exception:  # noqa: BLE001 - any capture failure means "not capturable", reported as None
+        torch.cuda.synchronize()
+        return None
+    finally:
+        del graph
+    return [t / calls for t in times]
 
 
 def device_times(fn, device: str, repeats: int = 10, warmup: int = 1) -> list[float]:

@@ -25,16 +25,19 @@ allocator, where the profiler does not see them).
 from __future__ import annotations
 
 import os
+import statistics
 
 import pytest
 import torch
 
 from benchutil import (
+    GRAPH_TIMING_BELOW_S,
     HAS_CUDA,
     REGISTRY,
     SHAPES,
     Result,
     cuda_event_times,
+    cuda_graph_times,
     device_median,
     device_times,
     peak_extra_bytes,
@@ -126,7 +129,10 @@ def measure(benchmark, smoke):
 
     Each record's ``extra_info`` holds the median, p20 and p80 of the figure
     the summary reports (CUDA events on a GPU, pytest-benchmark's rounds
-    otherwise), the torch and triton versions and the device.
+    otherwise), the torch and triton versions and the device. A GPU call whose
+    events read under 1 ms is also replayed from a CUDA graph
+    (``graph_median_s``): its GPU work without the host's launch overhead,
+    which events around one call include.
     """
 
     def run(fn, *, group: str, impl: str, device: str, floor_s: float | None = None, rounds: int | None = None,
@@ -151,13 +157,18 @@ def measure(benchmark, smoke):
             times = list(benchmark.stats.stats.data)
         else:  # --benchmark-disable: pytest-benchmark ran the call once and kept no time
             times = device_times(fn, device, repeats=1, warmup=0)
-        peak = None
+        peak = device_s = None
         if on_cuda and event_timing:
             # Slow cases (fixed rounds) get as many event timings as rounds, not 50.
             times = cuda_event_times(fn) if rounds is None else cuda_event_times(fn, repeats=max(rounds, 3), warmup=1)
             peak = peak_extra_bytes(fn)
             benchmark.extra_info["timer"] = "cuda events"
             benchmark.extra_info["peak_extra_bytes"] = peak
+            if statistics.median(times) < GRAPH_TIMING_BELOW_S:
+                graph_times = cuda_graph_times(fn)
+                if graph_times is not None:
+                    device_s = statistics.median(graph_times)
+                    benchmark.extra_info["graph_median_s"] = device_s
         else:
             benchmark.extra_info["timer"] = "pytest-benchmark rounds"
         stats = quantiles(times)
@@ -165,7 +176,9 @@ def measure(benchmark, smoke):
         if floor_s is not None:
             benchmark.extra_info["floor_s"] = floor_s
             benchmark.extra_info["fraction_of_floor"] = floor_s / stats["median_s"]
-        REGISTRY.groups[group].append(Result(impl, stats["median_s"], peak, floor_s, note))
+            if device_s is not None:
+                benchmark.extra_info["graph_fraction_of_floor"] = floor_s / device_s
+        REGISTRY.groups[group].append(Result(impl, stats["median_s"], peak, floor_s, note, device_s))
 
     return run
 
@@ -200,7 +213,7 @@ def pytest_terminal_summary(terminalreporter):
     width = max(len(g) for g in REGISTRY.groups)
     impl_width = max(len(r.impl) for results in REGISTRY.groups.values() for r in results)
     header = (f"{'group':<{width}} {'impl':<{impl_width}} {'median':>11} {'speedup':>8} {'peak mem':>11} "
-              f"{'mem ratio':>9} {'% floor':>8}")
+              f"{'mem ratio':>9} {'% floor':>8} {'graph':>11} {'% floor':>8}")
     write(header)
     write("-" * len(header))
     for group, results in sorted(REGISTRY.groups.items()):
@@ -210,6 +223,8 @@ def pytest_terminal_summary(terminalreporter):
             speed = f"{ref.median_s / r.median_s:.2f}x" if ref else "-"
             mem = f"{r.peak_bytes / ref.peak_bytes:.3f}" if ref and ref.peak_bytes and r.peak_bytes is not None else "-"
             floor = f"{100 * r.floor_s / r.median_s:.0f}%" if r.floor_s else "-"
+            graph = _fmt_time(r.graph_s) if r.graph_s else "-"
+            graph_floor = f"{100 * r.floor_s / r.graph_s:.0f}%" if r.floor_s and r.graph_s else "-"
             write(f"{group:<{width}} {r.impl:<{impl_width}} {_fmt_time(r.median_s):>11} {speed:>8} "
                   f"{_fmt_bytes(r.peak_bytes):>11} "
-                  f"{mem:>9} {floor:>8}" + (f"  {r.note}" if r.note else ""))
+                  f"{mem:>9} {floor:>8} {graph:>11} {graph_floor:>8}" + (f"  {r.note}" if r.note else ""))

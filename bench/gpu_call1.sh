@@ -174,14 +174,15 @@ try:
     for b in data["benchmarks"]:
         med = b.get("extra_info", {}).get("median_s") or b["stats"]["median"]
         groups.setdefault(b["group"], []).append((b["name"].split("[")[0] if b["name"].startswith("test_") else
-                                                  b["name"], med))
+                                                  b["name"], med, b.get("extra_info", {}).get("graph_median_s")))
     print(f"benches: {len(data['benchmarks'])} records")
-    print(f"  {'group':<88} {'impl':<36} {'median ms':>10} {'vs ref':>7}")
+    print(f"  {'group':<88} {'impl':<36} {'median ms':>10} {'vs ref':>7} {'graph ms':>9}")
     for g, rows in sorted(groups.items()):
-        ref = next((m for n, m in rows if n == "reference"), None) or next(
-            (m for n, m in rows if n.startswith("reference")), None)
-        for n, m in rows:
-            print(f"  {g[:88]:<88} {n[:36]:<36} {m * 1e3:>10.3f} {(f'{ref / m:.2f}x' if ref else '-'):>7}")
+        ref = next((m for n, m, _ in rows if n == "reference"), None) or next(
+            (m for n, m, _ in rows if n.startswith("reference")), None)
+        for n, m, graph in rows:
+            print(f"  {g[:88]:<88} {n[:36]:<36} {m * 1e3:>10.3f} {(f'{ref / m:.2f}x' if ref else '-'):>7} "
+                  f"{(f'{graph * 1e3:.4f}' if graph else '-'):>9}")
 except Exception as err:  # noqa: BLE001
     print("benches: no JSON:", type(err).__name__, err)
 # tile sweeps
