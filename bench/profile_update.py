@@ -5,8 +5,8 @@
 
 Runs ``trl_baseline.run_fastppo`` for two iterations and profiles the second iteration's steps 2-6
 (``fastppo.train.ppo_iteration`` after its rollout: scoring, rewards, GAE, the PPO epochs and the metrics),
-printing the top operators by self CPU time (on a GPU, by self CUDA time), then where the profiled time goes
-by kind: the LM head's GEMMs (a product with a vocabulary-sized dimension), the other GEMMs (the trunk and the
+printing the top operators by self CPU time (on a GPU, by self CUDA time, then the kernels launched and the
+GPU's busy time beside the wall time), then, on a CPU, where the profiled time goes by kind: the LM head's GEMMs (a product with a vocabulary-sized dimension), the other GEMMs (the trunk and the
 value model), attention, the optimizer step, the other operators, and the time inside no operator (Python and
 dispatch: the profiled wall time less the operators' self time).
 """
@@ -69,6 +69,16 @@ def kinds_report(events, wall: float, vocab: int, seconds: dict) -> str:
     return "\n".join(lines)
 
 
+def gpu_busy_report(events, wall: float, seconds: dict) -> str:
+    """How many kernels the profiled steps launched and how long the GPU ran them, beside the wall time: a GPU
+    busy for a small part of the wall is waiting on the host (launches, Python, syncs), not on arithmetic."""
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    return (f"steps 2-6 of one iteration, profiled: {wall:.2f} s wall (update {seconds.get('update', 0):.2f} s, "
+            f"scoring {seconds.get('scoring', 0):.2f} s); {len(kernels)} GPU kernels and copies, {busy:.3f} s of "
+            f"GPU time ({100 * busy / wall:.1f}% of the wall)")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("smollm2", "embedded"), default="smollm2")
@@ -91,7 +101,9 @@ def main(argv=None) -> None:
             wall = time.perf_counter() - t0
         print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                         row_limit=args.rows))
-        if not cuda:
+        if cuda:
+            print(gpu_busy_report(prof.events(), wall, out.seconds))
+        else:
             vocab = learner.actor_critic.policy.config.vocab_size
             print(kinds_report(prof.events(), wall, vocab, out.seconds))
         return out
