@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call (at most ~545 s): install, the kernel tests on CUDA, the quick kernel benches, TRL 1.x's chunked
 # LM head at the headline shapes, end to end beside TRL 0.26 at SmolLM2-135M's and Qwen2.5-0.5B's shapes, a
-# profile of fastppo's update, an optional tile sweep, and a summary table printed last. Every stage runs under
-# `timeout -s INT` (pytest then still writes its junit/benchmark JSON and summary), so logs always come back under
-# $OUT, at most 8 files there:
+# profile of fastppo's update, GRPO beside TRL 1.16, an optional tile sweep, and a summary table printed last.
+# Every stage runs under `timeout -s INT` (pytest then still writes its junit/benchmark JSON and summary), so
+# logs always come back under $OUT, at most 8 files there:
 #   call1.log (everything printed), tests.xml (junit), bench.json (pytest-benchmark), trl1.json, e2e-smollm2.json,
 #   e2e-qwen05.json, tune.json (tile sweeps), summary.txt (the tables printed last).
 #
@@ -16,9 +16,10 @@
 # there with seeded random weights (e2e_common.smollm2_shaped_dir): same shapes, same work per token.
 #
 # Knobs (environment): BUDGET (545 s in all), TEST_WORKERS (16), TEST_SECONDS (80), BENCH_SECONDS (130),
-# TRL1_SECONDS (35), E2E_SECONDS (130), E2E05_SECONDS (150), PROFILE_SECONDS (60), TUNE_SECONDS (0), BENCH_K (pytest -k for the
-# benches; default leaves out the torch.compile peers, whose compiles alone would fill the stage, and the CPU
-# cases), E2E_IMPLS / E2E05_IMPLS (fastppo,trl), E2E_LENGTH (53), TUNE_FUSED_SHAPE ("4096 4096 128256").
+# TRL1_SECONDS (35), E2E_SECONDS (130), E2E05_SECONDS (150), PROFILE_SECONDS (60), GRPO_SECONDS (60),
+# TUNE_SECONDS (0), BENCH_K (pytest -k for the benches; default leaves out the torch.compile peers, whose compiles
+# alone would fill the stage, and the CPU cases), E2E_IMPLS / E2E05_IMPLS (fastppo,trl), E2E_LENGTH (53),
+# TUNE_FUSED_SHAPE ("4096 4096 128256"). A stage gets what the budget has left, so the later ones may be skipped.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -139,7 +140,13 @@ except RuntimeError as e:
   FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/smollm2-shape stage "$(cap "${PROFILE_SECONDS:-60}" 5)" profile-update \
     python3 bench/profile_update.py --model smollm2 --variant fastppo-eager --rows 25 | tee "$WORK/profile.log"
 
-  # ------------------------------------------------------------------ g. tile sweeps (each to its own JSON)
+  # ------------------------------------------------------------------ g. GRPO beside TRL 1.16's GRPOTrainer
+  if [ -d .trl1 ]; then
+    FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/smollm2-shape stage "$(cap "${GRPO_SECONDS:-60}" 5)" grpo \
+      python3 bench/grpo_baseline.py --rounds 1 --iterations 5 --betas 0 --sides fastppo,trl | tee "$WORK/grpo.log"
+  fi
+
+  # ------------------------------------------------------------------ h. tile sweeps (each to its own JSON)
   if [ "${TUNE_SECONDS:-0}" -gt 0 ]; then
     stage "$(cap 40 40)" tune-lmhead_backward python3 bench/tune.py lmhead_backward --repeats 10 \
       --out "$WORK/tune_lmhead_backward.json"
@@ -219,7 +226,7 @@ for target in ("lmhead_backward", "fused_token_logprobs"):
                   f"best so far {best[0]} {best[1]} ms of {len(rows)} timed")
 # TRL 1.x's chunked LM head, and end to end: the tables each script printed
 for name, start in (("trl1.log", "device:"), ("e2e-smollm2.log", "config:"), ("e2e-qwen05.log", "config:"),
-                    ("profile.log", "steps 2-6")):
+                    ("profile.log", "steps 2-6"), ("grpo.log", "|")):
     path = f"{work}/{name}"
     if os.path.exists(path):
         text = open(path, errors="replace").read()

@@ -22,7 +22,8 @@ script starts ``python bench/grpo_baseline.py --child SIDE --case JSON``, which 
 
 The side order alternates from round to round (fastppo first, then TRL first, ...) so that load drift and
 cache warmth hit both. TRL runs with ``PYTHONPATH=.trl1:REPO`` (``$FASTPPO_TRL1`` overrides ``.trl1``), fastppo
-with ``PYTHONPATH=REPO`` (the main environment's TRL 0.26 is not imported by either child).
+with ``PYTHONPATH=REPO``, each followed by the caller's own PYTHONPATH (the main environment's TRL 0.26 is not
+imported by either child).
 
 Set equal on both sides: the model and its dtype (fp32 weights, no autocast: TRL's ``bf16`` defaults to True even
 on a CPU, so it is set False), the prompts and their chat template, k, completions per step, one optimizer step
@@ -388,7 +389,10 @@ def trl1_dir() -> str:
 def run_child(side: str, case: GRPOCase, timeout: float = 3600) -> dict:
     """One side in a fresh process: its summary, plus the process's wall time and peak RSS (``os.wait4``)."""
     env = dict(os.environ)
-    paths = ([trl1_dir()] if side == "trl" else []) + [REPO]
+    # The caller's own entries stay behind the repository (a GPU machine's carried wheels live there); TRL 1.x
+    # goes first for its side, so the TRL 0.26 such an entry may hold is never the one imported.
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = ([trl1_dir()] if side == "trl" else []) + [REPO] + inherited
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["TRITON_INTERPRET"] = "0"
