@@ -11,6 +11,8 @@ tile function (every launch decision of a kernel lives in one):
     token_logprobs          logprobs._token_logprobs_tile       the row forward (B T V)
     softmax_dlogits         _lmhead.softmax_dlogits_tile        the elementwise dlogits kernels, timed fwd+bwd (B T V)
     fused_token_logprobs    logprobs._fused_token_logprobs_tile the fused forward (N H V)
+    lmhead_forward_rows     logprobs._lmhead_forward_rows       rows per GEMM of the GEMM-then-rows forward, 0 the
+                                                                fused kernel (N H V)
     fused_full_kl           kl._full_kl_tile                    the fused full-KL forward (N H V)
     lmhead_backward         _lmhead.bwd_chunk_cols              vocabulary columns per backward chunk, fwd+bwd (N H V)
     fused_ppo_policy_loss   ppo_loss._ppo_loss_tile             token chunk and row kernel, fwd+bwd (N H V)
@@ -33,14 +35,16 @@ import os
 import sys
 from typing import NamedTuple
 
-TARGETS = ("token_logprobs", "softmax_dlogits", "fused_token_logprobs", "fused_full_kl", "lmhead_backward",
-           "fused_ppo_policy_loss", "kl_penalty", "gae")
+TARGETS = ("token_logprobs", "softmax_dlogits", "fused_token_logprobs", "lmhead_forward_rows", "fused_full_kl",
+           "lmhead_backward", "fused_ppo_policy_loss", "kl_penalty", "gae")
 ALWAYS_BACKWARD = ("softmax_dlogits", "lmhead_backward", "fused_ppo_policy_loss")
 DEFAULT_SHAPES = {"token_logprobs": (16, 512, 128256), "softmax_dlogits": (16, 512, 128256),
-                  "fused_token_logprobs": (8192, 4096, 128256), "fused_full_kl": (4096, 4096, 128256),
+                  "fused_token_logprobs": (8192, 4096, 128256), "lmhead_forward_rows": (8192, 4096, 128256),
+                  "fused_full_kl": (4096, 4096, 128256),
                   "lmhead_backward": (8192, 4096, 128256), "fused_ppo_policy_loss": (8192, 4096, 128256),
                   "kl_penalty": (512, 4096), "gae": (512, 4096)}
 SMOKE_SHAPES = {"token_logprobs": (2, 5, 97), "softmax_dlogits": (2, 5, 97), "fused_token_logprobs": (24, 40, 97),
+                "lmhead_forward_rows": (24, 40, 97),
                 "fused_full_kl": (16, 32, 97), "lmhead_backward": (24, 40, 97), "fused_ppo_policy_loss": (20, 32, 97),
                 "kl_penalty": (3, 50), "gae": (3, 37)}
 
@@ -51,6 +55,26 @@ class Problem(NamedTuple):
     default: object  # the tile the tile function picks at this shape
     grid: list  # the GPU candidates
     backward: bool  # whether the timed call includes the backward (GAE never does)
+
+
+def candidate_grid(target: str) -> list:
+    """The GPU candidates swept for ``target``: tiles of its tile function's type (lmhead_backward:
+    vocabulary columns per chunk). Needs no device: bench/sm90_compile.py compiles them on a CPU."""
+    if target == "lmhead_backward":
+        return [1024, 2048, 4096, 8192, 16384, 32768]
+    if target == "lmhead_forward_rows":  # 0: the fused kernel; else [rows, V] fp32 logits a GEMM
+        return [0, 256, 512, 1024, 2048, 4096]
+    C, G, P = (importlib.import_module(f"fastppo.kernels.{m}") for m in ("_lmhead", "gae", "ppo_loss"))
+    tile_type, axes = {  # one tuple of values per field of the tile, every combination a candidate
+        "token_logprobs": (C.RowTile, ((1024, 2048, 4096, 8192), (4, 8, 16))),
+        "softmax_dlogits": (C.RowTile, ((256, 512, 1024, 2048, 4096), (2, 4, 8))),
+        "kl_penalty": (C.RowTile, ((256, 512, 1024, 2048, 4096), (2, 4, 8))),
+        "gae": (G.GAETile, ((1, 2, 4, 8), (128, 256, 512, 1024, 2048), (2, 4, 8))),
+        "fused_full_kl": (C.LMHeadTile, ((64, 128), (64, 128), (32, 64), (4, 8), (2, 3))),
+        "fused_ppo_policy_loss": (P.PPOLossTile, ((256, 512, 1024, 2048, 4096), (2048, 4096, 8192), (8, 16))),
+        "fused_token_logprobs": (C.LMHeadTile, ((64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4))),
+    }[target]
+    return [tile_type(*values) for values in itertools.product(*axes)]
 
 
 def problem(target: str, shape, device: str, backward: bool) -> Problem:
@@ -73,11 +97,9 @@ def problem(target: str, shape, device: str, backward: bool) -> Problem:
         run = lambda fn: fn(logits, index, 1.0, return_entropy=True)  # noqa: E731
         fn, ref_fn = L.token_logprobs, L.token_logprobs_reference
         if target == "token_logprobs":
-            default, grid = L._token_logprobs_tile(shape[-1], dev), [C.RowTile(*c) for c in itertools.product(
-                (1024, 2048, 4096, 8192), (4, 8, 16))]
+            default = L._token_logprobs_tile(shape[-1], dev)
         else:
-            default, grid = C.softmax_dlogits_tile(shape[-1], dev), [C.RowTile(*c) for c in itertools.product(
-                (256, 512, 1024, 2048, 4096), (2, 4, 8))]
+            default = C.softmax_dlogits_tile(shape[-1], dev)
     elif target in ("kl_penalty", "gae"):
         x, y = torch.randn(shape, device=device), torch.randn(shape, device=device)
         if target == "kl_penalty":
@@ -86,15 +108,13 @@ def problem(target: str, shape, device: str, backward: bool) -> Problem:
             inputs = (x,)
             run = lambda fn: fn(x, y, "k3")  # noqa: E731
             fn, ref_fn = K.kl_penalty, K.kl_penalty_reference
-            default, grid = K._kl_penalty_tile(dev), [C.RowTile(*c) for c in itertools.product(
-                (256, 512, 1024, 2048, 4096), (2, 4, 8))]
+            default = K._kl_penalty_tile(dev)
         else:
             backward = False  # targets, never differentiated
             mask = torch.rand(shape, device=device) > 0.1
             run = lambda fn: fn(x, y, mask, 0.99, 0.95)  # noqa: E731
             fn, ref_fn = G.gae, G.gae_reference
-            default, grid = G._gae_tile(*shape, dev), [G.GAETile(*c) for c in itertools.product(
-                (1, 2, 4, 8), (128, 256, 512, 1024, 2048), (2, 4, 8))]
+            default = G._gae_tile(*shape, dev)
     else:
         n, h, v = shape
         hidden = torch.randn(n, h, device=device, dtype=dtype).requires_grad_(backward)
@@ -105,29 +125,25 @@ def problem(target: str, shape, device: str, backward: bool) -> Problem:
             ref_hidden, ref_weight = hidden.detach() + 0.1 * torch.randn_like(hidden), weight.detach()
             run = lambda fn: fn(hidden, weight, ref_hidden, ref_weight, 1.0)  # noqa: E731
             fn, ref_fn = K.fused_full_kl, K.fused_full_kl_reference
-            default, grid = K._full_kl_tile(dtype, dev), [C.LMHeadTile(*c) for c in itertools.product(
-                (64, 128), (64, 128), (32, 64), (4, 8), (2, 3))]
+            default = K._full_kl_tile(dtype, dev)
         elif target == "fused_ppo_policy_loss":
             with torch.no_grad():
                 old = L.fused_token_logprobs(hidden, weight, index) + 0.2 * torch.randn(n, device=device)
             adv, mask = torch.randn(n, device=device), torch.rand(n, device=device) > 0.1
             run = lambda fn: fn(hidden, weight, index, old, adv, mask, 0.2, 0.01).loss  # noqa: E731
             fn, ref_fn = P.fused_ppo_policy_loss, P.fused_ppo_policy_loss_reference
-            default, grid = P._ppo_loss_tile(n, v, dev), [P.PPOLossTile(*c) for c in itertools.product(
-                (256, 512, 1024, 2048, 4096), (2048, 4096, 8192), (8, 16))]
-        else:  # fused_token_logprobs, lmhead_backward
+            default = P._ppo_loss_tile(n, v, dev)
+        else:  # fused_token_logprobs, lmhead_forward_rows, lmhead_backward
             run = lambda fn: fn(hidden, weight, index, 1.0, return_entropy=True)  # noqa: E731
             fn, ref_fn = L.fused_token_logprobs, L.fused_token_logprobs_reference
-            if target == "fused_token_logprobs":
-                default, grid = L._fused_token_logprobs_tile(dtype, dev), [C.LMHeadTile(*c) for c in itertools.product(
-                    (64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4))]
-            else:
-                default, grid = C.bwd_chunk_cols(n, v, dev), [1024, 2048, 4096, 8192, 16384, 32768]
+            default = {"fused_token_logprobs": lambda: L._fused_token_logprobs_tile(dtype, dev),
+                       "lmhead_forward_rows": lambda: L._lmhead_forward_rows(n, v, dev),
+                       "lmhead_backward": lambda: C.bwd_chunk_cols(n, v, dev)}[target]()
 
     def with_grad(out):
         return torch.autograd.grad(outputs_sum(out), inputs) if backward else out
 
-    return Problem(lambda: with_grad(run(fn)), with_grad(run(ref_fn)), default, grid,
+    return Problem(lambda: with_grad(run(fn)), with_grad(run(ref_fn)), default, candidate_grid(target),
                    backward or target in ALWAYS_BACKWARD)
 
 
@@ -135,6 +151,8 @@ def smoke_candidates(target: str, default) -> list:
     """The default and one variant, each quick under the interpreter."""
     if target == "lmhead_backward":
         return [default, 32]
+    if target == "lmhead_forward_rows":  # the fused kernel, then 5 rows a GEMM (several chunks at N 24)
+        return [default, 5]
     if target in ("fused_token_logprobs", "fused_full_kl"):
         return [default, default._replace(block_v=32 if default.block_v != 32 else 16)]
     if target == "gae":
