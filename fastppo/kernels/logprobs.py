@@ -24,6 +24,11 @@ split over several programs when there are too few row blocks to fill the
 GPU; the [splits, N] states are merged by ``_lmhead.merge_splits``. The
 backward is ``_lmhead.vocab_chunked_backward`` (L6) with this module's
 elementwise dlogits kernel: why chunked over V and not fused is written there.
+A candidate forward, off unless the tile ``lmhead_forward_rows`` is set
+(``bench/tune.py``), does as the backward does: the fp32 logits of a few
+hundred rows at a time by one GEMM, then ``token_logprobs``'s row kernel over
+them (``_gemm_rows_forward``); an H200 measured the fused forward at 2.1-2.9x
+its GEMM, so the next GPU decides between them.
 
 Without Triton (CPU tensors, and fp64 calls whose scalars fp32 cannot hold:
 ``_common.use_triton``), ``fused_token_logprobs`` takes the chunked PyTorch
