@@ -33,9 +33,9 @@ import pytest
 import torch
 
 import peers
-from benchutil import GEMM_ROWS, HEADLINE_LM_HEAD, assert_agrees, bench_dtype, dtype_name, gemm_floor, with_backward
+from benchutil import HEADLINE_LM_HEAD, assert_agrees, bench_dtype, dtype_name, gemm_floor, gemm_rows_forward
+from benchutil import with_backward
 from fastppo.kernels import fused_token_logprobs, token_logprobs, token_logprobs_reference
-from fastppo.kernels._common import override_tile
 
 ENTROPY = pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no-entropy"])
 PASSES = pytest.mark.parametrize("passes", ["fwd", "fwd+bwd"])
@@ -119,7 +119,7 @@ FUSED_IMPLS = ["reference", "reference torch.compile", "fastppo triton", "fastpp
 
 def _gemm_rows_fused_token_logprobs(*args, **kwargs):
     """``fused_token_logprobs`` with its forward's GEMM-then-rows candidate (``bench/tune.py lmhead_forward_rows``)."""
-    with override_tile("lmhead_forward_rows", GEMM_ROWS):
+    with gemm_rows_forward():
         return fused_token_logprobs(*args, **kwargs)
 
 

@@ -12,6 +12,7 @@ The shapes every case runs at live here, in one table per mode:
 """
 from __future__ import annotations
 
+import contextlib
 import platform
 import statistics
 import time
@@ -28,6 +29,18 @@ HEADLINE_LOGITS = (16, 512, 128256)  # [B, T, V]: N = 8192 tokens
 # Rows per GEMM of fused_token_logprobs's GEMM-then-rows forward candidate when a bench times it beside the fused
 # kernel: [512, V] fp32 logits, 250 MiB at V 128,256.
 GEMM_ROWS = 512
+
+
+@contextlib.contextmanager
+def gemm_rows_forward():
+    """Inside the block, fused_token_logprobs's forward is the GEMM-then-rows candidate, GEMM_ROWS rows a GEMM."""
+    # imported here: conftest imports this module before --smoke sets TRITON_INTERPRET, which Triton reads when
+    # fastppo.kernels is first imported
+    from fastppo.kernels._common import override_tile
+
+    with override_tile("lmhead_forward_rows", GEMM_ROWS):
+        yield
+
 
 SHAPES = {
     # fused_token_logprobs: (N, H, V)

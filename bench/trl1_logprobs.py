@@ -29,9 +29,8 @@ import time
 
 import torch
 
-from benchutil import GEMM_ROWS
+from benchutil import gemm_rows_forward
 from fastppo.kernels import fused_token_logprobs
-from fastppo.kernels._common import override_tile
 
 
 def _trl_seam():
@@ -58,7 +57,7 @@ def implementations(device: torch.device, chunk: int):
     impls = {"fastppo": fastppo, f"trl {version}": trl}
     if device.type == "cuda":
         def fastppo_gemm_rows(h, w, idx):  # the forward's GEMM-then-rows candidate
-            with override_tile("lmhead_forward_rows", GEMM_ROWS):
+            with gemm_rows_forward():
                 return fastppo(h, w, idx)
 
         impls["fastppo gemm+rows"] = fastppo_gemm_rows

@@ -299,6 +299,31 @@ def test_gemm_rows_forward_matches_materialised(triton_device, lead_shape, hdim,
     assert len(row_launches) == math.ceil(math.prod(lead_shape) / rows) and not fused_launches
 
 
+def test_gemm_rows_forward_takes_any_layout_ignored_rows_and_autocast(triton_device):
+    # A strided hidden (every other column of a wider one), a tied head read through its transpose, an index with
+    # ignored rows and an offset view, with and without bf16 autocast: the candidate gives the fused kernel's
+    # values and gradients, and ignored rows hold 0 and pass no gradient.
+    wide = torch.randn(7, 40, device=triton_device)
+    emb = torch.randn(20, 53, device=triton_device)
+    index = torch.randint(0, 53, (9,), device=triton_device)[2:]
+    index[[1, 4]] = -100
+    for autocast in (False, True):
+        results = []
+        for rows in (0, 3):  # the fused kernel, then the candidate
+            hidden = wide.clone().requires_grad_()
+            weight = emb.clone().requires_grad_()
+            with override_tile("lmhead_forward_rows", rows), \
+                    torch.autocast(triton_device.type, dtype=torch.bfloat16, enabled=autocast):
+                lp, ent = fused_token_logprobs(hidden[:, ::2], weight.T, index, 0.8, return_entropy=True)
+            grads = torch.autograd.grad((lp * torch.linspace(-1, 1, 7)).sum() + ent.sum(), (hidden, weight))
+            results.append((lp, ent, *grads))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        lp, ent, grad_h, _ = results[1]
+        assert lp[[1, 4]].eq(0).all() and ent[[1, 4]].eq(0).all() and grad_h[[1, 4]].eq(0).all()
+        assert grad_h.abs().sum() > 0
+
+
 def test_gemm_rows_forward_leaves_what_it_cannot_do_to_the_fused_kernel(triton_device):
     # The statistics beyond log-probs and entropy, and a soft cap, are the fused kernel's alone.
     hidden = torch.randn(6, 16, device=triton_device)
