@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (at most ~545 s): install, the kernel tests on CUDA, the quick kernel benches, TRL 1.x's chunked
-# LM head at the headline shapes, end to end beside TRL 0.26 at SmolLM2-135M's and Qwen2.5-0.5B's shapes, a
-# profile of fastppo's update, GRPO beside TRL 1.16, an optional tile sweep, and a summary table printed last.
+# LM head at the headline shapes, a profile of fastppo's update, GRPO beside TRL 1.16, end to end beside TRL 0.26
+# at SmolLM2-135M's and Qwen2.5-0.5B's shapes, an optional tile sweep, and a summary table printed last.
 # Every stage runs under `timeout -s INT` (pytest then still writes its junit/benchmark JSON and summary), so
 # logs always come back under $OUT, at most 8 files there:
 #   call1.log (everything printed), tests.xml (junit), bench.json (pytest-benchmark), trl1.json, e2e-smollm2.json,
@@ -15,11 +15,13 @@
 # generation_config (SmolLM2-135M-Instruct's; Qwen2.5-0.5B's config with SmolLM2's tokenizer); the models are built
 # there with seeded random weights (e2e_common.smollm2_shaped_dir): same shapes, same work per token.
 #
-# Knobs (environment): BUDGET (545 s in all), TEST_WORKERS (16), TEST_SECONDS (80), BENCH_SECONDS (130),
-# TRL1_SECONDS (35), E2E_SECONDS (130), E2E05_SECONDS (150), PROFILE_SECONDS (60), GRPO_SECONDS (60),
-# TUNE_SECONDS (0), BENCH_K (pytest -k for the benches; default leaves out the torch.compile peers, whose compiles
-# alone would fill the stage, and the CPU cases), E2E_IMPLS / E2E05_IMPLS (fastppo,trl), E2E_LENGTH (53),
-# TUNE_FUSED_SHAPE ("4096 4096 128256"). A stage gets what the budget has left, so the later ones may be skipped.
+# Knobs (environment): BUDGET (545 s in all), TEST_WORKERS (16), TEST_SECONDS (80), TEST_FILES and TEST_K (the
+# kernel test stage's files and pytest -k), BENCH_SECONDS (130), TRL1_SECONDS (35), PROFILE_SECONDS (60),
+# GRPO_SECONDS (60), GRPO_ITERATIONS (6), GRPO_SIDES (fastppo,trl), E2E_SECONDS (130), E2E05_SECONDS (150),
+# TUNE_SECONDS (0, per sweep), TUNE_TARGETS ("lmhead_backward fused_token_logprobs"), BENCH_K (pytest -k for the
+# benches; default leaves out the torch.compile peers, whose compiles alone would fill the stage, and the CPU
+# cases), E2E_IMPLS / E2E05_IMPLS (fastppo,trl), E2E_LENGTH (53), TRL1_SHAPES (both V), TUNE_FUSED_SHAPE
+# ("4096 4096 128256"). A stage gets what the budget has left, so the later ones may be skipped.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -104,9 +106,12 @@ except RuntimeError as e:
   stage "$(cap 45 400)" tests-findings python3 -m pytest tests/test_fp64_dispatch.py tests/test_masking.py \
     "tests/test_kl.py::test_fused_full_kl_large_magnitude" \
     -q -rfEs "${tmo[@]}" -p no:cacheprovider --junitxml="$WORK/tests-findings.xml"
-  stage "$(cap "${TEST_SECONDS:-80}" 320)" tests python3 -m pytest tests/test_lmhead.py \
+  local test_k=()
+  [ -n "${TEST_K:-}" ] && test_k=(-k "$TEST_K")
+  # shellcheck disable=SC2086
+  stage "$(cap "${TEST_SECONDS:-80}" 320)" tests python3 -m pytest ${TEST_FILES:-tests/test_lmhead.py \
     tests/test_logprobs.py tests/test_logprobs_options.py tests/test_kl.py tests/test_ppo_loss.py tests/test_gae.py \
-    tests/test_stats.py tests/test_policy_loss_options.py \
+    tests/test_stats.py tests/test_policy_loss_options.py} "${test_k[@]}" \
     -q -rfEs "${tmo[@]}" "${xdist[@]}" -p no:cacheprovider --junitxml="$OUT/tests.xml"
 
   # ------------------------------------------------------------------ c. quick kernel benches
@@ -119,12 +124,26 @@ except RuntimeError as e:
 
   # ------------------------------------------------------------------ d. TRL 1.x's chunked LM head, headline shapes
   if [ -d .trl1 ]; then
+    # shellcheck disable=SC2086
     PYTHONPATH=$PWD/.trl1:$PYTHONPATH stage "$(cap "${TRL1_SECONDS:-35}" 135)" trl1-lmhead python3 \
-      bench/trl1_logprobs.py --shape 8192 4096 128256 --shape 8192 4096 151936 --dtype bf16 --rounds 5 \
+      bench/trl1_logprobs.py ${TRL1_SHAPES:---shape 8192 4096 128256 --shape 8192 4096 151936} --dtype bf16 --rounds 5 \
       --json "$OUT/trl1.json" | tee "$WORK/trl1.log"
   fi
 
-  # ------------------------------------------------------------------ e. end to end beside TRL 0.26, bf16 both
+  # ------------------------------------------------------------------ e. where the update's GPU time goes
+  # The eager sampler: the profiled steps are the update's, and it spares the decode's compile.
+  FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/smollm2-shape stage "$(cap "${PROFILE_SECONDS:-60}" 5)" profile-update \
+    python3 bench/profile_update.py --model smollm2 --variant fastppo-eager --rows 25 | tee "$WORK/profile.log"
+
+  # ------------------------------------------------------------------ f. GRPO beside TRL 1.16's GRPOTrainer
+  if [ -d .trl1 ]; then
+    FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/smollm2-shape stage "$(cap "${GRPO_SECONDS:-60}" 5)" grpo \
+      python3 bench/grpo_baseline.py --rounds 1 --iterations "${GRPO_ITERATIONS:-6}" --betas 0 \
+      --sides "${GRPO_SIDES:-fastppo,trl}" --prompts_per_step 8 --num_generations 8 --max_completion_length 64 \
+      --json "$WORK/grpo.json" | tee "$WORK/grpo.log"
+  fi
+
+  # ------------------------------------------------------------------ g. end to end beside TRL 0.26, bf16 both
   local e2e=(--model smollm2 --per_device_train_batch_size 16 --gradient_accumulation_steps 1 --num_ppo_epochs 4
     --learning_rate 3e-6 --temperature 0.7 --stop_on_eos true --missing_eos_penalty 1.0 --iterations 2
     --warmup_iterations 1 --threads 0 --local_rollout_forward_batch_size 16 --response_length "${E2E_LENGTH:-53}")
@@ -135,24 +154,18 @@ except RuntimeError as e:
     python3 bench/trl_baseline.py "${e2e[@]}" --impl "${E2E05_IMPLS:-fastppo,trl}" --json "$OUT/e2e-qwen05.json" \
     | tee "$WORK/e2e-qwen05.log"
 
-  # ------------------------------------------------------------------ f. where the update's GPU time goes
-  # The eager sampler: the profiled steps are the update's, and it spares the decode's compile.
-  FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/smollm2-shape stage "$(cap "${PROFILE_SECONDS:-60}" 5)" profile-update \
-    python3 bench/profile_update.py --model smollm2 --variant fastppo-eager --rows 25 | tee "$WORK/profile.log"
-
-  # ------------------------------------------------------------------ g. GRPO beside TRL 1.16's GRPOTrainer
-  if [ -d .trl1 ]; then
-    FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/smollm2-shape stage "$(cap "${GRPO_SECONDS:-60}" 5)" grpo \
-      python3 bench/grpo_baseline.py --rounds 1 --iterations 5 --betas 0 --sides fastppo,trl | tee "$WORK/grpo.log"
-  fi
-
   # ------------------------------------------------------------------ h. tile sweeps (each to its own JSON)
+  # TUNE_TARGETS: which sweeps, in order, each given what TUNE_SECONDS and the budget leave (the fused forward
+  # at TUNE_FUSED_SHAPE, every other target at its own default shape).
   if [ "${TUNE_SECONDS:-0}" -gt 0 ]; then
-    stage "$(cap 40 40)" tune-lmhead_backward python3 bench/tune.py lmhead_backward --repeats 10 \
-      --out "$WORK/tune_lmhead_backward.json"
-    # shellcheck disable=SC2086
-    stage "$(cap "$TUNE_SECONDS" 8)" tune-fused_token_logprobs python3 bench/tune.py fused_token_logprobs \
-      --shape ${TUNE_FUSED_SHAPE:-4096 4096 128256} --repeats 10 --out "$WORK/tune_fused_token_logprobs.json"
+    local target shape
+    for target in ${TUNE_TARGETS:-lmhead_backward fused_token_logprobs}; do
+      shape=()
+      # shellcheck disable=SC2206
+      [ "$target" = fused_token_logprobs ] && shape=(--shape ${TUNE_FUSED_SHAPE:-4096 4096 128256})
+      stage "$(cap "$TUNE_SECONDS" 8)" "tune-$target" python3 bench/tune.py "$target" "${shape[@]}" --repeats 10 \
+        --out "$WORK/tune_$target.json"
+    done
   fi
 }
 
@@ -217,7 +230,7 @@ for target, res in merged.get("targets", {}).items():
               f"{sum('error' in r for r in res['rows'])} of {len(res['rows'])} failed")
 # a sweep cut off by its timeout wrote no JSON: its candidates from the log
 log = open(f"{out}/call1.log", errors="replace").read() if os.path.exists(f"{out}/call1.log") else ""
-for target in ("lmhead_backward", "fused_token_logprobs"):
+for target in os.environ.get("TUNE_TARGETS", "lmhead_backward fused_token_logprobs").split():
     if target not in merged.get("targets", {}):
         rows = re.findall(rf"^  {target} (.+?): ([0-9.]+) ms$", log, flags=re.M)
         if rows:

@@ -88,6 +88,7 @@ class GRPOCase:
     epsilon: float = 0.2  # TRL's epsilon = fastppo's cliprange
     seed: int = 0
     threads: int = 0  # torch.set_num_threads in the child; 0: torch's default on both sides
+    device: str = "cpu"  # "cpu": fp32 on both sides; "cuda": bf16 autocast over fp32 weights on both (TRL's GPU default)
 
     @property
     def completions_per_step(self) -> int:
@@ -95,7 +96,8 @@ class GRPOCase:
 
     def describe(self) -> str:
         model = "SmolLM2-135M-Instruct" if self.model == "smollm2" else "the embedded tiny Llama"
-        return (f"{model} fp32 on the CPU, {self.iterations} iterations x {self.completions_per_step} completions "
+        precision = "fp32 on the CPU" if self.device == "cpu" else "fp32 weights, bf16 autocast, on the GPU"
+        return (f"{model} {precision}, {self.iterations} iterations x {self.completions_per_step} completions "
                 f"({self.prompts_per_step} prompts x k={self.num_generations}), max_completion_length "
                 f"{self.max_completion_length}, T {self.temperature}, lr {self.learning_rate:g} (linear decay), "
                 f"beta {self.beta:g}, epsilon {self.epsilon:g}, seed {self.seed}, threads "
@@ -211,21 +213,22 @@ def build_fastppo(case: GRPOCase, output_dir: str, side: str, clock: Clock):
         stop_token="eos",
         max_steps=case.iterations,
         gradient_checkpointing=False,
-        bf16=False,
-        use_cpu=True,
+        bf16=case.device == "cuda",
+        use_cpu=case.device == "cpu",
         save_strategy="no",
         logging_steps=1,
         num_sample_generations=0,
         report_to="none",
         disable_tqdm=True,
         seed=case.seed,
-        compiled_decode=False,  # its CPU default, said explicitly
+        compiled_decode=case.device == "cuda",  # each device's default, said explicitly
         **FASTPPO_VARIANTS[side],
     )
     trainer = PPOTrainer(args=config, model=model_path(case), reward_model=minus_word_count,
                          train_dataset=_dataset(case), callbacks=[_callback(clock)])
     settings = {
-        "generation": "fastppo's own sampler (eager decode loop over the KV cache)",
+        "generation": ("fastppo's own sampler, the decode step compiled over a static KV cache (CUDA graphs)"
+                       if config.compiled_decode else "fastppo's own sampler (eager decode loop over the KV cache)"),
         "padding_free": config.padding_free,
         "old log-prob forward": ("yes (a no-grad scoring forward every iteration)" if not old_logprobs_in_update(config)
                                  else "no (on-policy: old = the update's detached current, old_logprobs_in_update)"),
@@ -234,8 +237,9 @@ def build_fastppo(case: GRPOCase, output_dir: str, side: str, clock: Clock):
         "max_grad_norm": config.max_grad_norm,
         "optim": str(getattr(config.optim, "value", config.optim)),
         "loss": "masked token mean over the batch (one process, one micro-batch: TRL's dapo)",
-        "log-probs": "PyTorch reference path on CPU tensors (the LM head's logits materialised; fastppo's Triton "
-                     "kernels run on CUDA)",
+        "log-probs": ("fused Triton kernels (log-probs and entropy from the hidden states, no [tokens x vocab] "
+                      "logits)" if case.device == "cuda" else "PyTorch reference path on CPU tensors (the LM head's "
+                      "logits materialised; fastppo's Triton kernels run on CUDA)"),
     }
     return trainer, settings
 
@@ -261,8 +265,9 @@ def build_trl(case: GRPOCase, output_dir: str, side: str, clock: Clock):
         scale_rewards="group",
         max_steps=case.iterations,
         gradient_checkpointing=False,
-        bf16=False,  # TRL's default is True (bf16 autocast, also on a CPU): fp32 like fastppo's CPU default
-        use_cpu=True,
+        # TRL's default is True (bf16 autocast, also on a CPU): on the CPU fp32 like fastppo's CPU default
+        bf16=case.device == "cuda",
+        use_cpu=case.device == "cpu",
         save_strategy="no",
         eval_strategy="no",
         logging_steps=1,
@@ -332,6 +337,8 @@ def child(side: str, case: GRPOCase) -> dict:
     _preimport(PREIMPORTS[kind])
     t_imported = time.time()
     memory = PeakMemory()
+    if case.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     clock = Clock()
     extra_s: dict = {}
     with tempfile.TemporaryDirectory(prefix=f"grpo-{side}-") as out:
@@ -370,6 +377,7 @@ def child(side: str, case: GRPOCase) -> dict:
         "iteration_s": iteration_s,
         "extra_s": extra_s,
         "peak_rss_delta_bytes": rss_delta,
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated() if case.device == "cuda" else None,
         "child_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "reward_mean": [c["mean"] for c in REWARD_CALLS],
         "completion_length_mean": [c["mean_length"] for c in REWARD_CALLS],
@@ -477,24 +485,27 @@ def format_report(results: dict[str, dict[str, list[dict]]], case: GRPOCase) -> 
         lines += [f"### {key} ({n} round{'s' if n > 1 else ''}, medians)", "",
                   "| side | process wall s | vs TRL | start + imports s | build s | train() s | loop s | vs TRL "
                   "| s/iteration (after the 1st) | fastppo final save+plot s | process peak RSS MiB | vs TRL "
-                  "| peak RSS above imports MiB | reward first -> last | mean completion tokens |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| peak RSS above imports MiB | peak CUDA MiB | vs TRL | reward first -> last | mean completion tokens |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         trl = by_side.get("trl") or []
         trl_wall = _med(trl, "process_wall_s") if trl else None
         trl_rss = _med(trl, "process_maxrss_bytes") if trl else None
         trl_loop = _med(trl, "loop_s") if trl else None
+        trl_cuda = _med(trl, "cuda_peak_bytes") if trl else None
         for side in sides:
             runs = by_side[side]
             wall, loop, rss = (_med(runs, k) for k in ("process_wall_s", "loop_s", "process_maxrss_bytes"))
             rewards = [statistics.mean(col) for col in zip(*[r["reward_mean"] for r in runs])]
             lengths = [x for r in runs for x in r["completion_length_mean"] if x is not None]
             save = statistics.median(sum(r["extra_s"].values()) for r in runs)
+            cuda = _med(runs, "cuda_peak_bytes")
             cells = [
                 side, f"{wall:.1f}", _ratio(side, trl_wall, wall, "x"), f"{_med(runs, 'startup_to_imports_s'):.1f}",
                 f"{_med(runs, 'build_s'):.1f}", f"{_med(runs, 'train_call_s'):.1f}", f"{loop:.1f}",
                 _ratio(side, trl_loop, loop, "x"), f"{statistics.median(_per_iteration(r) for r in runs):.2f}",
                 "–" if side == "trl" else f"{save:.2f}", _mib(rss), _ratio(side, rss, trl_rss, ""),
-                _mib(_med(runs, "peak_rss_delta_bytes")), f"{rewards[0]:+.2f} -> {rewards[-1]:+.2f}",
+                _mib(_med(runs, "peak_rss_delta_bytes")), _mib(cuda), _ratio(side, cuda, trl_cuda, ""),
+                f"{rewards[0]:+.2f} -> {rewards[-1]:+.2f}",
                 f"{statistics.mean(lengths):.1f}" if lengths else "–",
             ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -540,6 +551,13 @@ def _parse(argv=None):
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, from {', '.join(SIDES)}")
     p.add_argument("--model", choices=("smollm2", "embedded"), default="smollm2")
     p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0: torch's default)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when a GPU is visible (bf16 autocast on both sides), else cpu (fp32 on both)")
+    defaults = GRPOCase()
+    p.add_argument("--num_generations", type=int, default=defaults.num_generations, help="k completions per prompt")
+    p.add_argument("--prompts_per_step", type=int, default=defaults.prompts_per_step,
+                   help=f"prompts per optimizer step (at most {len(CHAT_PROMPTS)}, the prompt set's size)")
+    p.add_argument("--max_completion_length", type=int, default=defaults.max_completion_length)
     p.add_argument("--smoke", action="store_true",
                    help="the embedded tiny model, 1 iteration, 1 round, beta 0, fastppo and trl: checks the bench runs")
     p.add_argument("--json", help="write the raw results here")
@@ -563,7 +581,17 @@ def main(argv=None) -> None:
     if "trl" in sides and not os.path.isfile(os.path.join(trl1_dir(), "trl", "__init__.py")):
         raise SystemExit(f"TRL 1.x is missing at {trl1_dir()}: "
                          ".venv/bin/pip install --no-deps --target .trl1 trl==1.16.0")
-    cases = [GRPOCase(model=args.model, iterations=args.iterations, beta=float(b), threads=args.threads)
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not 1 <= args.prompts_per_step <= len(CHAT_PROMPTS):
+        raise SystemExit(f"--prompts_per_step must be in 1..{len(CHAT_PROMPTS)} (the prompt set's size), "
+                         f"got {args.prompts_per_step}")
+    cases = [GRPOCase(model=args.model, iterations=args.iterations, beta=float(b), threads=args.threads,
+                      device=device, num_generations=args.num_generations, prompts_per_step=args.prompts_per_step,
+                      max_completion_length=args.max_completion_length)
              for b in args.betas.split(",")]
     if args.model == "smollm2":
         smollm2_dir()  # converted once here, so that no child's time includes it
