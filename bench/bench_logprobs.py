@@ -17,9 +17,9 @@ Implementations (each checked against the reference on the same inputs before it
   * fused_token_logprobs: what a trainer does without the fused op (TRL, verl): bf16 logits =
     hidden @ weight.T, then ``token_logprobs_reference`` — and its ``torch.compile`` (headline
     shape only: one compile per shape costs more than the case); Liger-Kernel's fused linear
-    cross-entropy, reduction="none" (no entropy); "fastppo gemm+rows": the same op with its forward's
-    GEMM-then-rows candidate (cuBLAS logits of 512 rows at a time, then the row kernel; off by default until a GPU
-    has timed it). ``fused_token_logprobs_reference`` upcasts hidden
+    cross-entropy, reduction="none" (no entropy); "fastppo fused forward": the same op with its forward
+    the fused Triton kernel (its default on CUDA is the GEMM-then-rows forward: cuBLAS logits of up to 1,024 rows at
+    a time, then the row kernel). ``fused_token_logprobs_reference`` upcasts hidden
     and weight to fp32 first (it is the accuracy oracle), which would make the baseline needlessly
     slow. Upstream gradients are all ones for every implementation (see ``peers.liger_flce_logprobs``).
 
@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import peers
-from benchutil import HEADLINE_LM_HEAD, assert_agrees, bench_dtype, dtype_name, gemm_floor, gemm_rows_forward
+from benchutil import HEADLINE_LM_HEAD, assert_agrees, bench_dtype, dtype_name, fused_forward, gemm_floor
 from benchutil import with_backward
 from fastppo.kernels import fused_token_logprobs, token_logprobs, token_logprobs_reference
 
@@ -114,12 +114,12 @@ def test_fused_token_logprobs_cpu(measure, quick):
             device="cpu")
 
 
-FUSED_IMPLS = ["reference", "reference torch.compile", "fastppo triton", "fastppo gemm+rows", "liger flce"]
+FUSED_IMPLS = ["reference", "reference torch.compile", "fastppo triton", "fastppo fused forward", "liger flce"]
 
 
-def _gemm_rows_fused_token_logprobs(*args, **kwargs):
-    """``fused_token_logprobs`` with its forward's GEMM-then-rows candidate (``bench/tune.py lmhead_forward_rows``)."""
-    with gemm_rows_forward():
+def _fused_forward_token_logprobs(*args, **kwargs):
+    """``fused_token_logprobs`` with its forward the fused Triton kernel (``bench/tune.py lmhead_forward_rows`` 0)."""
+    with fused_forward():
         return fused_token_logprobs(*args, **kwargs)
 
 
@@ -134,7 +134,7 @@ def _fused_impl(impl, device, shape, hidden, weight, index, entropy):
         "reference": _materialised_reference,
         "reference torch.compile": peers.compiled(_materialised_reference, device),
         "fastppo triton": fused_token_logprobs,
-        "fastppo gemm+rows": _gemm_rows_fused_token_logprobs,
+        "fastppo fused forward": _fused_forward_token_logprobs,
     }[impl]
     return lambda: op(hidden, weight, index, 1.0, return_entropy=entropy)
 

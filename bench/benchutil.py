@@ -26,19 +26,17 @@ HAS_CUDA = torch.cuda.is_available()
 # The kernels issue's headline shapes.
 HEADLINE_LM_HEAD = (8192, 4096, 128256)  # (tokens N, hidden H, vocab V)
 HEADLINE_LOGITS = (16, 512, 128256)  # [B, T, V]: N = 8192 tokens
-# Rows per GEMM of fused_token_logprobs's GEMM-then-rows forward candidate when a bench times it beside the fused
-# kernel: [512, V] fp32 logits, 250 MiB at V 128,256.
-GEMM_ROWS = 512
 
 
 @contextlib.contextmanager
-def gemm_rows_forward():
-    """Inside the block, fused_token_logprobs's forward is the GEMM-then-rows candidate, GEMM_ROWS rows a GEMM."""
+def fused_forward():
+    """Inside the block, fused_token_logprobs's forward is the fused Triton kernel (on CUDA its default is the
+    GEMM-then-rows forward: the fused one is timed beside it)."""
     # imported here: conftest imports this module before --smoke sets TRITON_INTERPRET, which Triton reads when
     # fastppo.kernels is first imported
     from fastppo.kernels._common import override_tile
 
-    with override_tile("lmhead_forward_rows", GEMM_ROWS):
+    with override_tile("lmhead_forward_rows", 0):
         yield
 
 

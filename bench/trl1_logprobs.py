@@ -11,11 +11,12 @@ against a float64 run first:
 
 * ``fastppo``: ``fused_token_logprobs(..., outputs=("logprobs", "entropy"))`` (on a CPU the chunked PyTorch path
   of ``fastppo/kernels/_lmhead.py``, no [N, V] logits; it was the reference path, fp32 logits of the whole batch,
-  when bench/RESULTS.md's first table of this script was measured; on CUDA the fused Triton kernel);
+  when bench/RESULTS.md's first table of this script was measured; on CUDA the GEMM-then-rows forward and the
+  chunked backward, since the third lease; the fused Triton forward before it);
 * ``trl``: TRL 1.x's ``_ChunkedLogProbFunction`` (chunk 4,096 × ``--chunk``; on a CPU its torch fold);
 * ``liger``: Liger-Kernel's fused linear cross-entropy, reduction "none", log-probs only (CUDA only);
-* ``fastppo gemm+rows`` (CUDA only): ``fastppo`` with its forward's GEMM-then-rows candidate
-  (``benchutil.GEMM_ROWS`` rows a GEMM).
+* ``fastppo fused forward`` (CUDA only): ``fastppo`` with its forward the fused Triton kernel (its default
+  until the third lease).
 
 Each time is the median of ``--rounds`` rounds; the floor column is the bare GEMMs (hidden @ Wᵀ forward,
 plus dlogits @ W and dlogitsᵀ @ hidden backward) at this machine's measured GEMM rate for that dtype.
@@ -29,7 +30,7 @@ import time
 
 import torch
 
-from benchutil import gemm_rows_forward
+from benchutil import fused_forward
 from fastppo.kernels import fused_token_logprobs
 
 
@@ -56,11 +57,11 @@ def implementations(device: torch.device, chunk: int):
 
     impls = {"fastppo": fastppo, f"trl {version}": trl}
     if device.type == "cuda":
-        def fastppo_gemm_rows(h, w, idx):  # the forward's GEMM-then-rows candidate
-            with gemm_rows_forward():
+        def fastppo_fused_forward(h, w, idx):  # the forward the fused Triton kernel
+            with fused_forward():
                 return fastppo(h, w, idx)
 
-        impls["fastppo gemm+rows"] = fastppo_gemm_rows
+        impls["fastppo fused forward"] = fastppo_fused_forward
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 

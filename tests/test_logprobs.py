@@ -279,7 +279,8 @@ def test_fused_partial_gradients(triton_device, return_entropy, grad_logp, grad_
                  grad_logp=grad_logp, grad_ent=grad_ent, frozen_weight=frozen_weight)
 
 
-# The GEMM-then-rows forward (``_gemm_rows_forward``, a tune.py candidate, off by default): the same five cases
+# The GEMM-then-rows forward (``_gemm_rows_forward``, CUDA's default forward, the interpreter's only when the tile
+# is set): the same five cases
 # as the fused kernel, 3 rows per GEMM so every case has several chunks and a short last one; the backward is
 # the same chunked one either way.
 @pytest.mark.parametrize(
@@ -299,6 +300,17 @@ def test_gemm_rows_forward_matches_materialised(triton_device, lead_shape, hdim,
     assert len(row_launches) == math.ceil(math.prod(lead_shape) / rows) and not fused_launches
 
 
+@pytest.mark.parametrize("vocab, acc, rows", [(128256, torch.float32, 1024), (151936, torch.float32, 832),
+                                               (256000, torch.float32, 512), (128256, torch.float64, 512),
+                                               (32000, torch.float32, 1024), (10**7, torch.float32, 64)])
+def test_gemm_rows_forward_is_cudas_default_within_512_mib_of_logits(vocab, acc, rows):
+    # At most 1,024 rows a GEMM (the H200's best), fewer where their logits would pass 512 MiB, in whole 64-row
+    # blocks and never under 64; the interpreter keeps the fused kernel.
+    assert logprobs_mod._lmhead_forward_rows(8192, vocab, torch.device("cuda"), acc) == rows
+    assert rows == 64 or rows * vocab * torch.empty(0, dtype=acc).element_size() <= 512 * 2**20
+    assert logprobs_mod._lmhead_forward_rows(8192, vocab, torch.device("cpu"), acc) == 0
+
+
 def test_gemm_rows_forward_takes_any_layout_ignored_rows_and_autocast(triton_device):
     # A strided hidden (every other column of a wider one), a tied head read through its transpose, an index with
     # ignored rows and an offset view, with and without bf16 autocast: the candidate gives the fused kernel's
@@ -315,7 +327,8 @@ def test_gemm_rows_forward_takes_any_layout_ignored_rows_and_autocast(triton_dev
             with override_tile("lmhead_forward_rows", rows), \
                     torch.autocast(triton_device.type, dtype=torch.bfloat16, enabled=autocast):
                 lp, ent = fused_token_logprobs(hidden[:, ::2], weight.T, index, 0.8, return_entropy=True)
-            grads = torch.autograd.grad((lp * torch.linspace(-1, 1, 7)).sum() + ent.sum(), (hidden, weight))
+            grads = torch.autograd.grad((lp * torch.linspace(-1, 1, 7, device=triton_device)).sum() + ent.sum(),
+                                        (hidden, weight))
             results.append((lp, ent, *grads))
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -24,11 +24,12 @@ split over several programs when there are too few row blocks to fill the
 GPU; the [splits, N] states are merged by ``_lmhead.merge_splits``. The
 backward is ``_lmhead.vocab_chunked_backward`` (L6) with this module's
 elementwise dlogits kernel: why chunked over V and not fused is written there.
-A candidate forward, off unless the tile ``lmhead_forward_rows`` is set
-(``bench/tune.py``), does as the backward does: the fp32 logits of a few
-hundred rows at a time by one GEMM, then ``token_logprobs``'s row kernel over
-them (``_gemm_rows_forward``); an H200 measured the fused forward at 2.1-2.9x
-its GEMM, so the next GPU decides between them.
+On CUDA the forward does as the backward does instead: the fp32 logits of up
+to 1,024 rows at a time by one GEMM, then ``token_logprobs``'s row kernel over
+them (``_gemm_rows_forward``); an H200 ran it 2.3x faster than the fused
+forward, whose tile reaches well under cuBLAS's rate (bench/RESULTS.md). The
+fused forward stays for the statistics the row kernel lacks (sum of squared
+probabilities, mean logit, top-1, soft cap) and for the interpreter.
 
 Without Triton (CPU tensors, and fp64 calls whose scalars fp32 cannot hold:
 ``_common.use_triton``), ``fused_token_logprobs`` takes the chunked PyTorch
@@ -235,12 +236,16 @@ def _fused_token_logprobs_tile(dtype: torch.dtype, device: torch.device) -> LMHe
     return tile_choice("fused_token_logprobs", tile)
 
 
-def _lmhead_forward_rows(n_rows: int, vocab: int, device: torch.device) -> int:
+def _lmhead_forward_rows(n_rows: int, vocab: int, device: torch.device, acc: torch.dtype) -> int:
     """Rows per chunk of ``fused_token_logprobs``'s GEMM-then-rows forward (``_gemm_rows_forward``), or 0 for the
-    fused kernel. 0 everywhere until a GPU has timed the candidate (``bench/tune.py lmhead_forward_rows``): on an
-    H200 the fused forward ran at 2.1-2.9x its one bare GEMM where TRL 1.16's chunks of cuBLAS logits ran at 1.2x
-    (bench/RESULTS.md, second lease)."""
-    return tile_choice("lmhead_forward_rows", 0)
+    fused kernel. On CUDA the GEMM-then-rows forward, 1,024 rows a chunk, at most 512 MiB of logits: on an H200
+    (bench/RESULTS.md, third lease) it took 15.3 ms where the fused kernel took 35.5 ms (N 8,192, H 4,096,
+    V 128,256, entropy; 512 rows 15.9 ms, 2,048 15.3 ms), since cuBLAS runs the GEMM near its rate and the fused
+    tile does not. Elsewhere (the interpreter) the fused kernel."""
+    if device.type != "cuda":
+        return tile_choice("lmhead_forward_rows", 0)
+    budget_rows = (512 * 2**20) // (vocab * torch.empty(0, dtype=acc).element_size())
+    return tile_choice("lmhead_forward_rows", max(64, min(1024, budget_rows // 64 * 64)))
 
 
 def _launch_token_logprobs_fwd(x2d: torch.Tensor, index: torch.Tensor, temperature: float, compute_entropy: bool):
@@ -284,7 +289,7 @@ def _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, head: HeadMa
         empty = hidden2d.new_empty(0, dtype=acc)
         return (empty, empty, *(empty if w else None for w in (want_entropy, want_sum_sq, want_mean)),
                 empty.bool() if want_top1 else None)
-    rows = _lmhead_forward_rows(n_rows, vocab, device)
+    rows = _lmhead_forward_rows(n_rows, vocab, device, acc)
     if rows > 0 and not (want_sum_sq or want_mean or want_top1 or head.has_softcap):
         logp, lse, ent = _gemm_rows_forward(hidden2d, weight, bias, index, head.temperature, want_entropy, rows)
         return logp, lse, ent, None, None, None
