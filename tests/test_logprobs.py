@@ -363,12 +363,14 @@ def test_fused_equals_token_logprobs(triton_device):
 
 
 def test_fused_tied_weight_is_read_in_place(triton_device):
-    # A tied embedding used as the LM head through a transposed view: the kernel reads its strides.
+    # A tied embedding used as the LM head through a transposed view: the fused kernel (not CUDA's default forward,
+    # so asked for) reads its strides.
     emb = torch.randn(16, 60, device=triton_device)
     weight = emb.T.requires_grad_()  # [V=60, H=16], strides (1, 60)
     hidden = torch.randn(5, 16, device=triton_device, requires_grad=True)
     index = torch.randint(0, 60, (5,), device=triton_device)
-    with recorded_launches(logprobs_mod, "_fused_token_logprobs_fwd_kernel") as launches:
+    with override_tile("lmhead_forward_rows", 0), \
+            recorded_launches(logprobs_mod, "_fused_token_logprobs_fwd_kernel") as launches:
         lp = fused_token_logprobs(hidden, weight, index)
     assert [a[3].data_ptr() for a in launches] == [emb.data_ptr()]  # the caller's storage, not a copy
     leaves = [hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()]
