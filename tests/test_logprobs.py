@@ -311,6 +311,14 @@ def test_gemm_rows_forward_is_cudas_default_within_512_mib_of_logits(vocab, acc,
     assert logprobs_mod._lmhead_forward_rows(8192, vocab, torch.device("cpu"), acc) == 0
 
 
+def test_token_logprobs_tile_at_a_large_vocabulary_on_cuda():
+    # The H200's best row tile from 65,536 columns on; below it, and in the interpreter, row_tile's.
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert logprobs_mod._token_logprobs_tile(128256, cuda) == (8192, 4)
+    assert logprobs_mod._token_logprobs_tile(49152, cuda) == logprobs_mod.row_tile(49152, cuda)
+    assert logprobs_mod._token_logprobs_tile(128256, cpu) == logprobs_mod.row_tile(128256, cpu)
+
+
 def test_gemm_rows_forward_takes_any_layout_ignored_rows_and_autocast(triton_device):
     # A strided hidden (every other column of a wider one), a tied head read through its transpose, an index with
     # ignored rows and an offset view, with and without bf16 autocast: the candidate gives the fused kernel's
