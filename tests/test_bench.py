@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,24 @@ def test_tuner_without_a_gpu_says_so():
     proc = subprocess.run([sys.executable, "bench/tune.py", "token_logprobs"], cwd=REPO, capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr
+
+
+def test_update_operator_count_sees_both_updates():
+    # Both trainers' updates are found and counted (a phase switch that never fired would count nothing), and the
+    # report's totals are the per-operator counts' sums.
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import count_update_ops
+
+    # the trainers' CPU paths, not the Triton interpreter the kernel tests run (12 s against 150)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "bench/count_update_ops.py", "--model", "embedded", "--rows", "5"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    totals = re.search(r"fastppo ([\d,]+) \(\+ [\d,]+ views\), TRL ([\d,]+)", proc.stdout)
+    assert totals, proc.stdout
+    fast, trl = (int(x.replace(",", "")) for x in totals.groups())
+    assert fast > 1000 and trl > 1000  # 4 epochs of forward, backward and optimizer steps each
+    assert proc.stdout.count("\n| ") == 2 + 5  # the header, its rule and --rows operators
+    counts = {"fastppo": {"mm": 3, "view": 9, "_local_scalar_dense": 1}, "trl": {"mm": 2, "cat": 2}}
+    text = count_update_ops.report(counts, rows=2)
+    assert "fastppo 4 (+ 9 views), TRL 4 (+ 0 views), fastppo / TRL 1.00" in text and "fastppo 1, TRL 0" in text
