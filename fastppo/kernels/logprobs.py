@@ -224,9 +224,8 @@ def _token_logprobs_tile(n_cols: int, device: torch.device) -> RowTile:
     """The row forward kernel of ``token_logprobs``: on CUDA at a large vocabulary, 8,192 columns a tile over 4
     warps, 1.15x faster than ``row_tile``'s [4,096, 8] on an H200 at [16, 512, 128,256] bf16, the best of 12 tiles
     (bench/RESULTS.md, third lease; 96 registers, no spills)."""
-    if device.type == "cuda" and n_cols >= 65536:
-        return tile_choice("token_logprobs", RowTile(8192, 4))
-    return tile_choice("token_logprobs", row_tile(n_cols, device))
+    large = device.type == "cuda" and n_cols >= 65536
+    return tile_choice("token_logprobs", RowTile(8192, 4) if large else row_tile(n_cols, device))
 
 
 # The fused forward's CUDA tiles by dtype, 16-bit for any other (not tuned on a GPU yet).
@@ -246,10 +245,11 @@ def _lmhead_forward_rows(n_rows: int, vocab: int, device: torch.device, acc: tor
     (bench/RESULTS.md, third lease) it took 15.3 ms where the fused kernel took 35.5 ms (N 8,192, H 4,096,
     V 128,256, entropy; 512 rows 15.9 ms, 2,048 15.3 ms), since cuBLAS runs the GEMM near its rate and the fused
     tile does not. Elsewhere (the interpreter) the fused kernel."""
-    if device.type != "cuda":
-        return tile_choice("lmhead_forward_rows", 0)
-    budget_rows = (512 * 2**20) // (vocab * torch.empty(0, dtype=acc).element_size())
-    return tile_choice("lmhead_forward_rows", max(64, min(1024, budget_rows // 64 * 64)))
+    rows = 0
+    if device.type == "cuda":
+        budget_rows = (512 * 2**20) // (vocab * torch.empty(0, dtype=acc).element_size())
+        rows = max(64, min(1024, budget_rows // 64 * 64))
+    return tile_choice("lmhead_forward_rows", rows)
 
 
 def _launch_token_logprobs_fwd(x2d: torch.Tensor, index: torch.Tensor, temperature: float, compute_entropy: bool):
