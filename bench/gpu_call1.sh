@@ -17,11 +17,11 @@
 #
 # Knobs (environment): BUDGET (545 s in all), TEST_WORKERS (16), TEST_SECONDS (80), TEST_FILES and TEST_K (the
 # kernel test stage's files and pytest -k), BENCH_SECONDS (130), TRL1_SECONDS (35), PROFILE_SECONDS (60),
-# GRPO_SECONDS (60), GRPO_ITERATIONS (6), GRPO_SIDES (fastppo,trl), E2E_SECONDS (130), E2E05_SECONDS (150),
-# TUNE_SECONDS (0, per sweep), TUNE_TARGETS ("lmhead_backward fused_token_logprobs"), BENCH_K (pytest -k for the
-# benches; default leaves out the torch.compile peers, whose compiles alone would fill the stage, and the CPU
-# cases), E2E_IMPLS / E2E05_IMPLS (fastppo,trl), E2E_LENGTH (53), TRL1_SHAPES (both V), TUNE_FUSED_SHAPE
-# ("4096 4096 128256"). A stage gets what the budget has left, so the later ones may be skipped.
+# GRPO_SECONDS (60), GRPO_ITERATIONS (6), GRPO_SIDES (fastppo,fastppo-eager,trl), E2E_SECONDS (130),
+# E2E05_SECONDS (150), TUNE_SECONDS (0, per sweep), TUNE_TARGETS ("lmhead_backward fused_token_logprobs"),
+# BENCH_K (pytest -k for the benches; default leaves out the torch.compile peers, whose compiles alone would fill
+# the stage, and the CPU cases), E2E_IMPLS / E2E05_IMPLS (fastppo,trl), E2E_LENGTH (53), TRL1_SHAPES (both V),
+# TUNE_FUSED_SHAPE ("4096 4096 128256"). A stage gets what the budget has left, so the later ones may be skipped.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -126,7 +126,8 @@ except RuntimeError as e:
   if [ -d .trl1 ]; then
     # shellcheck disable=SC2086
     PYTHONPATH=$PWD/.trl1:$PYTHONPATH stage "$(cap "${TRL1_SECONDS:-35}" 135)" trl1-lmhead python3 \
-      bench/trl1_logprobs.py ${TRL1_SHAPES:---shape 8192 4096 128256 --shape 8192 4096 151936} --dtype bf16 --rounds 5 \
+      bench/trl1_logprobs.py ${TRL1_SHAPES:---shape 8192 4096 128256 --shape 8192 4096 151936} --dtype bf16 \
+      --rounds 5 \
       --json "$OUT/trl1.json" | tee "$WORK/trl1.log"
   fi
 
@@ -139,7 +140,8 @@ except RuntimeError as e:
   if [ -d .trl1 ]; then
     FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/smollm2-shape stage "$(cap "${GRPO_SECONDS:-60}" 5)" grpo \
       python3 bench/grpo_baseline.py --rounds 1 --iterations "${GRPO_ITERATIONS:-6}" --betas 0 \
-      --sides "${GRPO_SIDES:-fastppo,trl}" --prompts_per_step 8 --num_generations 8 --max_completion_length 64 \
+      --sides "${GRPO_SIDES:-fastppo,fastppo-eager,trl}" --prompts_per_step 8 --num_generations 8 \
+      --max_completion_length 64 \
       --json "$WORK/grpo.json" | tee "$WORK/grpo.log"
   fi
 

@@ -5,9 +5,12 @@ peak memory.
     python bench/grpo_baseline.py                      # SmolLM2-135M-Instruct, 3 rounds x (beta 0, beta 0.04)
     python bench/grpo_baseline.py --rounds 5 --iterations 20 --json out.json
     python bench/grpo_baseline.py --smoke              # the embedded tiny model, 1 iteration, beta 0 (a test)
+    python bench/grpo_baseline.py --rounds 1 --iterations 5 --betas 0 --sides fastppo,fastppo-eager,trl \
+        --prompts_per_step 8 --num_generations 8 --max_completion_length 64      # a GPU lease's case
 
 Per round, for each case (beta 0.0: no reference model on either side; beta 0.04: both load one) and each side
-(``fastppo``: padded rows, the like-for-like row; ``fastppo-padfree``: ``padding_free=True``; ``trl``), this
+(``fastppo``: padded rows, the like-for-like row; ``fastppo-padfree``: ``padding_free=True``; ``fastppo-eager``,
+asked for by ``--sides``: the eager decode loop on a GPU too; ``trl``), this
 script starts ``python bench/grpo_baseline.py --child SIDE --case JSON``, which builds the trainer, trains
 ``--iterations`` iterations (one generation batch and one optimizer step each) and exits. Measured:
 
@@ -25,8 +28,9 @@ cache warmth hit both. TRL runs with ``PYTHONPATH=.trl1:REPO`` (``$FASTPPO_TRL1`
 with ``PYTHONPATH=REPO``, each followed by the caller's own PYTHONPATH (the main environment's TRL 0.26 is not
 imported by either child).
 
-Set equal on both sides: the model and its dtype (fp32 weights, no autocast: TRL's ``bf16`` defaults to True even
-on a CPU, so it is set False), the prompts and their chat template, k, completions per step, one optimizer step
+Set equal on both sides: the model and its dtype (``--device``: on a CPU fp32 weights, no autocast, as TRL's
+``bf16``, True by default even on a CPU, is set False; on a GPU fp32 weights under bf16 autocast, TRL's default
+there and fastppo's ``bf16=True``), the prompts and their chat template, k, completions per step, one optimizer step
 per generation batch (TRL ``steps_per_generation=1``, ``gradient_accumulation_steps=1``, ``num_iterations=1``;
 fastppo ``num_mini_batches=1``, ``num_ppo_epochs=1``), max_completion_length = response_length, temperature
 (no top-k/top-p), learning rate and its linear decay to 0 over the run, AdamW (``adamw_torch_fused``, the
@@ -40,8 +44,9 @@ printed under the table):
   reward: old = the update's detached current, ``fastppo.train.old_logprobs_in_update``);
 * fastppo's ``train()`` always saves the final model and plots curves (timed apart, in the table); TRL saves
   nothing with ``save_strategy="no"``;
-* the samplers: fastppo's own decode loop vs transformers ``generate`` (both sample softmax(logits / T));
-  log-probs: TRL's chunked LM head vs fastppo's PyTorch reference on CPU tensors (the logits materialised);
+* the samplers: fastppo's own decode loop (compiled over a static KV cache on a GPU, its default there) vs
+  transformers ``generate`` (both sample softmax(logits / T)); log-probs: TRL's chunked LM head vs fastppo's
+  PyTorch reference on CPU tensors (the logits materialised) or its Triton kernels on a GPU;
 * the prompt order (each trainer's own seeded sampler) and the random streams differ, so the two sides draw
   different samples: the reward trends are comparable in distribution, not sample by sample.
 """
@@ -66,8 +71,12 @@ if HERE not in sys.path:
 from e2e_common import CHAT_PROMPTS, REPO, smollm2_dir  # noqa: E402
 from e2e_measure import PeakMemory, _preimport  # noqa: E402
 
-SIDES = ("fastppo", "fastppo-padfree", "trl")
-FASTPPO_VARIANTS = {"fastppo": {"padding_free": False}, "fastppo-padfree": {"padding_free": True}}
+SIDES = ("fastppo", "fastppo-padfree", "fastppo-eager", "trl")
+DEFAULT_SIDES = ("fastppo", "fastppo-padfree", "trl")  # fastppo-eager differs from fastppo on a GPU only
+# each side's settings over the device's defaults (build_fastppo): fastppo-eager samples with the eager decode loop
+# on a GPU too, sparing the compiled decode's first-rollout compile
+FASTPPO_VARIANTS = {"fastppo": {"padding_free": False}, "fastppo-padfree": {"padding_free": True},
+                    "fastppo-eager": {"padding_free": False, "compiled_decode": False}}
 
 
 # ============================================================================ the case both sides train
@@ -88,7 +97,7 @@ class GRPOCase:
     epsilon: float = 0.2  # TRL's epsilon = fastppo's cliprange
     seed: int = 0
     threads: int = 0  # torch.set_num_threads in the child; 0: torch's default on both sides
-    device: str = "cpu"  # "cpu": fp32 on both sides; "cuda": bf16 autocast over fp32 weights on both (TRL's GPU default)
+    device: str = "cpu"  # "cpu": fp32 on both sides; "cuda": bf16 autocast over fp32 weights (TRL's GPU default)
 
     @property
     def completions_per_step(self) -> int:
@@ -221,8 +230,8 @@ def build_fastppo(case: GRPOCase, output_dir: str, side: str, clock: Clock):
         report_to="none",
         disable_tqdm=True,
         seed=case.seed,
-        compiled_decode=case.device == "cuda",  # each device's default, said explicitly
-        **FASTPPO_VARIANTS[side],
+        # each device's default sampler unless the side names one
+        **{"compiled_decode": case.device == "cuda", **FASTPPO_VARIANTS[side]},
     )
     trainer = PPOTrainer(args=config, model=model_path(case), reward_model=minus_word_count,
                          train_dataset=_dataset(case), callbacks=[_callback(clock)])
@@ -305,7 +314,8 @@ def build_trl(case: GRPOCase, output_dir: str, side: str, clock: Clock):
     return trainer, settings
 
 
-BUILDERS = {"fastppo": build_fastppo, "fastppo-padfree": build_fastppo, "trl": build_trl}
+BUILDERS = {"fastppo": build_fastppo, "fastppo-padfree": build_fastppo, "fastppo-eager": build_fastppo,
+            "trl": build_trl}
 
 
 def _timed(obj, name: str, seconds: dict, key: str):
@@ -432,7 +442,7 @@ def run_child(side: str, case: GRPOCase, timeout: float = 3600) -> dict:
     return result
 
 
-def compare(cases: list[GRPOCase], rounds: int, sides=SIDES, log=print) -> dict[str, dict[str, list[dict]]]:
+def compare(cases: list[GRPOCase], rounds: int, sides=DEFAULT_SIDES, log=print) -> dict[str, dict[str, list[dict]]]:
     """``rounds`` x each case x each side, interleaved; the side order flips every round."""
     results = {_case_key(c): {s: [] for s in sides} for c in cases}
     for r in range(rounds):
@@ -485,8 +495,8 @@ def format_report(results: dict[str, dict[str, list[dict]]], case: GRPOCase) -> 
         lines += [f"### {key} ({n} round{'s' if n > 1 else ''}, medians)", "",
                   "| side | process wall s | vs TRL | start + imports s | build s | train() s | loop s | vs TRL "
                   "| s/iteration (after the 1st) | fastppo final save+plot s | process peak RSS MiB | vs TRL "
-                  "| peak RSS above imports MiB | peak CUDA MiB | vs TRL | reward first -> last | mean completion tokens |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| peak RSS above imports MiB | peak CUDA MiB | vs TRL | reward first -> last "
+                  "| mean completion tokens |", "|" + " --- |" * 17]
         trl = by_side.get("trl") or []
         trl_wall = _med(trl, "process_wall_s") if trl else None
         trl_rss = _med(trl, "process_maxrss_bytes") if trl else None
@@ -504,7 +514,7 @@ def format_report(results: dict[str, dict[str, list[dict]]], case: GRPOCase) -> 
                 f"{_med(runs, 'build_s'):.1f}", f"{_med(runs, 'train_call_s'):.1f}", f"{loop:.1f}",
                 _ratio(side, trl_loop, loop, "x"), f"{statistics.median(_per_iteration(r) for r in runs):.2f}",
                 "–" if side == "trl" else f"{save:.2f}", _mib(rss), _ratio(side, rss, trl_rss, ""),
-                _mib(_med(runs, "peak_rss_delta_bytes")), _mib(cuda), _ratio(side, cuda, trl_cuda, ""),
+                _mib(_med(runs, "peak_rss_delta_bytes")), _mib(cuda), "–" if cuda is None else _ratio(side, cuda, trl_cuda, ""),
                 f"{rewards[0]:+.2f} -> {rewards[-1]:+.2f}",
                 f"{statistics.mean(lengths):.1f}" if lengths else "–",
             ]
@@ -548,7 +558,7 @@ def _parse(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--betas", default="0,0.04", help="comma-separated cases (beta 0: no reference model)")
-    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, from {', '.join(SIDES)}")
+    p.add_argument("--sides", default=",".join(DEFAULT_SIDES), help=f"comma-separated, from {', '.join(SIDES)}")
     p.add_argument("--model", choices=("smollm2", "embedded"), default="smollm2")
     p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0: torch's default)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
