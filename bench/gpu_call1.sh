@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (at most ~545 s): install, the kernel tests on CUDA, the quick kernel benches, TRL 1.x's chunked
 # LM head at the headline shapes, a profile of fastppo's update, GRPO beside TRL 1.16, end to end beside TRL 0.26
-# at SmolLM2-135M's and Qwen2.5-0.5B's shapes, an optional tile sweep, and a summary table printed last.
+# at SmolLM2-135M's and Qwen2.5-0.5B's shapes, the token-budget micro-batches, an optional tile sweep, and a
+# summary table printed last.
 # Every stage runs under `timeout -s INT` (pytest then still writes its junit/benchmark JSON and summary), so
 # logs always come back under $OUT, at most 8 files there:
 #   call1.log (everything printed), tests.xml (junit), bench.json (pytest-benchmark), trl1.json, e2e-smollm2.json,
@@ -18,7 +19,8 @@
 # Knobs (environment): BUDGET (545 s in all), TEST_WORKERS (16), TEST_SECONDS (80), TEST_FILES and TEST_K (the
 # kernel test stage's files and pytest -k), BENCH_SECONDS (130), TRL1_SECONDS (35), PROFILE_SECONDS (60),
 # GRPO_SECONDS (60), GRPO_ITERATIONS (6), GRPO_SIDES (fastppo,fastppo-eager,trl), E2E_SECONDS (130),
-# E2E05_SECONDS (150), TUNE_SECONDS (0, per sweep), TUNE_TARGETS ("lmhead_backward fused_token_logprobs"),
+# E2E05_SECONDS (150), UPDATE_BUDGET_SECONDS (45), TUNE_SECONDS (0, per sweep),
+# TUNE_TARGETS ("lmhead_backward fused_token_logprobs"),
 # BENCH_K (pytest -k for the benches; default leaves out the torch.compile peers, whose compiles alone would fill
 # the stage, and the CPU cases), E2E_IMPLS / E2E05_IMPLS (fastppo,trl), E2E_LENGTH (53), TRL1_SHAPES (both V),
 # TUNE_FUSED_SHAPE ("4096 4096 128256"). A stage gets what the budget has left, so the later ones may be skipped.
@@ -156,7 +158,12 @@ except RuntimeError as e:
     python3 bench/trl_baseline.py "${e2e[@]}" --impl "${E2E05_IMPLS:-fastppo,trl}" --json "$OUT/e2e-qwen05.json" \
     | tee "$WORK/e2e-qwen05.log"
 
-  # ------------------------------------------------------------------ h. tile sweeps (each to its own JSON)
+  # ------------------------------------------------------------------ h. token-budget micro-batches (the update alone)
+  FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/smollm2-shape stage "$(cap "${UPDATE_BUDGET_SECONDS:-45}" 5)" \
+    update-budget python3 bench/update_budget.py --budgets 0 1024 4096 --rounds 2 --out "$WORK/budget.json" \
+    | tee "$WORK/budget.log"
+
+  # ------------------------------------------------------------------ i. tile sweeps (each to its own JSON)
   # TUNE_TARGETS: which sweeps, in order, each given what TUNE_SECONDS and the budget leave (the fused forward
   # at TUNE_FUSED_SHAPE, every other target at its own default shape).
   if [ "${TUNE_SECONDS:-0}" -gt 0 ]; then
@@ -241,7 +248,7 @@ for target in os.environ.get("TUNE_TARGETS", "lmhead_backward fused_token_logpro
                   f"best so far {best[0]} {best[1]} ms of {len(rows)} timed")
 # TRL 1.x's chunked LM head, and end to end: the tables each script printed
 for name, start in (("trl1.log", "device:"), ("e2e-smollm2.log", "config:"), ("e2e-qwen05.log", "config:"),
-                    ("profile.log", "steps 2-6"), ("grpo.log", "|")):
+                    ("profile.log", "steps 2-6"), ("grpo.log", "|"), ("budget.log", "smollm2:")):
     path = f"{work}/{name}"
     if os.path.exists(path):
         text = open(path, errors="replace").read()

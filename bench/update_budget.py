@@ -33,6 +33,11 @@ import torch  # noqa: E402
 import machine_limits  # noqa: E402
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def build(model: str, rows: int, micro: int, response_length: int, output_dir: str):
     """(trainer, rollout, experience, targets) of one scored GAE rollout."""
     from fastppo.trainer import PPOTrainer
@@ -42,7 +47,9 @@ def build(model: str, rows: int, micro: int, response_length: int, output_dir: s
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
                   num_ppo_epochs=1, num_mini_batches=1, response_length=response_length, padding_free=True,
                   gradient_checkpointing=False, save_strategy="no", report_to="none", num_sample_generations=0,
-                  disable_tqdm=True, total_episodes=rows, local_rollout_forward_batch_size=rows)
+                  disable_tqdm=True, total_episodes=rows, local_rollout_forward_batch_size=rows,
+                  # on a GPU bf16 autocast over fp32 weights, as the end-to-end benches run it there
+                  bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if model == "smollm2":
         from e2e_common import smollm2_dir
 
@@ -53,7 +60,7 @@ def build(model: str, rows: int, micro: int, response_length: int, output_dir: s
     rollout = trainer.rollout().rollout
     experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, trainer.config.temperature, "k1",
                                rows, packed=True)
-    scores = torch.randn(rows, generator=torch.Generator().manual_seed(0))
+    scores = torch.randn(rows, generator=torch.Generator().manual_seed(0)).to(experience.kl.device)
     rewards, nsr = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index, 0.05)
     advantages, returns = compute_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
     from fastppo.train import Targets
@@ -92,9 +99,11 @@ def main(argv=None) -> None:
             for budget in args.budgets:
                 cfg = copy.copy(config)
                 cfg.max_tokens_per_micro_batch = budget or None
+                sync()
                 start = time.perf_counter()
                 ppo_update(module, trainer.optimizer, rollout, experience, targets, cfg, sizes,
                            torch.Generator().manual_seed(0))
+                sync()  # a GPU's queued kernels are part of the update
                 times[budget].append(time.perf_counter() - start)
         largest = max(tokens // min(groups.values()), 1)
         limits = machine_limits.measure(trainer.policy.config, largest)
