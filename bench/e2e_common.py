@@ -115,6 +115,14 @@ CHAT_PROMPTS = (
 )
 
 
+def gpu_bf16() -> bool:
+    """Whether the benches train under bf16 autocast: on a GPU that has bf16, over fp32 weights, as both trainers
+    default to there."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 def smollm2_dir() -> str:
     """The converted SmolLM2-135M-Instruct checkpoint (tests/realmodel.py caches it once); with
     ``FASTPPO_SMOLLM2_SHAPE`` set, :func:`smollm2_shaped_dir` of that directory instead."""
@@ -216,13 +224,11 @@ class IterationClock:
 
 def shared_settings(cfg: E2EConfig, output_dir: str) -> dict:
     """The settings both trainers' configs take, under the same names (TRL's PPOConfig and ours)."""
-    import torch
-
     return dict(
         output_dir=output_dir,
         # the same precision for both: bf16 autocast over fp32 weights on a bf16 GPU (both trainers' default
         # there), fp32 on a CPU (fastppo's default; TRL's would autocast to bf16, slower on most CPUs)
-        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        bf16=gpu_bf16(),
         total_episodes=cfg.batch_size * cfg.total_iterations,
         lr_scheduler_type="linear",
         kl_estimator="k1",

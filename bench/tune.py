@@ -140,7 +140,7 @@ def problem(target: str, shape, device: str, backward: bool) -> Problem:
             run = lambda fn: fn(hidden, weight, index, 1.0, return_entropy=True)  # noqa: E731
             fn, ref_fn = L.fused_token_logprobs, L.fused_token_logprobs_reference
             default = {"fused_token_logprobs": lambda: L._fused_token_logprobs_tile(dtype, dev),
-                       "lmhead_forward_rows": lambda: L._lmhead_forward_rows(n, v, dev, torch.float32),
+                       "lmhead_forward_rows": lambda: L._lmhead_forward_rows(v, dev, torch.float32),
                        "lmhead_backward": lambda: C.bwd_chunk_cols(n, v, dev)}[target]()
 
     def with_grad(out):

@@ -43,13 +43,14 @@ def build(model: str, rows: int, micro: int, response_length: int, output_dir: s
     from fastppo.trainer import PPOTrainer
     from fastppo.config import PPOConfig
     from fastppo.train import compute_advantages, per_token_rewards, compute_experience
+    from e2e_common import gpu_bf16
 
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
                   num_ppo_epochs=1, num_mini_batches=1, response_length=response_length, padding_free=True,
                   gradient_checkpointing=False, save_strategy="no", report_to="none", num_sample_generations=0,
                   disable_tqdm=True, total_episodes=rows, local_rollout_forward_batch_size=rows,
                   # on a GPU bf16 autocast over fp32 weights, as the end-to-end benches run it there
-                  bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+                  bf16=gpu_bf16())
     if model == "smollm2":
         from e2e_common import smollm2_dir
 

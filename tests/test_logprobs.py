@@ -306,9 +306,9 @@ def test_gemm_rows_forward_matches_materialised(triton_device, lead_shape, hdim,
 def test_gemm_rows_forward_is_cudas_default_within_512_mib_of_logits(vocab, acc, rows):
     # At most 1,024 rows a GEMM (the H200's best), fewer where their logits would pass 512 MiB, in whole 64-row
     # blocks and never under 64; the interpreter keeps the fused kernel.
-    assert logprobs_mod._lmhead_forward_rows(8192, vocab, torch.device("cuda"), acc) == rows
-    assert rows == 64 or rows * vocab * torch.empty(0, dtype=acc).element_size() <= 512 * 2**20
-    assert logprobs_mod._lmhead_forward_rows(8192, vocab, torch.device("cpu"), acc) == 0
+    assert logprobs_mod._lmhead_forward_rows(vocab, torch.device("cuda"), acc) == rows
+    assert rows == 64 or rows * vocab * acc.itemsize <= 512 * 2**20
+    assert logprobs_mod._lmhead_forward_rows(vocab, torch.device("cpu"), acc) == 0
 
 
 def test_token_logprobs_tile_at_a_large_vocabulary_on_cuda():

@@ -239,7 +239,7 @@ def _fused_token_logprobs_tile(dtype: torch.dtype, device: torch.device) -> LMHe
     return tile_choice("fused_token_logprobs", tile)
 
 
-def _lmhead_forward_rows(n_rows: int, vocab: int, device: torch.device, acc: torch.dtype) -> int:
+def _lmhead_forward_rows(vocab: int, device: torch.device, acc: torch.dtype) -> int:
     """Rows per chunk of ``fused_token_logprobs``'s GEMM-then-rows forward (``_gemm_rows_forward``), or 0 for the
     fused kernel. On CUDA the GEMM-then-rows forward, 1,024 rows a chunk, at most 512 MiB of logits: on an H200
     (bench/RESULTS.md, third lease) it took 15.3 ms where the fused kernel took 35.5 ms (N 8,192, H 4,096,
@@ -247,7 +247,7 @@ def _lmhead_forward_rows(n_rows: int, vocab: int, device: torch.device, acc: tor
     tile does not. Elsewhere (the interpreter) the fused kernel."""
     rows = 0
     if device.type == "cuda":
-        budget_rows = (512 * 2**20) // (vocab * torch.empty(0, dtype=acc).element_size())
+        budget_rows = (512 * 2**20) // (vocab * acc.itemsize)
         rows = max(64, min(1024, budget_rows // 64 * 64))
     return tile_choice("lmhead_forward_rows", rows)
 
@@ -293,7 +293,7 @@ def _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, head: HeadMa
         empty = hidden2d.new_empty(0, dtype=acc)
         return (empty, empty, *(empty if w else None for w in (want_entropy, want_sum_sq, want_mean)),
                 empty.bool() if want_top1 else None)
-    rows = _lmhead_forward_rows(n_rows, vocab, device, acc)
+    rows = _lmhead_forward_rows(vocab, device, acc)
     if rows > 0 and not (want_sum_sq or want_mean or want_top1 or head.has_softcap):
         logp, lse, ent = _gemm_rows_forward(hidden2d, weight, bias, index, head.temperature, want_entropy, rows)
         return logp, lse, ent, None, None, None
