@@ -152,6 +152,15 @@ def _check_policy_loss(c: PPOConfig) -> None:
             "wider one (DAPO's clip-higher); unset, it is epsilon")
     require(c.delta is None or (_is_finite(c.delta) and c.delta > 1),
             f"delta must be > 1 (it bounds the ratio above; 1 + epsilon_high or more to matter), got {c.delta!r}")
+    require(c.loss_type != "cispo" or c.epsilon_high > 1,
+            f"loss_type cispo caps the ratio at epsilon_high itself (ScaleRL's ε_max, 5.0 recommended; TRL GRPO's "
+            f"meaning), so epsilon_high must be > 1, got {c.epsilon_high} (unset, it is epsilon's value): every "
+            "on-policy token would be capped")
+    require(c.loss_type not in ("cispo", "sapo") or c.delta is None,
+            f"delta bounds the clipped ratio; loss_type {c.loss_type} has no clip for it to bound: leave it unset")
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        value = getattr(c, name)
+        require(_is_finite(value) and value > 0, f"{name} must be > 0 (it scales sapo's gate), got {value!r}")
     require(c.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, f"importance_sampling_level must be one of "
             f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}, got {c.importance_sampling_level!r}")
     require(not c.mask_truncated_completions or c.stop_token is not None or bool(c.stop_token_id),
@@ -315,11 +324,27 @@ def _check_model_paths(c: PPOConfig, model_args) -> None:
         check_path(path, flag)
 
 
+def _policy_loss_notes(c: PPOConfig, defaults: PPOConfig) -> list[str]:
+    """The policy-loss settings given that this loss_type does not read, and LUSPO off its sequence level (TRL
+    GRPO warns of it too)."""
+    notes = [f"--{name} has no effect with loss_type {c.loss_type} (only sapo reads it)"
+             for name in ("sapo_temperature_pos", "sapo_temperature_neg")
+             if c.loss_type != "sapo" and getattr(c, name) != getattr(defaults, name)]
+    if c.loss_type == "cispo" and c.epsilon != defaults.epsilon:
+        notes.append("--epsilon has no effect with loss_type cispo (it caps the ratio above only, at epsilon_high)")
+    if c.loss_type == "luspo" and c.importance_sampling_level != "sequence":
+        notes.append("loss_type luspo is LUSPO's aggregation of a sequence-level loss; with importance_sampling_level "
+                     "token it sums token-level clipped terms (set --importance_sampling_level sequence for the "
+                     "paper's setup)")
+    return notes
+
+
 def _unused_notes(c: PPOConfig, defaults: PPOConfig, peft: bool) -> list[str]:
     """Notes for the settings given that this run does not use, and DeepSpeed's notes."""
     notes = [f"--{name} is a TrainingArguments field with no meaning in PPO: ignored" for name in ignored_fields(c)]
     notes += unread_settings(c, defaults)
     notes += check_deepspeed(c, peft)
+    notes += _policy_loss_notes(c, defaults)
     if c.target_kl != PPOConfig.__dataclass_fields__["target_kl"].default and not c.early_stopping:
         notes.append("target_kl is the early-stopping threshold (legacy TRL); without --early_stopping it has no "
                      "effect (the adaptive controller's target is --kl_target)")

@@ -35,8 +35,9 @@ KL_ESTIMATOR_CHOICES = ("k1", "k2", "k3", "abs", "mse", "full")
 ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo", "reinforce_plus_plus")
 GROUP_ESTIMATORS = ("rloo", "grpo")  # a baseline over the num_generations samples of each prompt
 SCALE_REWARDS = ("group", "batch", "none")
-# TRL GRPO's loss_type (how the token losses of an optimizer step are aggregated); train.policy_loss_weights
-LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo")
+# TRL GRPO's loss_type: how the token losses of an optimizer step are aggregated (train.policy_loss_weights) and,
+# for cispo and sapo, the per-token surrogate too (train.SURROGATE_OF_LOSS_TYPE)
+LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPRANGE_DEFAULT = 0.2  # TRL 0.26 PPO's cliprange, TRL GRPO's epsilon
 # Each estimator's defaults where its source differs from TRL 0.26's PPO: num_generations (TRL 1.16's RLOOConfig 2,
@@ -365,7 +366,11 @@ class PPOConfig(TrainingArguments):
                   "active tokens of the whole rollout batch on all processes, spread evenly over the optimizer "
                   "steps: TRL GRPO's default, the default of the critic-free estimators), grpo (each sequence's "
                   "token mean, then the mean over sequences), dr_grpo (the token sum divided by sequences × "
-                  "response_length)."},
+                  "response_length), luspo (each sequence's token sum, then the mean over sequences: LUSPO, meant "
+                  "with importance_sampling_level sequence). Two change the token loss too: cispo (−sg(min(ρ, "
+                  "epsilon_high))·A·log π, epsilon_high being ε_max itself, > 1, 5.0 recommended; aggregated as "
+                  "dapo: MiniMax-M1/ScaleRL) and sapo (a sigmoid gate −A·σ(τ(ρ − 1))·4/τ in place of the clip, "
+                  "τ the sapo_temperature of A's sign; aggregated as grpo)."},
     )
     epsilon: float | None = field(
         default=None,
@@ -382,6 +387,11 @@ class PPOConfig(TrainingArguments):
         metadata={"help": "Two-sided clipping (TRL GRPO's delta): the unclipped ratio is bounded above by delta "
                   "(> 1, above 1 + epsilon_high to matter); unset: no bound."},
     )
+    sapo_temperature_pos: float = field(
+        default=1.0, metadata={"help": "sapo's gate temperature τ for tokens with positive advantages (TRL GRPO's)."})
+    sapo_temperature_neg: float = field(
+        default=1.05, metadata={"help": "sapo's gate temperature τ for tokens with non-positive advantages (TRL "
+                                "GRPO's)."})
     importance_sampling_level: str = field(
         default="token",
         metadata={"help": "token: one ratio per token; sequence: one per completion, exp of the mean log-ratio of "

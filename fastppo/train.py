@@ -384,19 +384,36 @@ def policy_loss_weights(loss_type: str, mask: torch.Tensor, response_length: int
     * dapo: the token sum over ``dapo_tokens``, the active tokens of the whole rollout on every process divided
       by the micro-batches that cover it (processes × minibatches × micro-steps): the step's gradient is then its
       tokens' sum over the mean active tokens per step, however the batch was split (TRL GRPO's
-      num_items_in_batch).
+      num_items_in_batch);
+    * luspo: each sequence's token sum, then the mean over the micro-batch's sequences;
+    * cispo and sapo: dapo's and grpo's, as TRL aggregates them (their token losses differ: ``surrogate_options``).
     """
     if loss_type == "bnpo":
         return None, None
     rows = float(mask.shape[0])
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         per_row = mask.sum(1, keepdim=True).clamp(min=1)
         return mask / per_row, rows
     if loss_type == "dr_grpo":
         return None, rows * response_length
-    if loss_type == "dapo":
+    if loss_type == "luspo":
+        return None, rows
+    if loss_type in ("dapo", "cispo"):
         return None, dapo_tokens
     raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+# TRL GRPO's loss_types with a token loss of their own (fastppo.kernels.clipped_surrogate's surrogates)
+SURROGATE_OF_LOSS_TYPE = {"cispo": "cispo", "sapo": "sapo"}
+
+
+def surrogate_options(config: PPOConfig) -> dict:
+    """The per-token policy loss the config asks for, as keywords of ``clipped_surrogate`` (beyond ε), of
+    ``ppo_losses`` and of ``fused_ppo_policy_loss``: the clip's upper side (cispo's ε_max), δ, and the
+    surrogate with sapo's temperatures."""
+    return dict(cliprange_high=config.epsilon_high, delta=config.delta,
+                surrogate=SURROGATE_OF_LOSS_TYPE.get(config.loss_type, "clip"),
+                sapo_temperature_pos=config.sapo_temperature_pos, sapo_temperature_neg=config.sapo_temperature_neg)
 
 
 def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask, *,
@@ -404,7 +421,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                ratio_threshold: float, fused_policy_loss=None, ref_logprobs=None, beta: float = 0.0,
                kl_loss_type: str = "k3", bias_correction_kl: bool = True, cliprange_high: float | None = None,
                delta: float | None = None, sequence_level: bool = False, token_weights=None, normalizer=None,
-               mean_weights=None):
+               mean_weights=None, surrogate: str = "clip", sapo_temperature_pos: float = 1.0,
+               sapo_temperature_neg: float = 1.05):
     """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]); the statistics are means over trained
     tokens.
 
@@ -413,7 +431,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     per-token values laid out as grids, for the statistics. ``new_values=None``: no critic, no value loss.
     ``beta``: + β·KL_t(π‖π_ref) by ``kl_loss_type`` in each token's loss (TRL GRPO's in-loss KL), weighted by ρ_t
     when ``bias_correction_kl`` (TRL's default: the samples came from π_θ_old, not π_θ).
-    ``cliprange_high``, ``delta``, ``sequence_level`` (one ratio per row: GSPO): ``clipped_surrogate``'s options.
+    ``cliprange_high``, ``delta``, ``sequence_level`` (one ratio per row: GSPO), ``surrogate`` and sapo's
+    temperatures: ``clipped_surrogate``'s options (``surrogate_options``).
     ``token_weights`` and ``normalizer``: how the policy and KL terms are aggregated (``policy_loss_weights``);
     the entropy bonus and the value loss are token means whatever they are (TRL GRPO's bonus is), or, with
     ``mean_weights``, Σ over the tokens of mean_weights·x (``step_token_weights``: token-budget micro-batches).
@@ -425,16 +444,18 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
         vf_losses2 = (v_clipped - returns) ** 2
         vf_loss = 0.5 * aggregate(torch.max(vf_losses1, vf_losses2), mask, mean_weights,
                                   None if mean_weights is None else 1.0)
-    # clipped surrogate: max(−A·min(ρ, δ), −A·clip(ρ, 1 − ε, 1 + ε_h))
+    # clipped surrogate: max(−A·min(ρ, δ), −A·clip(ρ, 1 − ε, 1 + ε_h)) (or cispo's, sapo's)
     log_ratio = new_logprobs - old_logprobs
     rows = None
     if sequence_level:
         b, t = new_logprobs.shape
         rows = torch.arange(b, device=new_logprobs.device)[:, None].expand(b, t)
     # masked: what a caller left in old_logprobs / advantages off the trained tokens reaches no gradient
+    surrogate_kw = dict(surrogate=surrogate, sapo_temperature_pos=sapo_temperature_pos,
+                        sapo_temperature_neg=sapo_temperature_neg)
     pg_losses, ratio, clipped = clipped_surrogate(new_logprobs, old_logprobs, advantages, cliprange, mask=mask,
                                                   cliprange_high=cliprange_high, delta=delta, sequence_ids=rows,
-                                                  num_sequences=None if rows is None else rows.shape[0])
+                                                  num_sequences=None if rows is None else rows.shape[0], **surrogate_kw)
     pg_loss = aggregate(pg_losses, mask, token_weights, normalizer)
     mean_entropy = aggregate(entropy, mask, mean_weights, None if mean_weights is None else 1.0)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
@@ -449,7 +470,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     loss = loss * kept
     with torch.no_grad():
         stats = torch.full((len(STAT_NAMES),), float("nan"), device=loss.device)  # NaN: not computed (no critic)
-        clip_low, clip_high = clip_sides(ratio, advantages, cliprange, cliprange_high, delta)
+        clip_low, clip_high = clip_sides(ratio, advantages, cliprange, cliprange_high, delta, surrogate)
         for name, value in (
             ("approxkl", 0.5 * masked_mean(log_ratio**2, mask)),
             ("policykl", masked_mean(-log_ratio, mask)),
@@ -531,12 +552,12 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     fused = getattr(config, "fused_policy_loss", False)
     loss_mask = trained_mask(rollout, config.mask_truncated_completions)
     dapo_tokens = None
-    if config.loss_type == "dapo":  # the rollout's active tokens on every process, per micro-batch that covers them
+    if config.loss_type in ("dapo", "cispo"):  # the rollout's active tokens on all processes, per micro-batch
         dapo_tokens = loss_mask.sum().float()
         fdist.all_reduce(dapo_tokens)
         dapo_tokens = dapo_tokens / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)
     sequence_level = config.importance_sampling_level == "sequence"
-    clip = dict(cliprange_high=config.epsilon_high, delta=config.delta)
+    clip = surrogate_options(config)
     epochs_run = config.num_ppo_epochs
     model.train()
     for epoch in range(config.num_ppo_epochs):

@@ -26,6 +26,14 @@ TRL_GRPO_LOSS_VARIANTS = {
     "truncated_grpo": {"loss_type": "grpo", "mask_truncated_completions": True},
     "truncated_dr_grpo_entropy": {"loss_type": "dr_grpo", "mask_truncated_completions": True, "entropy_coef": 0.1},
     "entropy_bnpo": {"loss_type": "bnpo", "entropy_coef": 0.1},
+    "cispo": {"loss_type": "cispo", "epsilon_high": 1.2},  # ε_max low enough to cap some of these ratios
+    "cispo_sequence_truncated": {"loss_type": "cispo", "epsilon_high": 1.02, "importance_sampling_level": "sequence",
+                                 "mask_truncated_completions": True},
+    "sapo": {"loss_type": "sapo"},
+    "sapo_temperatures_entropy": {"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0,
+                                  "entropy_coef": 0.1},
+    "luspo_sequence": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    "luspo_token": {"loss_type": "luspo"},
 }
 TRL_GRPO_LOSS_VARIANT_BETAS = {"unfused": 0.04, "fused": 0.0}
 

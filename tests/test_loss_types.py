@@ -27,7 +27,9 @@ from helpers import cli_trainer, make_trainer, metrics_without_clock, small_conf
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time in a land", "Why"]
 K = 2  # completions per prompt
 B = len(PROMPTS) * K
-LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo")
+LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo")
+# each loss_type's own settings where its defaults are refused: cispo's ε_max (epsilon_high) must exceed 1
+OWN_SETTINGS = {"cispo": dict(epsilon_high=1.15)}
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +84,14 @@ def rel(a, b) -> float:
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_a_step_does_not_depend_on_how_its_batch_is_split_except_bnpo(scored, loss_type):
-    """dapo (one global token count), grpo (a mean of sequences) and dr_grpo (a constant per sequence) give the one
-    step's gradient however the rows are cut into micro-batches; bnpo, a token mean per micro-batch (TRL 0.26
-    PPO's and TRL GRPO's bnpo), weighs micro-batches of fewer tokens more, as TRL's does."""
-    whole, _ = update(scored, B, loss_type=loss_type)
+    """dapo and cispo (one global token count), grpo and sapo (a mean of sequences), luspo (a mean of sequence
+    sums) and dr_grpo (a constant per sequence) give the one step's gradient however the rows are cut into
+    micro-batches; bnpo, a token mean per micro-batch (TRL 0.26 PPO's and TRL GRPO's bnpo), weighs micro-batches
+    of fewer tokens more, as TRL's does."""
+    own = OWN_SETTINGS.get(loss_type, {})
+    whole, _ = update(scored, B, loss_type=loss_type, **own)
     for micro in (4, 1):
-        split, _ = update(scored, micro, loss_type=loss_type)
+        split, _ = update(scored, micro, loss_type=loss_type, **own)
         if loss_type == "bnpo":
             assert rel(split, whole) > 1e-3, micro
         else:
@@ -123,6 +127,10 @@ def test_policy_loss_weights_state_trls_normalisers():
     assert aggregate(x, mask, *policy_loss_weights("grpo", mask, 4, None)).item() == (2 + 3 + 0) / 3
     assert aggregate(x, mask, *policy_loss_weights("dr_grpo", mask, 4, None)).item() == 16 / (3 * 4)
     assert aggregate(x, mask, *policy_loss_weights("dapo", mask, 4, torch.tensor(8.0))).item() == 16 / 8
+    assert aggregate(x, mask, *policy_loss_weights("luspo", mask, 4, None)).item() == 16 / 3
+    # cispo and sapo: dapo's and grpo's aggregation, as TRL's _compute_loss aggregates them
+    assert aggregate(x, mask, *policy_loss_weights("cispo", mask, 4, torch.tensor(8.0))).item() == 16 / 8
+    assert aggregate(x, mask, *policy_loss_weights("sapo", mask, 4, None)).item() == (2 + 3 + 0) / 3
     empty = torch.zeros_like(mask)
     assert aggregate(x, empty).item() == 0  # nothing trained: adds nothing (not NaN, which would void the step)
 
@@ -155,6 +163,11 @@ SETTINGS = {
                             loss_type="dapo"),
     "entropy": dict(entropy_coef=0.1, loss_type="dr_grpo"),
     "truncated": dict(mask_truncated_completions=True, loss_type="dr_grpo"),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.15),
+    "cispo_sequence": dict(loss_type="cispo", epsilon_high=1.1, importance_sampling_level="sequence"),
+    "sapo": dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0),
+    "sapo_sequence": dict(loss_type="sapo", importance_sampling_level="sequence"),
+    "luspo_sequence": dict(loss_type="luspo", importance_sampling_level="sequence"),
 }
 
 
@@ -169,7 +182,10 @@ def test_fused_update_equals_unfused_update(scored, name, padding_free):
     fused, fused_stats = update(scored, 4, fused_policy_loss=True, **settings)
     assert rel(fused, plain) < 1e-11, rel(fused, plain)
     torch.testing.assert_close(fused_stats, stats, rtol=1e-10, atol=1e-12, equal_nan=True)
-    base, base_stats = update(scored, 4, loss_type=settings["loss_type"], padding_free=padding_free)
+    # the loss_type's plain step: cispo's ε_max moved out of reach; sapo's temperatures at their defaults
+    base_settings = dict(loss_type=settings["loss_type"], padding_free=padding_free,
+                         epsilon_high=100.0 if name.startswith("cispo") else 0.2)
+    base, base_stats = update(scored, 4, **base_settings)
     assert rel(plain, base) > 1e-4, name
     if name == "clip_higher":  # fewer tokens clipped above: ε_h widens the upper side only
         assert stats[STAT["clip_high"]].nanmean() < base_stats[STAT["clip_high"]].nanmean()
@@ -188,7 +204,14 @@ def test_defaults_follow_the_estimator_and_epsilon_is_cliprange():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(loss_type="token-mean"), "unknown loss_type 'token-mean'; choose one of bnpo, dapo, grpo, dr_grpo"),
+    (dict(loss_type="token-mean"), "unknown loss_type 'token-mean'; choose one of bnpo, dapo, grpo, dr_grpo, "
+                                   "cispo, sapo, luspo"),
+    (dict(loss_type="cispo"), r"loss_type cispo caps the ratio at epsilon_high .* got 0.2 \(unset, it is epsilon"),
+    (dict(loss_type="cispo", epsilon_high=1.0), "epsilon_high must be > 1, got 1.0"),
+    (dict(loss_type="sapo", delta=2.0), "delta bounds the clipped ratio; loss_type sapo has no clip"),
+    (dict(loss_type="cispo", epsilon_high=5.0, delta=2.0), "delta bounds the clipped ratio; loss_type cispo"),
+    (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be > 0"),
+    (dict(loss_type="sapo", sapo_temperature_pos=float("nan")), "sapo_temperature_pos must be > 0"),
     (dict(epsilon=0.3, cliprange=0.1), "epsilon 0.3 and cliprange 0.1 are one setting"),
     (dict(epsilon_high=0.1), r"epsilon_high \(0.1\) must be >= epsilon \(0.2\)"),
     (dict(delta=1.0), "delta must be > 1"),
@@ -215,6 +238,34 @@ def test_the_settings_train_from_the_command_line(tmp_path, model_dir):
     cli.train()
     rows = metrics_without_clock(tmp_path / "cli" / "metrics.jsonl")
     assert {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"} <= set(rows[-1])
+
+
+def test_cispo_sapo_luspo_from_the_command_line_and_their_notes(tmp_path, model_dir, capsys):
+    """TRL GRPO's flags for the three reach the config by their names; cispo trains from the command line with the
+    fused loss and logs its clip fraction on the high side only; settings a loss_type does not read are named in
+    the log, as is luspo off its sequence level."""
+    from helpers import cli_config
+
+    c = cli_config(["--advantage_estimator", "grpo", "--loss_type", "sapo", "--sapo_temperature_pos", "0.5",
+                    "--sapo_temperature_neg", "2"])
+    assert (c.loss_type, c.sapo_temperature_pos, c.sapo_temperature_neg) == ("sapo", 0.5, 2.0)
+    cli = cli_trainer(["--advantage_estimator", "grpo", "--num_generations", "2", "--output_dir",
+                       str(tmp_path / "cispo"), "--total_episodes", "8", "--per_device_train_batch_size", "4",
+                       "--response_length", "6", "--num_sample_generations", "0", "--loss_type", "cispo",
+                       "--epsilon_high", "1.05", "--num_ppo_epochs", "2", "--fused_policy_loss"])
+    assert (cli.config.loss_type, cli.config.epsilon_high) == ("cispo", 1.05)
+    cli.train()
+    row = metrics_without_clock(tmp_path / "cispo" / "metrics.jsonl")[-1]
+    assert row["clip_ratio/low_mean"] == 0.0 and row["clip_ratio/high_mean"] == row["clip_ratio/region_mean"]
+    capsys.readouterr()
+    make_trainer(small_config(tmp_path / "notes", advantage_estimator="grpo", num_generations=2, loss_type="luspo",
+                              sapo_temperature_neg=2.0))
+    out = capsys.readouterr().out
+    assert "--sapo_temperature_neg has no effect with loss_type luspo" in out
+    assert "loss_type luspo is LUSPO's aggregation of a sequence-level loss" in out
+    make_trainer(small_config(tmp_path / "quiet", advantage_estimator="grpo", num_generations=2, loss_type="luspo",
+                              importance_sampling_level="sequence"))
+    assert "luspo" not in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------- token-budget micro-batches

@@ -26,8 +26,9 @@ V, H = 29, 12
 
 
 def oracle(hidden, weight, bias, index, old, adv, mask, eps, eps_high, delta, level, lengths, weights, normalizer,
-           entropy_coef, temperature, reduction, entropy_weights=None):
-    """(loss, ratio per token) in float64, sequence by sequence, as TRL GRPO writes the loss."""
+           entropy_coef, temperature, reduction, entropy_weights=None, surrogate="clip", sapo=(1.0, 1.05)):
+    """(loss, ratio per token) in float64, sequence by sequence, as TRL GRPO writes the loss (its loss_types
+    cispo and sapo: ``surrogate``, ``eps_high`` being cispo's ε_max)."""
     logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t() + (0 if bias is None else bias)) / temperature
     logp_all = torch.log_softmax(logits, -1)
     logp = logp_all.gather(1, index.reshape(-1, 1)).squeeze(1)
@@ -47,9 +48,16 @@ def oracle(hidden, weight, bias, index, old, adv, mask, eps, eps_high, delta, le
         else:
             coef = torch.exp(logp[rows] - torch.where(m, old[rows], logp[rows].detach()))
         a = torch.where(m, adv[rows], 0.0)
-        clipped = torch.clamp(coef, 1 - eps, 1 + eps_high) * a
-        unclipped = (coef if delta is None else torch.clamp(coef, max=delta)) * a
-        pg_terms.append(torch.where(m, -torch.minimum(unclipped, clipped), 0.0) * u[rows])
+        if surrogate == "cispo":
+            token_loss = -torch.clamp(coef, max=eps_high).detach() * a * logp[rows]
+        elif surrogate == "sapo":
+            tau = torch.where(a > 0, a.new_tensor(sapo[0]), a.new_tensor(sapo[1]))
+            token_loss = -torch.sigmoid(tau * (coef - 1)) * 4 / tau * a
+        else:
+            clipped = torch.clamp(coef, 1 - eps, 1 + eps_high) * a
+            unclipped = (coef if delta is None else torch.clamp(coef, max=delta)) * a
+            token_loss = -torch.minimum(unclipped, clipped)
+        pg_terms.append(torch.where(m, token_loss, 0.0) * u[rows])
         ratios.append(coef.detach())
     pg = torch.cat(pg_terms).sum()
     ent = torch.where(real, entropy, 0.0).sum()
@@ -99,6 +107,14 @@ OPTIONS = {
     "sum": dict(reduction="sum", cliprange_high=0.375),
     "entropy_weights": dict(entropy_weights="random", normalizer=5.0),
     "sequence_entropy_weights": dict(importance_sampling_level="sequence", entropy_weights="random"),
+    "cispo": dict(surrogate="cispo", cliprange_high=1.25),
+    "cispo_sequence_weights": dict(surrogate="cispo", cliprange_high=1.125, importance_sampling_level="sequence",
+                                   token_weights="grpo", normalizer=3.0),
+    "sapo": dict(surrogate="sapo"),
+    "sapo_temperatures_sum": dict(surrogate="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0,
+                                  reduction="sum"),
+    "sapo_sequence": dict(surrogate="sapo", sapo_temperature_pos=1.25, sapo_temperature_neg=0.75,
+                          importance_sampling_level="sequence", token_weights="grpo"),
 }
 LENGTHS = [5, 3, 0, 9, 1, 6]  # a zero-length sequence, a one-token one, and sequences over an 8-token chunk
 
@@ -142,7 +158,8 @@ def run_oracle(case, lengths, options, entropy_coef=0.125, temperature=0.75):
                          case["old_logprobs"].double(), case["advantages"].double(), case["mask"], 0.25,
                          options.get("cliprange_high", 0.25), options.get("delta"), level, lengths, weights,
                          options.get("normalizer"), entropy_coef, temperature, options.get("reduction", "token_mean"),
-                         ent_weights)
+                         ent_weights, options.get("surrogate", "clip"),
+                         (options.get("sapo_temperature_pos", 1.0), options.get("sapo_temperature_neg", 1.05)))
     return loss, ratio, torch.autograd.grad(loss, list(leaves.values()))
 
 
@@ -166,6 +183,26 @@ def test_each_option_against_the_float64_oracle(name, path):
     for got, want in zip(grads, expected):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.cpu(), want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("options", [dict(surrogate="cispo", cliprange_high=1.2), dict(surrogate="sapo"),
+                                     dict(surrogate="sapo", importance_sampling_level="sequence")])
+def test_surrogates_through_the_kernel_at_fp32(options):
+    """fp32 inputs take the Triton kernel whatever the scalars (fp64 ones take it only when fp32 holds them
+    exactly, which sapo's default τ₋ = 1.05 is not), held to the float64 oracle at fp32's tolerance, masked
+    tokens' inf/NaN included."""
+    device = triton_device_or_skip()
+    case = {k: None if v is None else v.to(device) for k, v in make(LENGTHS, seed=5).items()}
+    case32 = {k: v.float() if v is not None and v.is_floating_point() else v for k, v in case.items()}
+    out, grads = run(fused_ppo_policy_loss, case32, LENGTHS, options)
+    loss, ratio, expected = run_oracle({k: None if v is None else v.cpu() for k, v in case32.items()}, LENGTHS,
+                                       options)
+    torch.testing.assert_close(out.loss.double().cpu(), loss.detach(), rtol=2e-5, atol=2e-6)
+    real = case["mask"].cpu()
+    torch.testing.assert_close(out.ratio.double().cpu()[real], ratio[real], rtol=2e-5, atol=0)
+    for got, want in zip(grads, expected):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double().cpu(), want, rtol=2e-5, atol=2e-6 * max(1.0, want.abs().max().item()))
 
 
 def test_the_options_bite_on_these_inputs():
@@ -227,7 +264,9 @@ def test_property_reference_equals_oracle(lengths, seed, option, entropy_coef):
     case = make(lengths, seed=seed)
     out, grads = run(fused_ppo_policy_loss_reference, case, lengths, OPTIONS[option], entropy_coef=entropy_coef)
     loss, _, expected = run_oracle(case, lengths, OPTIONS[option], entropy_coef=entropy_coef)
-    if not case["mask"].any() and option in ("clip_higher", "delta"):  # plain token mean of nothing: NaN, as masked_mean
+    plain = not {"token_weights", "normalizer", "importance_sampling_level", "entropy_weights", "reduction"} & set(
+        OPTIONS[option])
+    if not case["mask"].any() and plain:  # plain token mean of nothing: NaN, as masked_mean
         assert math.isnan(out.loss.item()) and math.isnan(loss.item())
         return
     torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-10, atol=1e-12)
@@ -248,6 +287,13 @@ def test_property_reference_equals_oracle(lengths, seed, option, entropy_coef):
     (dict(normalizer=0.0), "normalizer"),
     (dict(normalizer=torch.ones(2, dtype=torch.float64)), "normalizer"),
     (dict(entropy_weights=torch.ones(5, dtype=torch.float64)), "entropy_weights"),
+    (dict(surrogate="ppo"), "surrogate"),
+    (dict(surrogate="cispo"), "cliprange_high"),  # ε_max defaults to ε: it would cap every token
+    (dict(surrogate="cispo", cliprange_high=1.0), "cliprange_high"),
+    (dict(surrogate="sapo", delta=2.0), "delta"),
+    (dict(surrogate="cispo", cliprange_high=5.0, delta=2.0), "delta"),
+    (dict(surrogate="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg"),
+    (dict(surrogate="sapo", sapo_temperature_pos=float("inf")), "sapo_temperature_pos"),
 ])
 def test_bad_options_are_refused_by_name(kwargs, message):
     case = make([4, 4], seed=1)

@@ -77,12 +77,13 @@ def test_grpo_advantages_loss_and_gradients_equal_trls(record, scale, beta):
 @pytest.mark.parametrize("kind", sorted(VARIANT_BETAS))
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_policy_loss_settings_equal_trls(record, name, kind):
-    """Each of TRL GRPO's policy-loss settings (loss_type, epsilon_high, delta, importance_sampling_level,
-    mask_truncated_completions, entropy_coef), unfused with beta and through the fused loss: TRL's loss and every
-    gradient, at the tolerances above (measured: loss ≤ 3e-8, gradients ≤ 4.1e-7 of their scale)."""
+    """Each of TRL GRPO's policy-loss settings (loss_type, among them cispo, sapo and luspo, epsilon_high, delta,
+    importance_sampling_level, mask_truncated_completions, entropy_coef, the sapo temperatures), unfused with beta
+    and through the fused loss: TRL's loss and every gradient, at the tolerances above (measured: loss ≤ 1.2e-7,
+    two fp32 ulps of cispo's loss of about 1.1; gradients ≤ 3e-7 of their scale)."""
     rec = record["variants"][f"{name}-{kind}"]
     theirs, ours = rec["trl"], rec["fastppo"]
-    torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=0, atol=1e-7)
+    torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=2.4e-7, atol=1e-7)
     assert ours["grads"].keys() == theirs["grads"].keys() and len(ours["grads"]) == 21
     for param, trl_grad in theirs["grads"].items():
         scale_of = trl_grad.abs().max().item()

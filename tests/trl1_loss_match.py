@@ -46,7 +46,8 @@ critic=False)`` on ``rollout.layout(range(B))`` (entropy on) and ``ppo_losses`` 
 ``ppo_update`` calls it; ``backward()``.
 
 The policy-loss settings (``VARIANTS``): each is one dict of TRL GRPO's own names (loss_type, epsilon,
-epsilon_high, delta, importance_sampling_level, mask_truncated_completions, entropy_coef) handed unchanged to
+epsilon_high, delta, importance_sampling_level, mask_truncated_completions, entropy_coef, the sapo temperatures)
+handed unchanged to
 ``GRPOConfig`` and to fastppo's ``PPOConfig``, with max_completion_length = response_length = the longest
 completion (dr_grpo's constant). fastppo's side runs as ``ppo_update`` does for one micro-batch of one
 minibatch on one process: ``trained_mask`` (mask_truncated_completions), the dapo normaliser from its tokens,
@@ -85,7 +86,7 @@ from fastppo.kernels import kl_penalty  # noqa: E402
 from fastppo.actor_critic import PolicyAndValue  # noqa: E402
 from fastppo.loading import disable_dropout  # noqa: E402
 from fastppo.train import (assemble, estimate_advantages, per_token_rewards, policy_loss_weights,  # noqa: E402
-                           ppo_losses, trained_mask)
+                           ppo_losses, surrogate_options, trained_mask)
 
 P, K = 3, 4
 PROMPT_LENGTHS = [3, 5, 2]
@@ -207,7 +208,7 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
     mask = trained_mask(rollout, config.mask_truncated_completions)
     dapo_tokens = mask.sum().float()  # one process, one minibatch, one micro-step
     token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length, dapo_tokens)
-    clip = dict(cliprange_high=config.epsilon_high, delta=config.delta)
+    clip = surrogate_options(config)
     policy = load_policy(path)
     layout = rollout.layout(range(P * K))
     fused_loss = None

@@ -11,10 +11,13 @@ default) and normaliser d:
     ρ_n = exp(Σ_{t∈s(n)} m_t (logp_t − o_t) / max(Σ_{t∈s(n)} m_t, 1))
                                      ("sequence" level, GSPO: s(n) is n's sequence)
     pg_n = max(−A_n min(ρ_n, δ), −A_n clip(ρ_n, 1 − ε, 1 + ε_h))           (P3)
+    pg_n = −A_n · sg(min(ρ_n, ε_max)) · logp_n       (P3', surrogate "cispo": TRL GRPO's loss_type; ε_max = ε_h)
+    pg_n = −A_n · σ(τ_n (ρ_n − 1)) · 4/τ_n,  τ_n = τ₊ if A_n > 0 else τ₋     (P3'', "sapo")
     loss = Σ u_n pg_n / d − c · Σ m_n H_n / Σ m_n   ("token_mean"; d = Σ m_n by default)  (P4)
            (with u or d given, or at the sequence level, Σ m_n counts at least 1: an empty mask gives 0)
            Σ u_n pg_n / d − c · Σ m_n H_n           ("sum"; d = 1 by default)
     clipped_n = −A_n clip(ρ_n, 1 − ε, 1 + ε_h) > −A_n min(ρ_n, δ)  (the trainer's clipfrac)
+                (cispo: ρ_n > ε_max where A_n > 0, TRL's cispo_clip_ratio; sapo: never)
 
 u and d are how a caller aggregates (TRL GRPO's ``loss_type``: the trainer's
 ``policy_loss_weights``); the entropy term is always the masked mean (or sum),
@@ -35,6 +38,9 @@ splits ties evenly and clamp passes its gradient on [1 − ε, 1 + ε] inclusive
     d1 = −A_n ρ_n · [ρ_n ≤ δ],   d2 = −A_n ρ_n · [1 − ε ≤ ρ_n ≤ 1 + ε_h]
     g_n = m_n u_n/d · (d1 if pg1 > pg2; d2 if pg2 > pg1; (d1 + d2)/2 on a tie)  (P5)
     g_H,n = −c·s·m_n,   s = 1/Σ m ("token_mean") or 1 ("sum")
+    cispo: g_n = m_n u_n/d · (−A_n min(ρ_n, ε_max))                                      (P5')
+    sapo:  g_n = m_n u_n/d · (−4 A_n σ_n (1 − σ_n) ρ_n),  σ_n = σ(τ_n (ρ_n − 1))          (P5'')
+           (0 where ρ_n overflowed: the gate is flat there)
 
 (at the sequence level, g_n = m_n/max(Σ_{t∈s(n)} m_t, 1) · Σ_{t∈s(n)} of the
 token terms of (P5): every token of a sequence moves its one ratio)
@@ -109,6 +115,7 @@ if HAS_TRITON:
     from fastppo.kernels._lmhead import row_pick, row_softmax, softmax_dlogits, store_dlogits
 
 REDUCTIONS = ("token_mean", "sum")
+SURROGATES = ("clip", "cispo", "sapo")  # (P3), (P3'), (P3''): the Triton kernel's SURROGATE is the index
 
 
 class PPOPolicyLossOutput(NamedTuple):
@@ -133,8 +140,9 @@ if HAS_TRITON:
         count_ptr,  # 0-d Σ mask over the whole input (read for TOKEN_MEAN)
         weight_ptr, norm_ptr, ent_weight_ptr,  # [rows] u, 0-d d of (P4) (WEIGHTED); [rows] e (ENTROPY_WEIGHTED)
         logp_ptr, ratio_ptr, clipped_ptr, ent_ptr, loss_ptr,  # [rows] outputs; loss: this token's term of (P4)
-        n_cols, temperature, clip_low, clip_high, delta, entropy_coef,
+        n_cols, temperature, clip_low, clip_high, delta, entropy_coef, tau_pos, tau_neg,
         TOKEN_MEAN: tl.constexpr, WEIGHTED: tl.constexpr, ENTROPY_WEIGHTED: tl.constexpr, HAS_DELTA: tl.constexpr,
+        SURROGATE: tl.constexpr,  # 0 clip, 1 cispo (clip_high: ε_max), 2 sapo (tau_pos, tau_neg)
         NEEDS_GRAD: tl.constexpr,
         ACC_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
@@ -148,15 +156,26 @@ if HAS_TRITON:
         adv = tl.load(adv_ptr + row).to(ACC_DTYPE)
         real = tl.load(mask_ptr + row) != 0
         ratio = tl.exp(logp - old)
-        if HAS_DELTA:
-            pg1 = -adv * tl.minimum(ratio, delta)
+        if SURROGATE == 1:  # (P3'): the capped ratio is a constant weight on logp
+            w = tl.minimum(ratio, clip_high)
+            pg = -adv * w * logp
+            clipped = (ratio > clip_high) & (adv > 0)
+        elif SURROGATE == 2:  # (P3''): a sigmoid gate in place of the clip
+            tau = tl.where(adv > 0, tau_pos, tau_neg)
+            gate = tl.sigmoid(tau * (ratio - 1.0))
+            pg = -adv * gate * (4.0 / tau)
+            clipped = ratio < 0.0  # never: SAPO does not clip
         else:
-            pg1 = -adv * ratio
-        pg2 = -adv * tl.minimum(tl.maximum(ratio, clip_low), clip_high)
-        pg = tl.maximum(pg1, pg2)
+            if HAS_DELTA:
+                pg1 = -adv * tl.minimum(ratio, delta)
+            else:
+                pg1 = -adv * ratio
+            pg2 = -adv * tl.minimum(tl.maximum(ratio, clip_low), clip_high)
+            pg = tl.maximum(pg1, pg2)
+            clipped = pg2 > pg1
         tl.store(logp_ptr + row, logp)
         tl.store(ratio_ptr + row, ratio)
-        tl.store(clipped_ptr + row, pg2 > pg1)
+        tl.store(clipped_ptr + row, clipped)
         tl.store(ent_ptr + row, ent)
         ent_scale = 1.0
         if TOKEN_MEAN:
@@ -171,11 +190,16 @@ if HAS_TRITON:
             pg_scale = ent_scale
             tl.store(loss_ptr + row, tl.where(real, pg - entropy_coef * ent, 0.0))
         if NEEDS_GRAD:
-            d1 = -adv * ratio
-            if HAS_DELTA:
-                d1 = tl.where(ratio <= delta, d1, 0.0)
-            d2 = tl.where((ratio >= clip_low) & (ratio <= clip_high), -adv * ratio, 0.0)
-            g_pg = tl.where(pg1 > pg2, d1, tl.where(pg2 > pg1, d2, 0.5 * (d1 + d2)))  # (P5)
+            if SURROGATE == 1:
+                g_pg = -adv * w  # (P5')
+            elif SURROGATE == 2:  # (P5''); an overflowed ratio's gate is flat (0, not 0·inf)
+                g_pg = tl.where(ratio == float("inf"), 0.0, -adv * 4.0 * gate * (1.0 - gate) * ratio)
+            else:
+                d1 = -adv * ratio
+                if HAS_DELTA:
+                    d1 = tl.where(ratio <= delta, d1, 0.0)
+                d2 = tl.where((ratio >= clip_low) & (ratio <= clip_high), -adv * ratio, 0.0)
+                g_pg = tl.where(pg1 > pg2, d1, tl.where(pg2 > pg1, d2, 0.5 * (d1 + d2)))  # (P5)
             g_logp = tl.where(real, g_pg * pg_scale, 0.0)
             g_ent = tl.where(real, -entropy_coef * ent_scale, 0.0)
             # Pass 2 over V: ∂loss/∂x by (L5)/T.
@@ -220,6 +244,19 @@ class PolicyTerms(NamedTuple):
     token_weights: torch.Tensor | None  # [N] u (None: the mask)
     normalizer: torch.Tensor | None  # 0-d d (None: Σ m for token_mean, 1 for sum)
     entropy_weights: torch.Tensor | None = None  # [N] e, the entropy term's weights (None: by the reduction)
+    surrogate: str = "clip"  # (P3), (P3') or (P3''): SURROGATES
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # sapo's τ for A > 0 and for A <= 0
+
+    @property
+    def surrogate_options(self) -> dict:
+        """``clipped_surrogate``'s surrogate keywords."""
+        pos, neg = self.sapo_temperatures
+        return dict(surrogate=self.surrogate, sapo_temperature_pos=pos, sapo_temperature_neg=neg)
+
+    @property
+    def clip_high(self) -> float:
+        """The kernel's upper bound on the ratio: 1 + ε_h, or cispo's ε_max (``cliprange_high`` itself)."""
+        return self.cliprange_high if self.surrogate == "cispo" else 1.0 + self.cliprange_high
 
     @property
     def weighted(self) -> bool:
@@ -292,10 +329,11 @@ def _launch_ppo_policy_loss(hidden2d, weight, bias, index, old, adv, mask, tempe
                    weights[rows] if weights is not None else adv[rows], norm if norm is not None else count,
                    terms.entropy_weights[rows] if terms.entropy_weights is not None else adv[rows],
                    logp[rows], ratio[rows], clipped[rows], ent[rows], loss_rows[rows],
-                   vocab, temperature, 1.0 - terms.cliprange, 1.0 + terms.cliprange_high,
-                   terms.delta if terms.delta is not None else 0.0, terms.entropy_coef,
+                   vocab, temperature, 1.0 - terms.cliprange, terms.clip_high,
+                   terms.delta if terms.delta is not None else 0.0, terms.entropy_coef, *terms.sapo_temperatures,
                    TOKEN_MEAN=terms.token_mean, WEIGHTED=weights is not None,
                    ENTROPY_WEIGHTED=terms.entropy_weights is not None, HAS_DELTA=terms.delta is not None,
+                   SURROGATE=SURROGATES.index(terms.surrogate),
                    NEEDS_GRAD=needs_grad, ACC_DTYPE=tl_dtype(acc), BLOCK_V=tile.block_v, num_warps=tile.num_warps)
         else:
             ent_w = None if terms.entropy_weights is None else terms.entropy_weights[rows]
@@ -337,7 +375,8 @@ def _sequence_rows(x_c, dx_c, index, old, adv, mask, count, weights, norm, entro
         lp_leaf = lp.detach().requires_grad_(needs_grad)
         pg, ratio, clipped = clipped_surrogate(lp_leaf, old.to(lp.dtype), adv.to(lp.dtype), terms.cliprange,
                                                mask=real, cliprange_high=terms.cliprange_high, delta=terms.delta,
-                                               sequence_ids=ids, num_sequences=len(lengths))
+                                               sequence_ids=ids, num_sequences=len(lengths),
+                                               **terms.surrogate_options)
         ent_scale = 1.0 / count.clamp(min=1.0) if terms.token_mean else 1.0
         if entropy_weights is not None:
             ent_scale = entropy_weights.to(lp.dtype)
@@ -400,7 +439,8 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef,
                                 temperature, bias, reduction, cliprange_high, delta, importance_sampling_level,
-                                sequence_lengths, token_weights, normalizer, entropy_weights=None):
+                                sequence_lengths, token_weights, normalizer, entropy_weights=None, surrogate="clip",
+                                sapo_temperature_pos=1.0, sapo_temperature_neg=1.05):
     check_lm_head_args(hidden, weight, bias)
     check_tensor("index", index, dtypes=INDEX_DTYPES)
     check_tensor("old_logprobs", old_logprobs, dtypes=FLOAT_DTYPES)
@@ -420,6 +460,7 @@ def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages,
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}; got {reduction!r}")
     cliprange, cliprange_high, delta = check_clip_args(cliprange, cliprange_high, delta)
+    temperatures = check_surrogate_args(surrogate, cliprange_high, delta, sapo_temperature_pos, sapo_temperature_neg)
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}; "
                          f"got {importance_sampling_level!r}")
@@ -439,7 +480,8 @@ def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages,
             value = check_float("normalizer", normalizer, minimum=0.0, exclusive_minimum=True)
             normalizer = torch.tensor(value, dtype=acc_dtype(hidden.dtype), device=hidden.device)
     terms = PolicyTerms(cliprange, cliprange_high, delta, check_float("entropy_coef", entropy_coef),
-                        reduction == "token_mean", lengths, token_weights, normalizer, entropy_weights)
+                        reduction == "token_mean", lengths, token_weights, normalizer, entropy_weights, surrogate,
+                        temperatures)
     return terms, check_temperature(temperature)
 
 
@@ -473,10 +515,28 @@ def check_clip_args(cliprange, cliprange_high=None, delta=None) -> tuple[float, 
     return cliprange, cliprange_high, delta
 
 
+def check_surrogate_args(surrogate, cliprange_high: float, delta: float | None, sapo_temperature_pos=1.0,
+                         sapo_temperature_neg=1.05) -> tuple[float, float]:
+    """``surrogate`` one of SURROGATES; cispo's ε_max (``cliprange_high``) > 1; ``delta`` only with "clip";
+    sapo's temperatures > 0: refused by name otherwise. Returns the temperatures (τ for A > 0, for A <= 0)."""
+    if not isinstance(surrogate, str) or surrogate not in SURROGATES:
+        raise ValueError(f"surrogate must be one of {', '.join(SURROGATES)}; got {surrogate!r}")
+    if surrogate == "cispo" and cliprange_high <= 1.0:
+        raise ValueError(f"surrogate 'cispo' caps the ratio at cliprange_high itself (TRL GRPO's epsilon_high as "
+                         f"ScaleRL's ε_max, 5.0 recommended), so it must be > 1; got {cliprange_high}: every "
+                         "on-policy token would be capped")
+    if surrogate != "clip" and delta is not None:
+        raise ValueError(f"delta bounds the clipped surrogate's ratio and has no meaning for surrogate {surrogate!r}; "
+                         "leave it unset")
+    return (check_float("sapo_temperature_pos", sapo_temperature_pos, minimum=0.0, exclusive_minimum=True),
+            check_float("sapo_temperature_neg", sapo_temperature_neg, minimum=0.0, exclusive_minimum=True))
+
+
 def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef=0.0,
                           temperature=1.0, bias=None, reduction="token_mean", *, cliprange_high=None, delta=None,
                           importance_sampling_level="token", sequence_lengths=None, token_weights=None,
-                          normalizer=None, entropy_weights=None) -> PPOPolicyLossOutput:
+                          normalizer=None, entropy_weights=None, surrogate="clip", sapo_temperature_pos=1.0,
+                          sapo_temperature_neg=1.05) -> PPOPolicyLossOutput:
     """The clipped PPO policy loss with entropy bonus, from hidden states and the LM head (module docstring).
 
     Args:
@@ -508,6 +568,8 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
         entropy_weights: [...] e, each masked token's weight in the entropy term, which becomes −c·Σ e·H
             (default: the reduction's mean or sum; the trainer's token-budget micro-batches give each token the
             weight it has in row-count micro-batches).
+        surrogate: "clip" (P3), "cispo" (P3': ``cliprange_high`` is ε_max, > 1) or "sapo" (P3'', with
+            ``sapo_temperature_pos`` and ``sapo_temperature_neg``): TRL GRPO's loss_types of those names.
 
     Returns:
         ``PPOPolicyLossOutput(loss, logprobs, ratio, clipped, entropy)``: the
@@ -518,11 +580,12 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
     """
     terms, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction,
-        cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer, entropy_weights)
+        cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer, entropy_weights,
+        surrogate, sapo_temperature_pos, sapo_temperature_neg)
     hidden, weight, bias = lm_head_operands(hidden, weight, bias)
     vocab, hdim = weight.shape
-    kernel_scalars = (1.0 - terms.cliprange, 1.0 + terms.cliprange_high, terms.entropy_coef, temperature,
-                      *(() if terms.delta is None else (terms.delta,)))
+    kernel_scalars = (1.0 - terms.cliprange, terms.clip_high, terms.entropy_coef, temperature,
+                      *terms.sapo_temperatures, *(() if terms.delta is None else (terms.delta,)))
     if not use_triton(hidden, kernel_scalars) or index.numel() == 0:
         # a CPU: the same math over the chunked LM-head core (never the [N, V] logits; the reference's are)
         return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias, terms,
@@ -559,11 +622,19 @@ def _check_clipped_surrogate_args(logprobs, old_logprobs, advantages, cliprange,
     return check_clip_args(cliprange, cliprange_high, delta)
 
 
-def _surrogate(log_ratio, advantages, cliprange, cliprange_high, delta):
-    """(P2)-(P3) from the log-ratio, with a ratio that may overflow: where it passes log(fp max), ρ = inf is a
-    constant (its gradient is the clipped branch's, 0: autograd of exp would form 0·inf = NaN there)."""
+def _surrogate(log_ratio, advantages, cliprange, cliprange_high, delta, logprobs, surrogate, sapo_temperatures):
+    """(P2)-(P3) (or (P3'), (P3'')) from the log-ratio, with a ratio that may overflow: where it passes log(fp
+    max), ρ = inf is a constant (its gradient is the clipped branch's, 0: autograd of exp would form 0·inf = NaN
+    there). Returns (per-token loss, ρ, the clip flag)."""
     overflow = torch.exp(log_ratio.detach()) == float("inf")
     ratio = torch.where(overflow, float("inf"), torch.exp(torch.where(overflow, 0.0, log_ratio)))
+    if surrogate == "cispo":  # ε_max = cliprange_high caps the ratio, a constant weight on logp
+        return -advantages * ratio.detach().clamp(max=cliprange_high) * logprobs, ratio, \
+            (ratio > cliprange_high) & (advantages > 0)
+    if surrogate == "sapo":
+        pos, neg = (torch.tensor(t, dtype=ratio.dtype, device=ratio.device) for t in sapo_temperatures)
+        tau = torch.where(advantages > 0, pos, neg)
+        return -advantages * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau), ratio, torch.zeros_like(overflow)
     unclipped = -advantages * (ratio if delta is None else ratio.clamp(max=delta))
     clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange_high)
     return torch.max(unclipped, clipped), ratio, clipped > unclipped
@@ -582,11 +653,19 @@ def sequence_mean(x: torch.Tensor, real: torch.Tensor, sequence_ids: torch.Tenso
 def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                       cliprange: float, *, mask: torch.Tensor | None = None, cliprange_high: float | None = None,
                       delta: float | None = None, sequence_ids: torch.Tensor | None = None,
-                      num_sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      num_sequences: int | None = None, surrogate: str = "clip",
+                      sapo_temperature_pos: float = 1.0,
+                      sapo_temperature_neg: float = 1.05) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's per-token clipped surrogate loss, max(−A·min(ρ, δ), −A·clip(ρ, 1 − ε, 1 + ε_h)) with
     ρ = exp(logp − old): (the per-token loss, ρ, where the clipped term won). The one PyTorch statement of
-    (P2)-(P3): the trainer, the reference below, the sequence-level kernel path and the tests use it; the
-    Triton kernel computes the same per row and is tested against it.
+    (P2)-(P3) and of the other ``surrogate``s (P3') and (P3''): the trainer, the reference below, the
+    sequence-level kernel path and the tests use it; the Triton kernel computes the same per row and is tested
+    against it.
+
+    ``surrogate``: "clip" (the above), "cispo" (−sg(min(ρ, ε_max))·A·logp with ε_max = ``cliprange_high``
+    itself, > 1: TRL GRPO's loss_type cispo; the flag marks ρ > ε_max where A > 0) or "sapo"
+    (−A·σ(τ(ρ − 1))·4/τ, τ = ``sapo_temperature_pos`` where A > 0 else ``sapo_temperature_neg``: TRL GRPO's
+    loss_type sapo; never flagged); ``delta`` is read by "clip" only.
 
     The three tensors have one shape and device; ``cliprange`` ε >= 0, ``cliprange_high`` ε_h >= ε (default ε),
     ``delta`` δ > 1 (default none), checked as ``fused_ppo_policy_loss`` checks them. A ratio that overflows
@@ -599,28 +678,38 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
     """
     cliprange, cliprange_high, delta = _check_clipped_surrogate_args(
         logprobs, old_logprobs, advantages, cliprange, mask, cliprange_high, delta, sequence_ids)
+    temperatures = check_surrogate_args(surrogate, cliprange_high, delta, sapo_temperature_pos, sapo_temperature_neg)
     bounds = (cliprange, cliprange_high, delta)
     if mask is None and sequence_ids is None:
-        return _surrogate(logprobs - old_logprobs, advantages, *bounds)
+        return _surrogate(logprobs - old_logprobs, advantages, *bounds, logprobs, surrogate, temperatures)
     real = torch.ones_like(logprobs, dtype=torch.bool) if mask is None else mask != 0
     zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
     log_ratio = logprobs - torch.where(real, old_logprobs, logprobs.detach())
     if sequence_ids is not None:
         count = int(sequence_ids.max()) + 1 if num_sequences is None and sequence_ids.numel() else num_sequences
         log_ratio = sequence_mean(log_ratio, real, sequence_ids, count or 0)
-    loss, ratio, clipped = _surrogate(log_ratio, torch.where(real, advantages, zero), *bounds)
+    loss, ratio, clipped = _surrogate(log_ratio, torch.where(real, advantages, zero), *bounds, logprobs, surrogate,
+                                      temperatures)
     with torch.no_grad():  # the statistics of the masked tokens, from their own values
         raw_log_ratio = log_ratio.detach() if sequence_ids is not None else logprobs.detach() - old_logprobs
-        _, raw_ratio, raw_clipped = _surrogate(raw_log_ratio, advantages, *bounds)
+        _, raw_ratio, raw_clipped = _surrogate(raw_log_ratio, advantages, *bounds, logprobs.detach(), surrogate,
+                                               temperatures)
     return (torch.where(real, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)),
             torch.where(real, ratio, raw_ratio), torch.where(real, clipped, raw_clipped))
 
 
 def clip_sides(ratio: torch.Tensor, advantages: torch.Tensor, cliprange: float, cliprange_high: float | None = None,
-               delta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               delta: float | None = None, surrogate: str = "clip") -> tuple[torch.Tensor, torch.Tensor]:
     """TRL GRPO's clip_ratio/low and /high flags per token: the ratio (after δ's bound) below 1 − ε where A < 0,
-    above 1 + ε_h where A > 0 (where the clip took the gradient away)."""
+    above 1 + ε_h where A > 0 (where the clip took the gradient away). "cispo": no low side, the high side above
+    ε_max (TRL's cispo_clip_ratio); "sapo": neither (it does not clip)."""
     cliprange, cliprange_high, delta = check_clip_args(cliprange, cliprange_high, delta)
+    check_surrogate_args(surrogate, cliprange_high, delta)
+    if surrogate != "clip":
+        high = (ratio > cliprange_high) & (advantages > 0)
+        if surrogate == "sapo":
+            high = torch.zeros_like(high)
+        return torch.zeros_like(high), high
     bounded = ratio if delta is None else ratio.clamp(max=delta)
     return (bounded < 1.0 - cliprange) & (advantages < 0), (bounded > 1.0 + cliprange_high) & (advantages > 0)
 
@@ -629,12 +718,14 @@ def fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advanta
                                     entropy_coef=0.0, temperature=1.0, bias=None, reduction="token_mean", *,
                                     cliprange_high=None, delta=None, importance_sampling_level="token",
                                     sequence_lengths=None, token_weights=None, normalizer=None,
-                                    entropy_weights=None) -> PPOPolicyLossOutput:
+                                    entropy_weights=None, surrogate="clip", sapo_temperature_pos=1.0,
+                                    sapo_temperature_neg=1.05) -> PPOPolicyLossOutput:
     """Plain PyTorch ``fused_ppo_policy_loss``: materialised fp32 (fp64) logits (``COMPUTE_DTYPE_RULE``), then
     (P1)-(P4) as the trainer writes them."""
     terms, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction,
-        cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer, entropy_weights)
+        cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer, entropy_weights,
+        surrogate, sapo_temperature_pos, sapo_temperature_neg)
     hidden, weight, bias = lm_head_operands(hidden, weight, bias)
     return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias, terms)
 
@@ -660,7 +751,7 @@ def _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask,
     # masked tokens: their old log-probs and advantages reach neither the loss nor a gradient (inf/NaN allowed)
     pg_losses, ratio, clipped = clipped_surrogate(
         logp, old, adv, terms.cliprange, mask=real, cliprange_high=terms.cliprange_high, delta=terms.delta,
-        sequence_ids=ids, num_sequences=None if ids is None else len(terms.sequence_lengths))
+        sequence_ids=ids, num_sequences=None if ids is None else len(terms.sequence_lengths), **terms.surrogate_options)
     zero = torch.zeros((), dtype=acc, device=logp.device)
     if terms.token_weights is not None:
         pg_losses = pg_losses * torch.where(real, terms.token_weights.detach().to(acc), zero)
