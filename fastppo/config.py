@@ -392,6 +392,13 @@ class PPOConfig(TrainingArguments):
     sapo_temperature_neg: float = field(
         default=1.05, metadata={"help": "sapo's gate temperature τ for tokens with non-positive advantages (TRL "
                                 "GRPO's)."})
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={"help": "Keep in the policy term only the tokens whose entropy is in this top quantile of the "
+                  "micro-batch's trained tokens on all processes (TRL GRPO's name, 'Beyond the 80/20 Rule''s ρ, "
+                  "0.2 recommended; 0: the highest-entropy token(s) only; 1: every token). The entropy bonus "
+                  "averages over the same tokens; the KL term and the normalisers keep them all."},
+    )
     importance_sampling_level: str = field(
         default="token",
         metadata={"help": "token: one ratio per token; sequence: one per completion, exp of the mean log-ratio of "

@@ -416,13 +416,46 @@ def surrogate_options(config: PPOConfig) -> dict:
                 sapo_temperature_pos=config.sapo_temperature_pos, sapo_temperature_neg=config.sapo_temperature_neg)
 
 
+QUANTILE_LIMIT = 1 << 24  # torch.quantile refuses more values; past it the same interpolation over a sort
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """TRL GRPO's ``top_entropy_quantile`` ("Beyond the 80/20 Rule"): [b, T] bool, the trained tokens whose
+    entropy is at least the (1 − quantile) quantile (``torch.quantile``'s linear interpolation) of the entropies
+    of this micro-batch's trained tokens on every process; none when no process has a trained token."""
+    real = mask != 0
+    entropy = entropy.detach().to(torch.promote_types(entropy.dtype, torch.float32))
+    values = entropy[real]
+    if fdist.is_distributed():  # every process's values, padded to the longest with -1 (an entropy is >= 0)
+        longest = torch.tensor([values.numel()], device=values.device)
+        fdist.all_reduce(longest, torch.distributed.ReduceOp.MAX)
+        padded = values.new_full((int(longest),), -1.0)
+        padded[: values.numel()] = values
+        parts = fdist.all_gather([torch.empty_like(padded) for _ in range(torch.distributed.get_world_size())],
+                                 padded)
+        values = torch.cat(parts)
+        values = values[values >= 0]
+    if values.numel() == 0:
+        return torch.zeros_like(real)
+    level = torch.tensor(1.0 - quantile, dtype=values.dtype, device=values.device)
+    if values.numel() <= QUANTILE_LIMIT:
+        threshold = torch.quantile(values, level)
+    else:  # the same linear interpolation over the sorted values
+        ordered = values.sort().values
+        position = level * (values.numel() - 1)
+        low = position.floor().long()
+        high = torch.clamp(low + 1, max=values.numel() - 1)
+        threshold = ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    return real & (entropy >= threshold)
+
+
 def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask, *,
                cliprange: float, cliprange_value: float, vf_coef: float, entropy_coef: float,
                ratio_threshold: float, fused_policy_loss=None, ref_logprobs=None, beta: float = 0.0,
                kl_loss_type: str = "k3", bias_correction_kl: bool = True, cliprange_high: float | None = None,
                delta: float | None = None, sequence_level: bool = False, token_weights=None, normalizer=None,
                mean_weights=None, surrogate: str = "clip", sapo_temperature_pos: float = 1.0,
-               sapo_temperature_neg: float = 1.05):
+               sapo_temperature_neg: float = 1.05, top_entropy_quantile: float = 1.0):
     """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]); the statistics are means over trained
     tokens.
 
@@ -432,7 +465,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     ``beta``: + β·KL_t(π‖π_ref) by ``kl_loss_type`` in each token's loss (TRL GRPO's in-loss KL), weighted by ρ_t
     when ``bias_correction_kl`` (TRL's default: the samples came from π_θ_old, not π_θ).
     ``cliprange_high``, ``delta``, ``sequence_level`` (one ratio per row: GSPO), ``surrogate`` and sapo's
-    temperatures: ``clipped_surrogate``'s options (``surrogate_options``).
+    temperatures: ``clipped_surrogate``'s options (``surrogate_options``). ``top_entropy_quantile`` < 1: only the
+    tokens of ``high_entropy_mask`` take the policy term and the entropy bonus (TRL GRPO's).
     ``token_weights`` and ``normalizer``: how the policy and KL terms are aggregated (``policy_loss_weights``);
     the entropy bonus and the value loss are token means whatever they are (TRL GRPO's bonus is), or, with
     ``mean_weights``, Σ over the tokens of mean_weights·x (``step_token_weights``: token-budget micro-batches).
@@ -456,8 +490,13 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     pg_losses, ratio, clipped = clipped_surrogate(new_logprobs, old_logprobs, advantages, cliprange, mask=mask,
                                                   cliprange_high=cliprange_high, delta=delta, sequence_ids=rows,
                                                   num_sequences=None if rows is None else rows.shape[0], **surrogate_kw)
+    policy_mask = mask  # the tokens the policy term and the entropy bonus read
+    if top_entropy_quantile < 1:
+        policy_mask = high_entropy_mask(entropy, mask, top_entropy_quantile)
+        pg_losses = torch.where(policy_mask, pg_losses, torch.zeros((), dtype=pg_losses.dtype,
+                                                                     device=pg_losses.device))
     pg_loss = aggregate(pg_losses, mask, token_weights, normalizer)
-    mean_entropy = aggregate(entropy, mask, mean_weights, None if mean_weights is None else 1.0)
+    mean_entropy = aggregate(entropy, policy_mask, mean_weights, None if mean_weights is None else 1.0)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
     loss = policy_loss + vf_coef * vf_loss if critic else policy_loss
     if beta:
@@ -608,7 +647,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         fused_policy_loss=out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
                         kl_loss_type=config.kl_loss_type, bias_correction_kl=config.use_bias_correction_kl,
                         sequence_level=sequence_level, token_weights=token_weights, normalizer=normalizer,
-                        mean_weights=mean_weights, **clip,
+                        mean_weights=mean_weights, top_entropy_quantile=config.top_entropy_quantile, **clip,
                     )
                     # each micro-batch's loss is on the step's scale and the step is their mean; with step weights
                     # it is already this micro-batch's share of the step (logged ×count, on the same scale)

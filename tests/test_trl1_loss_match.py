@@ -30,7 +30,7 @@ import torch
 
 from test_trl1_integration import ROOT, trl1_dir
 from helpers import TRL_GRPO_LOSS_VARIANT_BETAS as VARIANT_BETAS
-from helpers import TRL_GRPO_LOSS_VARIANTS as VARIANTS
+from helpers import trl_grpo_loss_variant_runs
 
 SCRIPT = ROOT / "tests" / "trl1_loss_match.py"
 SCALES = ("group", "batch", "none")
@@ -74,16 +74,16 @@ def test_grpo_advantages_loss_and_gradients_equal_trls(record, scale, beta):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", sorted(VARIANT_BETAS))
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name, kind", trl_grpo_loss_variant_runs())
 def test_policy_loss_settings_equal_trls(record, name, kind):
     """Each of TRL GRPO's policy-loss settings (loss_type, among them cispo, sapo and luspo, epsilon_high, delta,
     importance_sampling_level, mask_truncated_completions, entropy_coef, the sapo temperatures), unfused with beta
-    and through the fused loss: TRL's loss and every gradient, at the tolerances above (measured: loss ≤ 1.2e-7,
-    two fp32 ulps of cispo's loss of about 1.1; gradients ≤ 3e-7 of their scale)."""
+    and through the fused loss: TRL's loss and every gradient, at the tolerances above (measured: loss ≤ 3.6e-7,
+    for cispo's loss of about 1.1 summed in fp32 from token terms −A·w·log π of about 10 each; gradients ≤ 3e-7
+    of their scale). top_entropy_quantile runs unfused only (the fused loss refuses it)."""
     rec = record["variants"][f"{name}-{kind}"]
     theirs, ours = rec["trl"], rec["fastppo"]
-    torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=2.4e-7, atol=1e-7)
+    torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=1e-6, atol=1e-7)
     assert ours["grads"].keys() == theirs["grads"].keys() and len(ours["grads"]) == 21
     for param, trl_grad in theirs["grads"].items():
         scale_of = trl_grad.abs().max().item()

@@ -46,8 +46,8 @@ critic=False)`` on ``rollout.layout(range(B))`` (entropy on) and ``ppo_losses`` 
 ``ppo_update`` calls it; ``backward()``.
 
 The policy-loss settings (``VARIANTS``): each is one dict of TRL GRPO's own names (loss_type, epsilon,
-epsilon_high, delta, importance_sampling_level, mask_truncated_completions, entropy_coef, the sapo temperatures)
-handed unchanged to
+epsilon_high, delta, importance_sampling_level, mask_truncated_completions, entropy_coef, the sapo temperatures,
+top_entropy_quantile) handed unchanged to
 ``GRPOConfig`` and to fastppo's ``PPOConfig``, with max_completion_length = response_length = the longest
 completion (dr_grpo's constant). fastppo's side runs as ``ppo_update`` does for one micro-batch of one
 minibatch on one process: ``trained_mask`` (mask_truncated_completions), the dapo normaliser from its tokens,
@@ -79,6 +79,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 from helpers import TRL_GRPO_LOSS_VARIANTS as VARIANTS  # noqa: E402  (tests/ is this script's directory)
 from helpers import TRL_GRPO_LOSS_VARIANT_BETAS as VARIANT_BETAS  # noqa: E402
+from helpers import trl_grpo_loss_variant_runs  # noqa: E402
 
 from fastppo import embedded  # noqa: E402
 from fastppo.config import PPOConfig  # noqa: E402
@@ -228,7 +229,8 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
                              kl_loss_type=config.kl_loss_type,
                              bias_correction_kl=config.use_bias_correction_kl,
                              sequence_level=config.importance_sampling_level == "sequence",
-                             token_weights=token_weights, normalizer=normalizer, **clip)
+                             token_weights=token_weights, normalizer=normalizer,
+                             top_entropy_quantile=config.top_entropy_quantile, **clip)
     loss.backward()
     from fastppo.metrics import STAT
     return {"loss": loss.detach().clone(), "tokens": int(mask.sum()),
@@ -372,20 +374,20 @@ def main():
                       f"clip active A>0/A<0 {ours['clip_active_pos']}/{ours['clip_active_neg']} of {ours['tokens']} "
                       f"[{time.perf_counter() - start:.0f} s]", flush=True)
         record["variants"] = {}
-        for name, settings in VARIANTS.items():
-            for kind, beta in VARIANT_BETAS.items():
-                theirs = trl_grpo(path, batch, old, ref, "group", beta, workdir, **settings)
-                ours = fastppo_variant(path, batch, old, ref, settings, fused=kind == "fused")
-                diffs = grad_diffs(ours["grads"], theirs["grads"])
-                rec = {"trl": theirs, "fastppo": ours, "grad_diffs": diffs,
-                       "loss_abs": (ours["loss"] - theirs["loss"]).abs().item(),
-                       "grad_max_abs_over_global_scale": max(d["max_abs"] for d in diffs.values())
-                       / max(d["scale"] for d in diffs.values())}
-                record["variants"][f"{name}-{kind}"] = rec
-                print(f"{name:26s} {kind:7s}: loss {theirs['loss'].item():+.6f} diff {rec['loss_abs']:.2e} grad "
-                      f"abs/scale {rec['grad_max_abs_over_global_scale']:.2e} clip low/high "
-                      f"{ours['clip_low']:.3f}/{ours['clip_high']:.3f} [{time.perf_counter() - start:.0f} s]",
-                      flush=True)
+        for name, kind in trl_grpo_loss_variant_runs():
+            settings, beta = VARIANTS[name], VARIANT_BETAS[kind]
+            theirs = trl_grpo(path, batch, old, ref, "group", beta, workdir, **settings)
+            ours = fastppo_variant(path, batch, old, ref, settings, fused=kind == "fused")
+            diffs = grad_diffs(ours["grads"], theirs["grads"])
+            rec = {"trl": theirs, "fastppo": ours, "grad_diffs": diffs,
+                   "loss_abs": (ours["loss"] - theirs["loss"]).abs().item(),
+                   "grad_max_abs_over_global_scale": max(d["max_abs"] for d in diffs.values())
+                   / max(d["scale"] for d in diffs.values())}
+            record["variants"][f"{name}-{kind}"] = rec
+            print(f"{name:26s} {kind:7s}: loss {theirs['loss'].item():+.6f} diff {rec['loss_abs']:.2e} grad "
+                  f"abs/scale {rec['grad_max_abs_over_global_scale']:.2e} clip low/high "
+                  f"{ours['clip_low']:.3f}/{ours['clip_high']:.3f} [{time.perf_counter() - start:.0f} s]",
+                  flush=True)
         theirs = trl_rloo(path, batch, old, ref, workdir)
         config = fastppo_config("rloo")
         assert config.kl_coef == theirs["beta"] and config.kl_estimator == "k1"  # fastppo's rloo defaults: TRL's
