@@ -167,6 +167,12 @@ def _check_policy_loss(c: PPOConfig) -> None:
     require(q == 1 or c.max_tokens_per_micro_batch is None,
             "top_entropy_quantile takes the entropy quantile of each micro-batch (TRL GRPO's), and "
             "max_tokens_per_micro_batch regroups the rows into other micro-batches; drop one of them")
+    t = c.off_policy_mask_threshold
+    require(t is None or (_is_finite(t) and t >= 0), f"off_policy_mask_threshold must be >= 0 (a bound on a "
+            f"sequence's mean KL), got {t!r}")
+    require(t is None or not c.fused_policy_loss,
+            "off_policy_mask_threshold and fused_policy_loss: the fused loss forms each token's gradient before its "
+            "sequence's KL is known; drop --fused_policy_loss")
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         value = getattr(c, name)
         require(_is_finite(value) and value > 0, f"{name} must be > 0 (it scales sapo's gate), got {value!r}")

@@ -399,6 +399,12 @@ class PPOConfig(TrainingArguments):
                   "0.2 recommended; 0: the highest-entropy token(s) only; 1: every token). The entropy bonus "
                   "averages over the same tokens; the KL term and the normalisers keep them all."},
     )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={"help": "Off-policy sequence masking (DeepSeek-V3.2's δ; TRL GRPO's name, 0.5 for example): a "
+                  "completion whose mean KL(π_θ_old‖π_θ) over its trained tokens, log π_θ_old − log π_θ, exceeds "
+                  "this leaves the policy term where its advantage is negative. Unset: off."},
+    )
     importance_sampling_level: str = field(
         default="token",
         metadata={"help": "token: one ratio per token; sequence: one per completion, exp of the mean log-ratio of "

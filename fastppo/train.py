@@ -449,13 +449,25 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
     return real & (entropy >= threshold)
 
 
+def off_policy_keep_mask(new_logprobs, old_logprobs, advantages, mask, threshold: float) -> torch.Tensor:
+    """TRL GRPO's ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence masking): [b, T] bool, the
+    tokens whose advantage is >= 0 or whose row's mean of log π_θ_old − log π_θ over its trained tokens is at most
+    ``threshold``; the others leave the policy term."""
+    real = mask != 0
+    zero = torch.zeros((), dtype=new_logprobs.dtype, device=new_logprobs.device)
+    kl = torch.where(real, old_logprobs - new_logprobs.detach(), zero)
+    mean_kl = kl.sum(1, keepdim=True) / real.sum(1, keepdim=True).clamp(min=1)
+    return (advantages >= 0) | (mean_kl <= threshold)
+
+
 def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask, *,
                cliprange: float, cliprange_value: float, vf_coef: float, entropy_coef: float,
                ratio_threshold: float, fused_policy_loss=None, ref_logprobs=None, beta: float = 0.0,
                kl_loss_type: str = "k3", bias_correction_kl: bool = True, cliprange_high: float | None = None,
                delta: float | None = None, sequence_level: bool = False, token_weights=None, normalizer=None,
                mean_weights=None, surrogate: str = "clip", sapo_temperature_pos: float = 1.0,
-               sapo_temperature_neg: float = 1.05, top_entropy_quantile: float = 1.0):
+               sapo_temperature_neg: float = 1.05, top_entropy_quantile: float = 1.0,
+               off_policy_mask_threshold: float | None = None):
     """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]); the statistics are means over trained
     tokens.
 
@@ -467,6 +479,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     ``cliprange_high``, ``delta``, ``sequence_level`` (one ratio per row: GSPO), ``surrogate`` and sapo's
     temperatures: ``clipped_surrogate``'s options (``surrogate_options``). ``top_entropy_quantile`` < 1: only the
     tokens of ``high_entropy_mask`` take the policy term and the entropy bonus (TRL GRPO's).
+    ``off_policy_mask_threshold``: only the tokens of ``off_policy_keep_mask`` take the policy term.
     ``token_weights`` and ``normalizer``: how the policy and KL terms are aggregated (``policy_loss_weights``);
     the entropy bonus and the value loss are token means whatever they are (TRL GRPO's bonus is), or, with
     ``mean_weights``, Σ over the tokens of mean_weights·x (``step_token_weights``: token-budget micro-batches).
@@ -491,10 +504,13 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                                                   cliprange_high=cliprange_high, delta=delta, sequence_ids=rows,
                                                   num_sequences=None if rows is None else rows.shape[0], **surrogate_kw)
     policy_mask = mask  # the tokens the policy term and the entropy bonus read
+    zero = torch.zeros((), dtype=pg_losses.dtype, device=pg_losses.device)
     if top_entropy_quantile < 1:
         policy_mask = high_entropy_mask(entropy, mask, top_entropy_quantile)
-        pg_losses = torch.where(policy_mask, pg_losses, torch.zeros((), dtype=pg_losses.dtype,
-                                                                     device=pg_losses.device))
+        pg_losses = torch.where(policy_mask, pg_losses, zero)
+    if off_policy_mask_threshold is not None:  # the policy term only, as TRL (the entropy bonus keeps them)
+        keep = off_policy_keep_mask(new_logprobs, old_logprobs, advantages, mask, off_policy_mask_threshold)
+        pg_losses = torch.where(keep, pg_losses, zero)
     pg_loss = aggregate(pg_losses, mask, token_weights, normalizer)
     mean_entropy = aggregate(entropy, policy_mask, mean_weights, None if mean_weights is None else 1.0)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
@@ -647,7 +663,8 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         fused_policy_loss=out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
                         kl_loss_type=config.kl_loss_type, bias_correction_kl=config.use_bias_correction_kl,
                         sequence_level=sequence_level, token_weights=token_weights, normalizer=normalizer,
-                        mean_weights=mean_weights, top_entropy_quantile=config.top_entropy_quantile, **clip,
+                        mean_weights=mean_weights, top_entropy_quantile=config.top_entropy_quantile,
+                        off_policy_mask_threshold=config.off_policy_mask_threshold, **clip,
                     )
                     # each micro-batch's loss is on the step's scale and the step is their mean; with step weights
                     # it is already this micro-batch's share of the step (logged ×count, on the same scale)

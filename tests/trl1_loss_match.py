@@ -47,7 +47,7 @@ critic=False)`` on ``rollout.layout(range(B))`` (entropy on) and ``ppo_losses`` 
 
 The policy-loss settings (``VARIANTS``): each is one dict of TRL GRPO's own names (loss_type, epsilon,
 epsilon_high, delta, importance_sampling_level, mask_truncated_completions, entropy_coef, the sapo temperatures,
-top_entropy_quantile) handed unchanged to
+top_entropy_quantile, off_policy_mask_threshold) handed unchanged to
 ``GRPOConfig`` and to fastppo's ``PPOConfig``, with max_completion_length = response_length = the longest
 completion (dr_grpo's constant). fastppo's side runs as ``ppo_update`` does for one micro-batch of one
 minibatch on one process: ``trained_mask`` (mask_truncated_completions), the dapo normaliser from its tokens,
@@ -230,7 +230,8 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
                              bias_correction_kl=config.use_bias_correction_kl,
                              sequence_level=config.importance_sampling_level == "sequence",
                              token_weights=token_weights, normalizer=normalizer,
-                             top_entropy_quantile=config.top_entropy_quantile, **clip)
+                             top_entropy_quantile=config.top_entropy_quantile,
+                             off_policy_mask_threshold=config.off_policy_mask_threshold, **clip)
     loss.backward()
     from fastppo.metrics import STAT
     return {"loss": loss.detach().clone(), "tokens": int(mask.sum()),

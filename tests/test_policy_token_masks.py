@@ -1,8 +1,12 @@
-"""TRL GRPO's ``top_entropy_quantile`` ("Beyond the 80/20 Rule"): ``high_entropy_mask`` and its place in
-``ppo_losses``. Against TRL 1.16's own loss and gradients: ``test_trl1_loss_match.py`` (variants top_entropy*).
+"""The policy term's token masks from TRL GRPO: ``top_entropy_quantile`` ("Beyond the 80/20 Rule",
+``high_entropy_mask``) and ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence masking,
+``off_policy_keep_mask``), and their place in ``ppo_losses``. Against TRL 1.16's own loss and gradients:
+``test_trl1_loss_match.py`` (variants top_entropy*, off_policy_mask*).
 
-The mask keeps the trained tokens whose entropy reaches the (1 − q) quantile of the micro-batch's trained tokens
-on every process; the policy term and the entropy bonus read only them, the KL term and the normalisers all."""
+The entropy mask keeps the trained tokens whose entropy reaches the (1 − q) quantile of the micro-batch's trained
+tokens on every process; the policy term and the entropy bonus read only them, the KL term and the normalisers all.
+The off-policy mask drops, from the policy term only, the tokens of negative advantage in rows whose mean
+log π_old − log π_θ over their trained tokens exceeds the threshold."""
 from __future__ import annotations
 
 import math
@@ -139,7 +143,56 @@ def test_a_run_trains_with_it(tmp_path, model_dir):
     assert all(math.isfinite(row[k]) for k in ("loss/policy_avg", "policy/entropy_avg", "clip_ratio/region_mean"))
 
 
+def test_the_off_policy_mask_drops_negative_advantages_of_drifted_rows():
+    g = torch.Generator().manual_seed(4)
+    new = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    old = new + 0.3 * torch.randn(5, 7, generator=g, dtype=torch.float64)
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    mask[3] = False  # a row with no trained token: mean KL 0
+    old[~mask] = float("nan")  # what sits off the trained tokens never counts
+    adv = torch.randn(5, 1, generator=g, dtype=torch.float64).expand(5, 7).clone()
+    adv[0, :3] = -adv[0, :3]  # per-token advantages (a critic's) of both signs in one row
+    old[:2] += 0.3  # two rows drifted well past the threshold, the others about as far as it
+    adv[1] = -adv[1].abs()
+    threshold = 0.05
+    keep = T.off_policy_keep_mask(new, old, adv, mask, threshold)
+    for r in range(5):
+        m = mask[r]
+        mean_kl = (old[r][m] - new[r][m]).sum() / max(int(m.sum()), 1)
+        for t in range(7):
+            assert keep[r, t] == bool(adv[r, t] >= 0 or mean_kl <= threshold), (r, t)
+    assert keep[3].all()  # nothing trained, no drift
+    assert (~keep & mask).any() and (keep & mask & (adv < 0)).any()  # it drops some and keeps some here
+
+
+def test_ppo_losses_drops_them_from_the_policy_term_only():
+    g = torch.Generator().manual_seed(6)
+    shape = (4, 6)
+    new = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    old = new.detach() + 0.3 * torch.randn(shape, generator=g, dtype=torch.float64)
+    ref = new.detach() + 0.2 * torch.randn(shape, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, 1, generator=g, dtype=torch.float64).expand(shape).clone()
+    entropy = (torch.rand(shape, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
+    mask = torch.rand(shape, generator=g) > 0.2
+    old[:2] += 0.3  # drifted rows with negative advantages: dropped
+    adv[:2] = -adv[:2].abs()
+    kw = dict(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.1, ratio_threshold=10.0,
+              ref_logprobs=ref, beta=0.04)
+    keep = T.off_policy_keep_mask(new, old, adv, mask, 0.01)
+    assert (mask & ~keep).any() and (mask & keep).any()
+    got = T.ppo_losses(new, None, entropy, old, None, adv, None, mask, off_policy_mask_threshold=0.01, **kw)[0]
+    pg, ratio, _ = T.clipped_surrogate(new, old, adv, 0.2, mask=mask)
+    want = (T.aggregate(torch.where(keep, pg, 0.0), mask) - 0.1 * T.aggregate(entropy, mask)
+            + 0.04 * T.aggregate(T.kl_penalty(new, ref, "k3") * ratio, mask))
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-15)
+    for a, b in zip(torch.autograd.grad(got, (new, entropy)), torch.autograd.grad(want, (new, entropy))):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-15)
+
+
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold must be >= 0"),
+    (dict(off_policy_mask_threshold=float("inf")), "off_policy_mask_threshold must be >= 0"),
+    (dict(off_policy_mask_threshold=0.5, fused_policy_loss=True), "off_policy_mask_threshold and fused_policy_loss"),
     (dict(top_entropy_quantile=1.5), r"top_entropy_quantile must be in \[0, 1\]"),
     (dict(top_entropy_quantile=-0.1), r"top_entropy_quantile must be in \[0, 1\]"),
     (dict(top_entropy_quantile=float("nan")), r"top_entropy_quantile must be in \[0, 1\]"),
