@@ -10,7 +10,7 @@ import torch
 from transformers import TrainingArguments, get_scheduler
 
 from fastppo.config import (ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATOR_CHOICES,
-                            LOSS_TYPES, SCALE_REWARDS, PPOConfig, as_list)
+                            LOSS_TYPES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, PPOConfig, as_list)
 from fastppo.data import looks_local
 from fastppo.errors import SettingsError, MissingPathError, require
 from fastppo.kernels import check_temperature
@@ -127,6 +127,7 @@ def _check_estimator(c: PPOConfig) -> None:
             f"each other; num_generations {k} leaves nothing to compare: use 2 or more")
     require(c.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {', '.join(SCALE_REWARDS)} (or true/"
             f"false), got {c.scale_rewards!r}")
+    _check_multi_objective(c)
     require(_is_finite(c.beta) and c.beta >= 0, f"beta must be >= 0 (it multiplies a KL in the loss), got {c.beta}")
     require(c.kl_loss_type in KL_ESTIMATOR_CHOICES and c.kl_loss_type != "full",
             f"kl_loss_type must be one of k1, k2, k3, abs, mse, got {c.kl_loss_type!r} (the exact full-vocabulary KL "
@@ -139,6 +140,24 @@ def _check_estimator(c: PPOConfig) -> None:
                "saved")
         require(not c.value_model_path, f"value_model_path: {why}; drop it, or use advantage_estimator gae")
         require(not c.shared_value_head, f"shared_value_head: {why}; drop it, or use advantage_estimator gae")
+
+
+def _check_multi_objective(c: PPOConfig) -> None:
+    """GDPO (normalize_then_sum) builds grpo's advantages from each reward's own scores: TRL GRPO's, with no other
+    change to the scores for it to drop."""
+    require(c.multi_objective_aggregation in MULTI_OBJECTIVE_AGGREGATIONS, f"multi_objective_aggregation must be "
+            f"one of {', '.join(MULTI_OBJECTIVE_AGGREGATIONS)}, got {c.multi_objective_aggregation!r}")
+    if c.multi_objective_aggregation == "sum_then_normalize":
+        return
+    require(c.advantage_estimator == "grpo", f"multi_objective_aggregation normalize_then_sum is TRL GRPO's (GDPO): "
+            f"it needs advantage_estimator grpo, got {c.advantage_estimator!r}")
+    changes = {"kl_coef": c.kl_coef != 0, "missing_eos_penalty": c.missing_eos_penalty is not None,
+               "non_eos_penalty": c.non_eos_penalty, "use_score_scaling": c.use_score_scaling,
+               "use_score_norm": c.use_score_norm, "score_clip": c.score_clip is not None}
+    given = [name for name, on in changes.items() if on]
+    require(not given, f"multi_objective_aggregation normalize_then_sum normalises each reward's own scores, and "
+            f"{', '.join(given)} would change the summed score it does not read; drop "
+            f"{'it' if len(given) == 1 else 'them'} (the KL belongs in the loss: beta)")
 
 
 def _check_policy_loss(c: PPOConfig) -> None:
@@ -340,13 +359,16 @@ def _check_model_paths(c: PPOConfig, model_args) -> None:
 
 
 def _policy_loss_notes(c: PPOConfig, defaults: PPOConfig) -> list[str]:
-    """The policy-loss settings given that this loss_type does not read, and LUSPO off its sequence level (TRL
-    GRPO warns of it too)."""
+    """The policy-loss settings given that this loss_type does not read, scale_rewards under GDPO, and LUSPO off its
+    sequence level (TRL GRPO warns of it too)."""
     notes = [f"--{name} has no effect with loss_type {c.loss_type} (only sapo reads it)"
              for name in ("sapo_temperature_pos", "sapo_temperature_neg")
              if c.loss_type != "sapo" and getattr(c, name) != getattr(defaults, name)]
     if c.loss_type == "cispo" and c.epsilon != defaults.epsilon:
         notes.append("--epsilon has no effect with loss_type cispo (it caps the ratio above only, at epsilon_high)")
+    if c.multi_objective_aggregation == "normalize_then_sum" and c.scale_rewards != defaults.scale_rewards:
+        notes.append("--scale_rewards has no effect with multi_objective_aggregation normalize_then_sum (each reward "
+                     "is scaled by its group's std, the sum by the batch's)")
     if c.loss_type == "luspo" and c.importance_sampling_level != "sequence":
         notes.append("loss_type luspo is LUSPO's aggregation of a sequence-level loss; with importance_sampling_level "
                      "token it sums token-level clipped terms (set --importance_sampling_level sequence for the "

@@ -35,6 +35,7 @@ KL_ESTIMATOR_CHOICES = ("k1", "k2", "k3", "abs", "mse", "full")
 ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo", "reinforce_plus_plus")
 GROUP_ESTIMATORS = ("rloo", "grpo")  # a baseline over the num_generations samples of each prompt
 SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # TRL GRPO's
 # TRL GRPO's loss_type: how the token losses of an optimizer step are aggregated (train.policy_loss_weights) and,
 # for cispo and sapo, the per-token surrogate too (train.SURROGATE_OF_LOSS_TYPE)
 LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo")
@@ -341,6 +342,13 @@ class PPOConfig(TrainingArguments):
         metadata={"help": "grpo: divide the centred rewards by the std of the prompt's group ('group'), of the "
                   "whole batch ('batch'), or not at all ('none': Dr. GRPO), TRL GRPO's meaning; true/false = "
                   "group/none."},
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={"help": "grpo with several rewards (TRL GRPO's name and meaning): sum_then_normalize (the weighted "
+                  "sum of the rewards, then scale_rewards) or normalize_then_sum (GDPO: each reward normalised by "
+                  "its group's mean and std, the weighted sum, then that normalised by the whole batch's mean and "
+                  "std, every process's)."},
     )
     beta: float = field(
         default=0.0,

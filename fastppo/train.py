@@ -308,6 +308,23 @@ def grpo_advantages(sequence_rewards: torch.Tensor, k: int, scale_rewards: str) 
     return centred / (std + GRPO_STD_EPS)
 
 
+def gdpo_advantages(reward_columns: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
+    """[B] GDPO (TRL GRPO's ``multi_objective_aggregation="normalize_then_sum"``) from [B, F] each reward's scores
+    (NaN where a reward function did not judge) and its [F] weights: each reward centred and scaled by its group's
+    mean and unbiased std (+1e-4), ignoring NaNs; their weighted sum, NaNs left out; that sum centred and scaled
+    by the whole batch's mean and unbiased std over every process. A group where a reward judged under two
+    completions adds nothing of that reward (its std is NaN, as in TRL)."""
+    grouped = reward_columns.view(-1, k, reward_columns.shape[1])
+    mean = grouped.nanmean(1, keepdim=True)
+    judged = (~torch.isnan(grouped)).sum(1, keepdim=True)
+    var = ((grouped - mean) ** 2).nanmean(1, keepdim=True) * judged / (judged - 1)
+    std = torch.where(judged > 1, var.sqrt(), torch.full_like(var, float("nan")))
+    normalised = ((grouped - mean) / (std + GRPO_STD_EPS)).view(reward_columns.shape)
+    combined = (normalised * weights.to(normalised.dtype)).nansum(1)
+    batch_mean, batch_var = batch_moments(combined, torch.ones_like(combined, dtype=torch.bool))
+    return torch.nan_to_num((combined - batch_mean) / (batch_var.sqrt() + GRPO_STD_EPS), nan=0.0)
+
+
 def reinforce_plus_plus_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float):
     """[B, T] REINFORCE++ (verl's ``reinforce_plus_plus``): the discounted return of step 3's per-token rewards,
     G_t = Σ_l γ^l R_{t+l} (GAE's scan with V = 0 and λ = 1), whitened over the trained tokens of the whole batch,
@@ -330,8 +347,11 @@ def batch_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, to
     return mean, torch.where(n > 1, squares / (n - 1), torch.full_like(n, float("nan")))
 
 
-def estimate_advantages(estimator: str, rewards, values, response_mask, config: PPOConfig, skip_masked: bool = False):
-    """Step 4 by ``advantage_estimator``: (advantages [B, T], returns [B, T] or None without a critic)."""
+def estimate_advantages(estimator: str, rewards, values, response_mask, config: PPOConfig, skip_masked: bool = False,
+                        reward_columns: torch.Tensor | None = None, reward_weights: torch.Tensor | None = None):
+    """Step 4 by ``advantage_estimator``: (advantages [B, T], returns [B, T] or None without a critic).
+    ``reward_columns`` [B, F] and ``reward_weights`` [F]: each reward's scores and weight, which grpo's
+    ``multi_objective_aggregation="normalize_then_sum"`` reads instead of ``rewards``."""
     if estimator == "gae":
         return compute_advantages(rewards, values, response_mask, config.gamma, config.lam, config.whiten_rewards,
                                   skip_masked)
@@ -341,6 +361,11 @@ def estimate_advantages(estimator: str, rewards, values, response_mask, config: 
     sequence_rewards = rewards.sum(1)  # the score plus the row's −kl_coef·KL_t (0 off its trained tokens)
     if estimator == "rloo":
         advantage = rloo_advantages(sequence_rewards, config.num_generations)
+    elif estimator == "grpo" and config.multi_objective_aggregation == "normalize_then_sum":
+        if reward_columns is None:
+            raise ValueError("multi_objective_aggregation normalize_then_sum needs each reward's scores "
+                             "(reward_columns)")
+        advantage = gdpo_advantages(reward_columns, reward_weights, config.num_generations)
     elif estimator == "grpo":
         advantage = grpo_advantages(sequence_rewards, config.num_generations, config.scale_rewards)
     else:
@@ -814,9 +839,13 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     kl_coef = learner.kl_ctl.value
     rewards, non_score_reward = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index,
                                                   kl_coef)
-    # 4. advantages (and GAE's returns) by the advantage_estimator
+    # 4. advantages (and GAE's returns) by the advantage_estimator (GDPO: from each reward's own scores)
+    columns = weights = None
+    if config.multi_objective_aggregation == "normalize_then_sum":
+        columns = torch.stack(list(batch.reward_columns.values()), 1).to(scores.dtype)
+        weights = torch.tensor(config.reward_weights or [1.0] * columns.shape[1], device=columns.device)
     advantages, returns = estimate_advantages(config.advantage_estimator, rewards, experience.values,
-                                              rollout.response_mask, config, skip_masked)
+                                              rollout.response_mask, config, skip_masked, columns, weights)
     targets = Targets(rewards, non_score_reward, advantages, returns)
     t1 = time.perf_counter()
     # 5. PPO update, at this iteration's learning rate

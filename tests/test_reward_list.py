@@ -244,3 +244,79 @@ def test_the_command_line_takes_several_rewards(tmp_path, model_dir):
 def test_bad_reward_settings_are_refused_before_anything_loads(tmp_path, kwargs, message):
     with pytest.raises(SettingsError, match=message):
         make_trainer(small(tmp_path, **kwargs))
+
+
+# ---------------------------------------------------------------------------- GDPO (multi_objective_aggregation)
+
+
+def gdpo_by_hand(columns: torch.Tensor, weights: list[float], k: int) -> torch.Tensor:
+    """GDPO written out completion by completion: each reward normalised in its group (mean and unbiased std of
+    the completions it judged, + 1e-4), the weighted sum of the normalised rewards that exist, then that sum
+    normalised over the batch."""
+    b, f = columns.shape
+    combined = torch.zeros(b, dtype=torch.float64)
+    for g in range(b // k):
+        for j in range(f):
+            values = [columns[g * k + i, j].item() for i in range(k)]
+            judged = [v for v in values if not math.isnan(v)]
+            if len(judged) < 2:
+                continue  # no std: this reward adds nothing to the group
+            mean = sum(judged) / len(judged)
+            std = math.sqrt(sum((v - mean) ** 2 for v in judged) / (len(judged) - 1))
+            for i, v in enumerate(values):
+                if not math.isnan(v):
+                    combined[g * k + i] += weights[j] * (v - mean) / (std + 1e-4)
+    mean = combined.mean()
+    std = combined.std()
+    return (combined - mean) / (std + 1e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gdpo_against_its_definition(seed):
+    from fastppo.train import gdpo_advantages
+
+    g = torch.Generator().manual_seed(seed)
+    k, groups = 4, 3
+    columns = torch.randn(k * groups, 3, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10.0, 0.1],
+                                                                                       dtype=torch.float64)
+    columns[torch.rand(columns.shape, generator=g) < 0.25] = math.nan  # rewards that did not judge
+    columns[:3, 2] = math.nan  # a group where the third reward judged one completion
+    columns[:, 0].nan_to_num_(0.0)  # the first judges every completion
+    weights = [1.0, 0.5, 2.0]
+    got = gdpo_advantages(columns, torch.tensor(weights, dtype=torch.float64), k)
+    torch.testing.assert_close(got, gdpo_by_hand(columns, weights, k), rtol=1e-12, atol=1e-12)
+    # a reward 100× larger than another does not drown it out, as it does in the weighted sum
+    loud = columns.clone()
+    loud[:, 1] *= 100
+    torch.testing.assert_close(gdpo_advantages(loud, torch.tensor(weights, dtype=torch.float64), k), got,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gdpo_trains_on_each_rewards_own_scores(tmp_path, model_dir):
+    trainer = make_trainer(small(tmp_path, advantage_estimator="grpo", num_generations=4, reward_weights=[2.0, 0.5],
+                                 multi_objective_aggregation="normalize_then_sum"),
+                           reward_model=[judges_short, counts_good])
+    result = trainer.iteration()
+    columns = torch.stack([result.batch.reward_columns["judges_short"], result.batch.reward_columns["counts_good"]], 1)
+    want = gdpo_by_hand(columns.double(), [2.0, 0.5], 4)
+    got = result.targets.advantages
+    mask = result.batch.rollout.response_mask
+    torch.testing.assert_close(got, (want.to(got.dtype)[:, None] * mask), rtol=1e-5, atol=1e-5)
+    summed = make_trainer(small(tmp_path / "sum", advantage_estimator="grpo", num_generations=4,
+                                reward_weights=[2.0, 0.5]), reward_model=[judges_short, counts_good])
+    assert summed.config.multi_objective_aggregation == "sum_then_normalize"  # TRL's default: the weighted sum
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(multi_objective_aggregation="sum"), "multi_objective_aggregation must be one of sum_then_normalize, "
+                                              "normalize_then_sum"),
+    (dict(multi_objective_aggregation="normalize_then_sum", advantage_estimator="rloo", num_generations=2),
+     "needs advantage_estimator grpo, got 'rloo'"),
+    (dict(multi_objective_aggregation="normalize_then_sum", advantage_estimator="grpo", num_generations=2,
+          kl_coef=0.05), "kl_coef would change the summed score"),
+    (dict(multi_objective_aggregation="normalize_then_sum", advantage_estimator="grpo", num_generations=2,
+          use_score_scaling=True, missing_eos_penalty=1.0), "missing_eos_penalty, use_score_scaling would change"),
+])
+def test_gdpo_bad_settings_are_refused_by_name(tmp_path, kwargs, message):
+    with pytest.raises(SettingsError, match=message):
+        make_trainer(small(tmp_path, **kwargs), reward_model=[judges_short, counts_good])

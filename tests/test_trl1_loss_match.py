@@ -111,3 +111,17 @@ def test_rloo_advantages_equal_trls(record):
     no_kl = (no_kl - (no_kl.sum(1, keepdim=True) - no_kl) / 3).view(-1)
     assert (theirs["advantages"] - no_kl).abs().max() > 1e-2
     assert rec["forward_max_abs"] <= 5e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_two_weighted_rewards_give_trls_advantages(record, aggregation):
+    """Two reward functions weighted 1 and 0.5, the second judging only some completions (None, and a group where it
+    judged one): TRL GRPO's multi_objective_aggregation by both of its values, against fastppo's weighted sum
+    (combine_rewards) and GDPO (gdpo_advantages). Measured: equal to the bit on this batch."""
+    rec = record["multi_reward"][aggregation]
+    torch.testing.assert_close(rec["fastppo"], rec["trl"], rtol=1e-6, atol=1e-6)
+    assert rec["trl"].abs().max() > 0.5
+    other = record["multi_reward"][{"sum_then_normalize": "normalize_then_sum"}.get(aggregation,
+                                                                                  "sum_then_normalize")]
+    assert (rec["trl"] - other["trl"]).abs().max() > 0.1  # the two aggregations differ on this batch

@@ -61,6 +61,7 @@ gradient), plus the max differences.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -86,6 +87,7 @@ from fastppo.config import PPOConfig  # noqa: E402
 from fastppo.kernels import kl_penalty  # noqa: E402
 from fastppo.actor_critic import PolicyAndValue  # noqa: E402
 from fastppo.loading import disable_dropout  # noqa: E402
+from fastppo.reward_scores import combine_rewards  # noqa: E402
 from fastppo.train import (assemble, estimate_advantages, per_token_rewards, policy_loss_weights,  # noqa: E402
                            ppo_losses, surrogate_options, trained_mask)
 
@@ -239,7 +241,10 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
             "clip_low": stats[STAT["clip_low"]].item(), "clip_high": stats[STAT["clip_high"]].item()}
 
 
-def trl_grpo(path, batch, old, ref, scale: str, beta: float, workdir: str, **settings) -> dict:
+def trl_grpo(path, batch, old, ref, scale: str, beta: float, workdir: str, reward_columns=None,
+             **settings) -> dict:
+    """TRL's GRPOTrainer on the batch; ``reward_columns`` [B, F]: F reward functions of those scores (None where
+    NaN: the function did not judge), instead of the batch's one."""
     b = P * K
     texts = [f"prompt {g}" for g in range(P)]
 
@@ -249,9 +254,15 @@ def trl_grpo(path, batch, old, ref, scale: str, beta: float, workdir: str, **set
         return {"prompt_ids": [list(batch["prompts"][g]) for g in rows],
                 "completion_ids": [list(c) for c in batch["completions"]], "logprobs": None}
 
-    def reward_func(prompts, completions, completion_ids, **kwargs):
-        assert [list(c) for c in completion_ids] == batch["completions"]
-        return batch["rewards"].tolist()
+    def reward_of(column, name):
+        def reward(prompts, completions, completion_ids, **kwargs):
+            assert [list(c) for c in completion_ids] == batch["completions"]
+            return [None if math.isnan(x) else x for x in column.tolist()]
+        reward.__name__ = name
+        return reward
+
+    columns = [batch["rewards"]] if reward_columns is None else list(reward_columns.unbind(1))
+    reward_func = [reward_of(column, f"reward_{i}") for i, column in enumerate(columns)]
 
     args = GRPOConfig(
         output_dir=workdir, per_device_train_batch_size=b, gradient_accumulation_steps=1, steps_per_generation=1,
@@ -289,6 +300,32 @@ def trl_grpo(path, batch, old, ref, scale: str, beta: float, workdir: str, **set
             "num_items_in_batch": float(inputs["num_items_in_batch"]),
             "ref_logprobs": None if trl_ref is None else trl_ref.detach().clone(),
             "grads": {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}}
+
+
+MULTI_REWARD_WEIGHTS = [1.0, 0.5]
+
+
+def multi_reward_columns(batch) -> torch.Tensor:
+    """[B, 2] two rewards: the batch's, and one that judges only some completions (NaN where it returns None), in
+    the group of equal first rewards only one (its std there is NaN: it adds nothing to that group)."""
+    g = torch.Generator().manual_seed(5)
+    second = torch.randn(P * K, generator=g)
+    second[[1, 6, 8, 9, 10]] = float("nan")
+    return torch.stack([batch["rewards"], second], 1)
+
+
+def fastppo_multi_reward(batch, old, ref, columns: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Steps 1-4 with two rewards: fastppo's weighted sum (``combine_rewards``, step 1's score) and
+    ``estimate_advantages`` with the columns, as ``ppo_iteration`` hands them over. Returns the advantages [B]."""
+    config = fastppo_config("grpo", reward_weights=MULTI_REWARD_WEIGHTS, multi_objective_aggregation=aggregation)
+    rollout = rollout_of(batch)
+    mask = rollout.response_mask
+    scores = combine_rewards({"a": columns[:, 0], "b": columns[:, 1]}, dict(zip("ab", MULTI_REWARD_WEIGHTS)))
+    kl = kl_penalty(old, ref, config.kl_estimator) * mask
+    rewards, _ = per_token_rewards(kl, scores, mask, rollout.score_index, config.kl_coef)
+    advantages, _ = estimate_advantages("grpo", rewards, None, mask, config, reward_columns=columns,
+                                        reward_weights=torch.tensor(MULTI_REWARD_WEIGHTS))
+    return advantages[:, 0].clone()
 
 
 def trl_rloo(path, batch, old, ref, workdir: str) -> dict:
@@ -389,6 +426,16 @@ def main():
                   f"abs/scale {rec['grad_max_abs_over_global_scale']:.2e} clip low/high "
                   f"{ours['clip_low']:.3f}/{ours['clip_high']:.3f} [{time.perf_counter() - start:.0f} s]",
                   flush=True)
+        record["multi_reward"] = {}
+        columns = multi_reward_columns(batch)
+        for aggregation in ("sum_then_normalize", "normalize_then_sum"):
+            theirs = trl_grpo(path, batch, old, ref, "group", 0.0, workdir, reward_columns=columns,
+                              reward_weights=MULTI_REWARD_WEIGHTS, multi_objective_aggregation=aggregation)
+            ours = fastppo_multi_reward(batch, old, ref, columns, aggregation)
+            rec = {"trl": theirs["advantages"], "fastppo": ours,
+                   "advantages_max_abs": (ours - theirs["advantages"]).abs().max().item()}
+            record["multi_reward"][aggregation] = rec
+            print(f"two rewards, {aggregation}: adv {rec['advantages_max_abs']:.2e}", flush=True)
         theirs = trl_rloo(path, batch, old, ref, workdir)
         config = fastppo_config("rloo")
         assert config.kl_coef == theirs["beta"] and config.kl_estimator == "k1"  # fastppo's rloo defaults: TRL's
