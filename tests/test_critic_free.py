@@ -370,10 +370,14 @@ def test_a_critic_free_run_resumes_bitwise_and_a_checkpoint_of_another_estimator
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator,extra", [("grpo", {"scale_rewards": "batch", "beta": 0.05}),
-                                             ("reinforce_plus_plus", {})])
+                                             ("reinforce_plus_plus", {}),
+                                             ("grpo", {"loss_type": "cispo", "epsilon_high": 1.1,
+                                                       "top_entropy_quantile": 0.5,
+                                                       "off_policy_mask_threshold": 0.01})])
 def test_torchrun_two_processes_keep_identical_weights(tmp_path, estimator, extra):
-    """The batch-wide statistics (grpo's batch std, REINFORCE++'s whitening) are all-reduced: both ranks step
-    with the same gradient and end bit-equal."""
+    """The batch-wide statistics (grpo's batch std, REINFORCE++'s whitening, top_entropy_quantile's quantile over
+    both processes' tokens) are all-reduced or gathered: both ranks step with the same gradient and end
+    bit-equal."""
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ppo_worker.py")
     config = dict(_save_final=True, advantage_estimator=estimator, num_generations=2, per_device_train_batch_size=2,
                   gradient_accumulation_steps=2, num_ppo_epochs=2, response_length=6, total_episodes=24,
