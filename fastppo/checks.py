@@ -175,7 +175,13 @@ def _check_policy_loss(c: PPOConfig) -> None:
             f"loss_type cispo caps the ratio at epsilon_high itself (ScaleRL's ε_max, 5.0 recommended; TRL GRPO's "
             f"meaning), so epsilon_high must be > 1, got {c.epsilon_high} (unset, it is epsilon's value): every "
             "on-policy token would be capped")
-    require(c.loss_type not in ("cispo", "sapo") or c.delta is None,
+    require(c.loss_type != "vespo" or not c.fused_policy_loss,
+            "loss_type vespo and fused_policy_loss: vespo weighs each token by its whole completion's ratio, which "
+            "the fused loss does not have when it forms the token's gradient; drop --fused_policy_loss")
+    for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+        value = getattr(c, name)
+        require(_is_finite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value!r}")
+    require(c.loss_type not in ("cispo", "sapo", "vespo") or c.delta is None,
             f"delta bounds the clipped ratio; loss_type {c.loss_type} has no clip for it to bound: leave it unset")
     q = c.top_entropy_quantile
     require(_is_finite(q) and 0 <= q <= 1, f"top_entropy_quantile must be in [0, 1] (the share of tokens kept by "
@@ -361,9 +367,14 @@ def _check_model_paths(c: PPOConfig, model_args) -> None:
 def _policy_loss_notes(c: PPOConfig, defaults: PPOConfig) -> list[str]:
     """The policy-loss settings given that this loss_type does not read, scale_rewards under GDPO, and LUSPO off its
     sequence level (TRL GRPO warns of it too)."""
-    notes = [f"--{name} has no effect with loss_type {c.loss_type} (only sapo reads it)"
-             for name in ("sapo_temperature_pos", "sapo_temperature_neg")
-             if c.loss_type != "sapo" and getattr(c, name) != getattr(defaults, name)]
+    notes = [f"--{name} has no effect with loss_type {c.loss_type} (only {name.split('_')[0]} reads it)"
+             for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+                          "vespo_k_neg", "vespo_lambda_neg")
+             if c.loss_type != name.split("_")[0] and getattr(c, name) != getattr(defaults, name)]
+    if c.loss_type == "vespo" and c.importance_sampling_level != "token":
+        notes.append("loss_type vespo weighs each completion by its own sequence ratio; importance_sampling_level "
+                     "sequence changes only the ratio of the KL term's correction and the logs (TRL GRPO warns of "
+                     "it too)")
     if c.loss_type == "cispo" and c.epsilon != defaults.epsilon:
         notes.append("--epsilon has no effect with loss_type cispo (it caps the ratio above only, at epsilon_high)")
     if c.multi_objective_aggregation == "normalize_then_sum" and c.scale_rewards != defaults.scale_rewards:

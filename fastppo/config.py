@@ -38,7 +38,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # TRL GRPO's
 # TRL GRPO's loss_type: how the token losses of an optimizer step are aggregated (train.policy_loss_weights) and,
 # for cispo and sapo, the per-token surrogate too (train.SURROGATE_OF_LOSS_TYPE)
-LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPRANGE_DEFAULT = 0.2  # TRL 0.26 PPO's cliprange, TRL GRPO's epsilon
 # Each estimator's defaults where its source differs from TRL 0.26's PPO: num_generations (TRL 1.16's RLOOConfig 2,
@@ -377,8 +377,10 @@ class PPOConfig(TrainingArguments):
                   "response_length), luspo (each sequence's token sum, then the mean over sequences: LUSPO, meant "
                   "with importance_sampling_level sequence). Two change the token loss too: cispo (−sg(min(ρ, "
                   "epsilon_high))·A·log π, epsilon_high being ε_max itself, > 1, 5.0 recommended; aggregated as "
-                  "dapo: MiniMax-M1/ScaleRL) and sapo (a sigmoid gate −A·σ(τ(ρ − 1))·4/τ in place of the clip, "
-                  "τ the sapo_temperature of A's sign; aggregated as grpo)."},
+                  "dapo: MiniMax-M1/ScaleRL), sapo (a sigmoid gate −A·σ(τ(ρ − 1))·4/τ in place of the clip, "
+                  "τ the sapo_temperature of A's sign; aggregated as grpo) and vespo (−sg(φ(w))·A·log π, φ a gamma "
+                  "weight of the completion's ratio w = exp Σ log ρ, the vespo_k/lambda of A's sign; aggregated as "
+                  "dapo; not with fused_policy_loss)."},
     )
     epsilon: float | None = field(
         default=None,
@@ -400,6 +402,10 @@ class PPOConfig(TrainingArguments):
     sapo_temperature_neg: float = field(
         default=1.05, metadata={"help": "sapo's gate temperature τ for tokens with non-positive advantages (TRL "
                                 "GRPO's)."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "vespo's power k for A >= 0 (TRL GRPO's)."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "vespo's decay λ for A >= 0 (TRL GRPO's)."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "vespo's power k for A < 0 (TRL GRPO's)."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "vespo's decay λ for A < 0 (TRL GRPO's)."})
     top_entropy_quantile: float = field(
         default=1.0,
         metadata={"help": "Keep in the policy term only the tokens whose entropy is in this top quantile of the "

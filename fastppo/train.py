@@ -397,6 +397,9 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, token_weights: torch.Tensor |
     return total / (real.sum().clamp(min=1) if normalizer is None else normalizer)
 
 
+GLOBAL_TOKEN_LOSS_TYPES = ("dapo", "cispo", "vespo")  # divided by the rollout's active tokens (dapo_tokens)
+
+
 def policy_loss_weights(loss_type: str, mask: torch.Tensor, response_length: int, dapo_tokens):
     """TRL GRPO's ``loss_type`` for one micro-batch of [b, T] ``mask``, as (P4)'s token weights u and normaliser d
     (None: the mask, and max(Σ mask, 1)). Each micro-batch's loss is on the scale of the optimizer step's (the
@@ -411,7 +414,7 @@ def policy_loss_weights(loss_type: str, mask: torch.Tensor, response_length: int
       tokens' sum over the mean active tokens per step, however the batch was split (TRL GRPO's
       num_items_in_batch);
     * luspo: each sequence's token sum, then the mean over the micro-batch's sequences;
-    * cispo and sapo: dapo's and grpo's, as TRL aggregates them (their token losses differ: ``surrogate_options``).
+    * cispo and vespo, sapo: dapo's, grpo's, as TRL aggregates them (their token losses differ: ``surrogate_options``).
     """
     if loss_type == "bnpo":
         return None, None
@@ -423,22 +426,47 @@ def policy_loss_weights(loss_type: str, mask: torch.Tensor, response_length: int
         return None, rows * response_length
     if loss_type == "luspo":
         return None, rows
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in GLOBAL_TOKEN_LOSS_TYPES:
+        if dapo_tokens is None:  # not a micro-batch token mean in disguise
+            raise ValueError(f"loss_type {loss_type!r} divides by the rollout's active tokens: dapo_tokens is needed")
         return None, dapo_tokens
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-# TRL GRPO's loss_types with a token loss of their own (fastppo.kernels.clipped_surrogate's surrogates)
-SURROGATE_OF_LOSS_TYPE = {"cispo": "cispo", "sapo": "sapo"}
+# TRL GRPO's loss_types with a token loss of their own: fastppo.kernels.clipped_surrogate's surrogates, and vespo
+# (``vespo_weights``: its weights need each completion's whole ratio, which the fused kernel's rows do not have)
+SURROGATE_OF_LOSS_TYPE = {"cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
 
 
 def surrogate_options(config: PPOConfig) -> dict:
     """The per-token policy loss the config asks for, as keywords of ``clipped_surrogate`` (beyond ε), of
     ``ppo_losses`` and of ``fused_ppo_policy_loss``: the clip's upper side (cispo's ε_max), δ, and the
     surrogate with sapo's temperatures."""
-    return dict(cliprange_high=config.epsilon_high, delta=config.delta,
-                surrogate=SURROGATE_OF_LOSS_TYPE.get(config.loss_type, "clip"),
-                sapo_temperature_pos=config.sapo_temperature_pos, sapo_temperature_neg=config.sapo_temperature_neg)
+    options = dict(cliprange_high=config.epsilon_high, delta=config.delta,
+                   surrogate=SURROGATE_OF_LOSS_TYPE.get(config.loss_type, "clip"),
+                   sapo_temperature_pos=config.sapo_temperature_pos, sapo_temperature_neg=config.sapo_temperature_neg)
+    if config.loss_type == "vespo":  # ppo_losses' own (the fused loss refuses it)
+        options["vespo_gamma"] = (config.vespo_k_pos, config.vespo_lambda_pos, config.vespo_k_neg,
+                                  config.vespo_lambda_neg)
+    return options
+
+
+VESPO_LOG_W_MIN = math.log(1e-8)  # VESPO's (and TRL's) floor of log w
+
+
+def vespo_weights(new_logprobs, old_logprobs, advantages, mask, gamma: tuple[float, float, float, float]):
+    """[b, T] VESPO's φ(w) = exp(λ + k·log w − λ·w) (TRL GRPO's ``get_gamma_weights``; 1 at w = 1), without
+    gradient: w is the row's ratio exp(Σ_t clamp(log ρ_t, ±20)) over its trained tokens, log w clamped to
+    [log 1e-8, 20]; (k, λ) = ``gamma``'s (k₊, λ₊) where A >= 0, else (k₋, λ₋), λ at least 1e-4. An overflow is 0."""
+    k_pos, lambda_pos, k_neg, lambda_neg = gamma
+    real = mask != 0
+    zero = torch.zeros((), dtype=new_logprobs.dtype, device=new_logprobs.device)
+    log_ratio = torch.where(real, (new_logprobs.detach() - old_logprobs).clamp(-20.0, 20.0), zero)
+    log_w = log_ratio.sum(1, keepdim=True).clamp(VESPO_LOG_W_MIN, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 QUANTILE_LIMIT = 1 << 24  # torch.quantile refuses more values; past it the same interpolation over a sort
@@ -492,7 +520,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                delta: float | None = None, sequence_level: bool = False, token_weights=None, normalizer=None,
                mean_weights=None, surrogate: str = "clip", sapo_temperature_pos: float = 1.0,
                sapo_temperature_neg: float = 1.05, top_entropy_quantile: float = 1.0,
-               off_policy_mask_threshold: float | None = None):
+               off_policy_mask_threshold: float | None = None, vespo_gamma: tuple | None = None):
     """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]); the statistics are means over trained
     tokens.
 
@@ -505,6 +533,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     temperatures: ``clipped_surrogate``'s options (``surrogate_options``). ``top_entropy_quantile`` < 1: only the
     tokens of ``high_entropy_mask`` take the policy term and the entropy bonus (TRL GRPO's).
     ``off_policy_mask_threshold``: only the tokens of ``off_policy_keep_mask`` take the policy term.
+    ``surrogate="vespo"``: the token loss −sg(φ)·A·log π with ``vespo_weights``' φ at ``vespo_gamma`` (ρ is still
+    the level's ratio, for the KL term's correction and the logs; nothing is flagged as clipped).
     ``token_weights`` and ``normalizer``: how the policy and KL terms are aggregated (``policy_loss_weights``);
     the entropy bonus and the value loss are token means whatever they are (TRL GRPO's bonus is), or, with
     ``mean_weights``, Σ over the tokens of mean_weights·x (``step_token_weights``: token-budget micro-batches).
@@ -523,11 +553,16 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
         b, t = new_logprobs.shape
         rows = torch.arange(b, device=new_logprobs.device)[:, None].expand(b, t)
     # masked: what a caller left in old_logprobs / advantages off the trained tokens reaches no gradient
-    surrogate_kw = dict(surrogate=surrogate, sapo_temperature_pos=sapo_temperature_pos,
+    vespo = surrogate == "vespo"
+    surrogate_kw = dict(surrogate="clip" if vespo else surrogate, sapo_temperature_pos=sapo_temperature_pos,
                         sapo_temperature_neg=sapo_temperature_neg)
     pg_losses, ratio, clipped = clipped_surrogate(new_logprobs, old_logprobs, advantages, cliprange, mask=mask,
                                                   cliprange_high=cliprange_high, delta=delta, sequence_ids=rows,
                                                   num_sequences=None if rows is None else rows.shape[0], **surrogate_kw)
+    if vespo:  # its own token loss; the clipped one above gave ρ
+        phi = vespo_weights(new_logprobs, old_logprobs, advantages, mask, vespo_gamma)
+        pg_losses = torch.where(mask != 0, -phi * torch.where(mask != 0, advantages, 0.0) * new_logprobs, 0.0)
+        clipped = torch.zeros_like(clipped)
     policy_mask = mask  # the tokens the policy term and the entropy bonus read
     zero = torch.zeros((), dtype=pg_losses.dtype, device=pg_losses.device)
     if top_entropy_quantile < 1:
@@ -550,7 +585,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     loss = loss * kept
     with torch.no_grad():
         stats = torch.full((len(STAT_NAMES),), float("nan"), device=loss.device)  # NaN: not computed (no critic)
-        clip_low, clip_high = clip_sides(ratio, advantages, cliprange, cliprange_high, delta, surrogate)
+        clip_low, clip_high = clip_sides(ratio, advantages, cliprange, cliprange_high, delta,
+                                         "sapo" if vespo else surrogate)  # vespo clips nothing either
         for name, value in (
             ("approxkl", 0.5 * masked_mean(log_ratio**2, mask)),
             ("policykl", masked_mean(-log_ratio, mask)),
@@ -632,7 +668,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     fused = getattr(config, "fused_policy_loss", False)
     loss_mask = trained_mask(rollout, config.mask_truncated_completions)
     dapo_tokens = None
-    if config.loss_type in ("dapo", "cispo"):  # the rollout's active tokens on all processes, per micro-batch
+    if config.loss_type in GLOBAL_TOKEN_LOSS_TYPES:  # the rollout's active tokens on all processes, per micro-batch
         dapo_tokens = loss_mask.sum().float()
         fdist.all_reduce(dapo_tokens)
         dapo_tokens = dapo_tokens / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)

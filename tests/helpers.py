@@ -39,17 +39,21 @@ TRL_GRPO_LOSS_VARIANTS = {
     "off_policy_mask": {"loss_type": "dapo", "off_policy_mask_threshold": 0.02},
     "off_policy_mask_sequence_entropy": {"loss_type": "grpo", "off_policy_mask_threshold": 0.0,
                                          "importance_sampling_level": "sequence", "entropy_coef": 0.1},
+    "vespo": {"loss_type": "vespo"},
+    "vespo_gamma_entropy": {"loss_type": "vespo", "vespo_k_pos": 1.0, "vespo_lambda_pos": 2.0, "vespo_k_neg": 2.0,
+                            "vespo_lambda_neg": 1.0, "entropy_coef": 0.1},
 }
 TRL_GRPO_LOSS_VARIANT_BETAS = {"unfused": 0.04, "fused": 0.0}
 
 
 def trl_grpo_loss_variant_runs() -> list[tuple[str, str]]:
-    """(variant, "unfused" or "fused") for each run: top_entropy_quantile and off_policy_mask_threshold run unfused
-    only (the fused loss refuses them)."""
+    """(variant, "unfused" or "fused") for each run: top_entropy_quantile, off_policy_mask_threshold and vespo run
+    unfused only (the fused loss refuses them)."""
     return [(name, kind) for name, settings in sorted(TRL_GRPO_LOSS_VARIANTS.items())
             for kind in sorted(TRL_GRPO_LOSS_VARIANT_BETAS)
             if kind == "unfused" or (settings.get("top_entropy_quantile", 1.0) == 1.0
-                                     and settings.get("off_policy_mask_threshold") is None)]
+                                     and settings.get("off_policy_mask_threshold") is None
+                                     and settings.get("loss_type") != "vespo")]
 
 
 # Kernel output (fp32 accumulation) vs a float64 reference, per *input* dtype.

@@ -10,6 +10,7 @@ float64 rounding and "differs" is far above it. Against TRL 1.16's own loss: ``t
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 
 import pytest
@@ -27,7 +28,7 @@ from helpers import cli_trainer, make_trainer, metrics_without_clock, small_conf
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time in a land", "Why"]
 K = 2  # completions per prompt
 B = len(PROMPTS) * K
-LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 # each loss_type's own settings where its defaults are refused: cispo's ε_max (epsilon_high) must exceed 1
 OWN_SETTINGS = {"cispo": dict(epsilon_high=1.15)}
 
@@ -84,7 +85,7 @@ def rel(a, b) -> float:
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_a_step_does_not_depend_on_how_its_batch_is_split_except_bnpo(scored, loss_type):
-    """dapo and cispo (one global token count), grpo and sapo (a mean of sequences), luspo (a mean of sequence
+    """dapo, cispo and vespo (one global token count), grpo and sapo (a mean of sequences), luspo (a mean of sequence
     sums) and dr_grpo (a constant per sequence) give the one step's gradient however the rows are cut into
     micro-batches; bnpo, a token mean per micro-batch (TRL 0.26 PPO's and TRL GRPO's bnpo), weighs micro-batches
     of fewer tokens more, as TRL's does."""
@@ -131,8 +132,44 @@ def test_policy_loss_weights_state_trls_normalisers():
     # cispo and sapo: dapo's and grpo's aggregation, as TRL's _compute_loss aggregates them
     assert aggregate(x, mask, *policy_loss_weights("cispo", mask, 4, torch.tensor(8.0))).item() == 16 / 8
     assert aggregate(x, mask, *policy_loss_weights("sapo", mask, 4, None)).item() == (2 + 3 + 0) / 3
+    assert aggregate(x, mask, *policy_loss_weights("vespo", mask, 4, torch.tensor(8.0))).item() == 16 / 8
+    for loss_type in ("dapo", "cispo", "vespo"):  # without the rollout's token count: an error, not a token mean
+        with pytest.raises(ValueError, match="dapo_tokens is needed"):
+            policy_loss_weights(loss_type, mask, 4, None)
     empty = torch.zeros_like(mask)
     assert aggregate(x, empty).item() == 0  # nothing trained: adds nothing (not NaN, which would void the step)
+
+
+def test_vespo_weights_against_their_definition():
+    """φ(w) = exp(λ + k·log w − λ·w), w the row's exp Σ log ρ over its trained tokens (each log ρ clamped to ±20,
+    log w to [log 1e-8, 20]), (k, λ) by the advantage's sign; 1 on policy; no gradient; the token loss
+    −φ·A·log π."""
+    from fastppo.train import ppo_losses, vespo_weights
+
+    g = torch.Generator().manual_seed(2)
+    new = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    old = new.detach() + 0.2 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    mask = torch.rand(4, 6, generator=g) > 0.3
+    old[~mask] = float("nan")
+    old[3, 0], mask[3, 0] = -60.0, True  # a clamped log-ratio: 20, not 60 + logp
+    adv = torch.randn(4, 1, generator=g, dtype=torch.float64).expand(4, 6).clone()
+    adv[0] = torch.tensor([1.0, -1.0, 0.0, 2.0, -2.0, 0.5])  # per-token signs (and 0, which counts as >= 0)
+    gamma = (2.0, 3.0, 3.0, 2.0)
+    phi = vespo_weights(new, old, adv, mask, gamma)
+    assert not phi.requires_grad
+    for r in range(4):
+        log_w = sum(max(-20.0, min(20.0, (new[r, t] - old[r, t]).item())) for t in range(6) if mask[r, t])
+        log_w = max(math.log(1e-8), min(20.0, log_w))
+        for t in range(6):
+            k, lam = gamma[:2] if adv[r, t] >= 0 else gamma[2:]
+            want = math.exp(lam + k * log_w - lam * math.exp(log_w))
+            assert phi[r, t].item() == pytest.approx(want, rel=1e-12), (r, t)
+    assert torch.equal(vespo_weights(new, new.detach(), adv, mask, gamma), torch.ones_like(phi))  # φ(1) = 1
+    loss, _ = ppo_losses(new, None, torch.zeros_like(new), old, None, adv, None, mask, cliprange=0.2,
+                         cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=float("inf"),
+                         surrogate="vespo", vespo_gamma=gamma)
+    (grad,) = torch.autograd.grad(loss, new)
+    torch.testing.assert_close(grad, torch.where(mask, -phi * adv, 0.0) / mask.sum(), rtol=1e-13, atol=1e-15)
 
 
 def test_masked_truncated_completions_leave_the_loss(scored):
@@ -205,12 +242,15 @@ def test_defaults_follow_the_estimator_and_epsilon_is_cliprange():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(loss_type="token-mean"), "unknown loss_type 'token-mean'; choose one of bnpo, dapo, grpo, dr_grpo, "
-                                   "cispo, sapo, luspo"),
+                                   "cispo, sapo, luspo, vespo"),
     (dict(loss_type="cispo"), r"loss_type cispo caps the ratio at epsilon_high .* got 0.2 \(unset, it is epsilon"),
     (dict(loss_type="cispo", epsilon_high=1.0), "epsilon_high must be > 1, got 1.0"),
     (dict(loss_type="sapo", delta=2.0), "delta bounds the clipped ratio; loss_type sapo has no clip"),
     (dict(loss_type="cispo", epsilon_high=5.0, delta=2.0), "delta bounds the clipped ratio; loss_type cispo"),
     (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be > 0"),
+    (dict(loss_type="vespo", fused_policy_loss=True), "loss_type vespo and fused_policy_loss"),
+    (dict(loss_type="vespo", vespo_lambda_neg=-1.0), "vespo_lambda_neg must be a finite number >= 0"),
+    (dict(loss_type="vespo", delta=2.0), "delta bounds the clipped ratio; loss_type vespo"),
     (dict(loss_type="sapo", sapo_temperature_pos=float("nan")), "sapo_temperature_pos must be > 0"),
     (dict(epsilon=0.3, cliprange=0.1), "epsilon 0.3 and cliprange 0.1 are one setting"),
     (dict(epsilon_high=0.1), r"epsilon_high \(0.1\) must be >= epsilon \(0.2\)"),

@@ -76,11 +76,12 @@ def test_grpo_advantages_loss_and_gradients_equal_trls(record, scale, beta):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, kind", trl_grpo_loss_variant_runs())
 def test_policy_loss_settings_equal_trls(record, name, kind):
-    """Each of TRL GRPO's policy-loss settings (loss_type, among them cispo, sapo and luspo, epsilon_high, delta,
-    importance_sampling_level, mask_truncated_completions, entropy_coef, the sapo temperatures), unfused with beta
-    and through the fused loss: TRL's loss and every gradient, at the tolerances above (measured: loss ≤ 3.6e-7,
-    for cispo's loss of about 1.1 summed in fp32 from token terms −A·w·log π of about 10 each; gradients ≤ 3e-7
-    of their scale). top_entropy_quantile runs unfused only (the fused loss refuses it)."""
+    """Each of TRL GRPO's policy-loss settings (loss_type, among them cispo, sapo, luspo and vespo, epsilon_high,
+    delta, importance_sampling_level, mask_truncated_completions, entropy_coef, the sapo and vespo settings, the
+    token masks), unfused with beta and through the fused loss: TRL's loss and every gradient, at the tolerances
+    above (measured: loss ≤ 3.6e-7, for cispo's loss of about 1.1 summed in fp32 from token terms −A·w·log π of
+    about 10 each; gradients ≤ 3e-7 of their scale). top_entropy_quantile, off_policy_mask_threshold and vespo run
+    unfused only (the fused loss refuses them)."""
     rec = record["variants"][f"{name}-{kind}"]
     theirs, ours = rec["trl"], rec["fastppo"]
     torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=1e-6, atol=1e-7)
