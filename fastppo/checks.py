@@ -10,7 +10,7 @@ import torch
 from transformers import TrainingArguments, get_scheduler
 
 from fastppo.config import (ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATOR_CHOICES,
-                            LOSS_TYPES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, PPOConfig, as_list)
+                            GRPO_NAMES, LOSS_TYPES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, PPOConfig, as_list)
 from fastppo.data import looks_local
 from fastppo.errors import SettingsError, MissingPathError, require
 from fastppo.kernels import check_temperature
@@ -164,6 +164,10 @@ def _check_policy_loss(c: PPOConfig) -> None:
     """TRL GRPO's policy-loss settings: an aggregation it names, one ε, a wider upper clip, δ above 1, a level it
     names, and a stop token for mask_truncated_completions to read."""
     require(c.loss_type in LOSS_TYPES, f"unknown loss_type {c.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+    for grpo_name, ppo_name in GRPO_NAMES.items():
+        require(getattr(c, grpo_name) == getattr(c, ppo_name), f"{grpo_name} {getattr(c, grpo_name)} and {ppo_name} "
+                f"{getattr(c, ppo_name)} are one setting (TRL GRPO's and TRL PPO's name) given two values: give one "
+                "of them")
     require(c.epsilon == c.cliprange, f"epsilon {c.epsilon} and cliprange {c.cliprange} are one setting (TRL GRPO's "
             "and TRL PPO's name for the clip range ε) given two values: give one of them")
     require(_is_finite(c.epsilon_high) and c.epsilon_high >= c.epsilon,

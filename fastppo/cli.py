@@ -24,6 +24,7 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
+from fastppo.config import GRPO_NAMES
 from fastppo.config import ModelConfig, PPOConfig, ScriptArguments, as_list, user_path  # noqa: F401  (TRL's names, re-exported)
 from fastppo.data import load_prompt_dataset, split_names
 from fastppo.embedded import PROMPTS_PATH
@@ -137,7 +138,10 @@ def cli_settings(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PP
     script_args, training_args, model_args, given = parse_args(argv)
     embedded = not ({"model_name_or_path", "sft_model_path"} & given)
     if embedded:
-        preset = {k: v for k, v in {**EMBEDDED_PRESET, "output_dir": EMBEDDED_OUTPUT_DIR}.items() if k not in given}
+        # a flag given by its TRL GRPO name (max_completion_length) sets the preset's TRL PPO one too
+        given_too = given | {ppo_name for grpo_name, ppo_name in GRPO_NAMES.items() if grpo_name in given}
+        preset = {k: v for k, v in {**EMBEDDED_PRESET, "output_dir": EMBEDDED_OUTPUT_DIR}.items()
+                  if k not in given_too}
         with settings_errors("flags"):
             training_args = PPOConfig(**{**training_args_kwargs(training_args, given), **preset})
     return script_args, training_args, model_args, embedded

@@ -36,11 +36,12 @@ ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo", "reinforce_plus_plus")
 GROUP_ESTIMATORS = ("rloo", "grpo")  # a baseline over the num_generations samples of each prompt
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # TRL GRPO's
-# TRL GRPO's loss_type: how the token losses of an optimizer step are aggregated (train.policy_loss_weights) and,
-# for cispo and sapo, the per-token surrogate too (train.SURROGATE_OF_LOSS_TYPE)
+# TRL GRPO's loss_type: how the token losses of an optimizer step are aggregated (policy_terms.policy_loss_weights)
+# and, for cispo, sapo and vespo, the per-token loss too (policy_terms.surrogate_options)
 LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPRANGE_DEFAULT = 0.2  # TRL 0.26 PPO's cliprange, TRL GRPO's epsilon
+GRPO_NAMES = {"max_completion_length": "response_length", "num_iterations": "num_ppo_epochs"}  # TRL GRPO's: TRL PPO's
 # Each estimator's defaults where its source differs from TRL 0.26's PPO: num_generations (TRL 1.16's RLOOConfig 2,
 # GRPOConfig 8; one sample per prompt for the others), kl_coef, the per-token KL in the reward (TRL GRPO has
 # none: its KL, beta, is in the loss; TRL RLOO's beta is the summed k1 in the reward, which is kl_coef here), and
@@ -128,6 +129,9 @@ class PPOConfig(TrainingArguments):
         metadata={"help": "Sample tables (generate_completions) shown during training; 0: never."},
     )
     response_length: int = field(default=53, metadata={"help": "Tokens generated per response (max_new_tokens)."})
+    max_completion_length: int | None = field(
+        default=None, metadata={"help": "TRL GRPO's name of response_length: one setting (one given fills the other; "
+                                "two different values are refused)."})
     stop_token: Literal["eos"] | None = field(
         default=None,
         metadata={"help": "'eos': stop each response at the tokenizer's eos token. Exclusive with stop_token_id."},
@@ -188,6 +192,9 @@ class PPOConfig(TrainingArguments):
         default=None, metadata={"help": "Multi-adapter PEFT (not supported: refused when set)."}
     )
     num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout batch."})
+    num_iterations: int | None = field(
+        default=None, metadata={"help": "TRL GRPO's name of num_ppo_epochs (its μ: passes over each generation batch): "
+                                "one setting (one given fills the other; two different values are refused)."})
     whiten_rewards: bool = field(default=False, metadata={"help": "Whiten per-token rewards (scale only) before GAE."})
     kl_coef: float | None = field(
         default=None,
@@ -453,6 +460,13 @@ class PPOConfig(TrainingArguments):
             self.cliprange = self.epsilon
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        # TRL GRPO's names of two TRL PPO settings, filled the same way
+        for grpo_name, ppo_name in GRPO_NAMES.items():
+            default = type(self).__dataclass_fields__[ppo_name].default
+            if getattr(self, grpo_name) is None:
+                setattr(self, grpo_name, getattr(self, ppo_name))
+            elif getattr(self, ppo_name) == default:
+                setattr(self, ppo_name, getattr(self, grpo_name))
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"  # TRL's bool form
         for name in ("reward_model_path", "reward_fn"):  # one given (an appended flag, too) is TRL's single string

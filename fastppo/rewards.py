@@ -16,11 +16,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-import os
 from collections.abc import Callable
 
 import torch
-import torch.nn as nn
 
 from fastppo.dist import all_reduce
 from fastppo.errors import SettingsError, SettingsTypeError

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 from fastppo.config import PPOConfig, derive_sizes
 from fastppo.errors import SettingsError
 from fastppo.metrics import STAT
-from fastppo.train import (Experience, Targets, aggregate, estimate_advantages, per_token_rewards, policy_loss_weights,
-                           ppo_update, compute_experience, trained_mask)
+from fastppo.policy_terms import policy_loss_weights
+from fastppo.train import (Experience, Targets, aggregate, estimate_advantages, per_token_rewards, ppo_update,
+                           compute_experience, trained_mask)
 from helpers import cli_trainer, make_trainer, metrics_without_clock, small_config
 
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time in a land", "Why"]
@@ -144,7 +145,8 @@ def test_vespo_weights_against_their_definition():
     """φ(w) = exp(λ + k·log w − λ·w), w the row's exp Σ log ρ over its trained tokens (each log ρ clamped to ±20,
     log w to [log 1e-8, 20]), (k, λ) by the advantage's sign; 1 on policy; no gradient; the token loss
     −φ·A·log π."""
-    from fastppo.train import ppo_losses, vespo_weights
+    from fastppo.policy_terms import vespo_weights
+    from fastppo.train import ppo_losses
 
     g = torch.Generator().manual_seed(2)
     new = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
@@ -238,6 +240,19 @@ def test_defaults_follow_the_estimator_and_epsilon_is_cliprange():
     c = PPOConfig(output_dir=None, cliprange=0.1, epsilon_high=0.28)
     assert (c.cliprange, c.epsilon, c.epsilon_high) == (0.1, 0.1, 0.28)
     assert PPOConfig(output_dir=None, advantage_estimator="grpo", loss_type="grpo").loss_type == "grpo"
+    # TRL GRPO's names of response_length and num_ppo_epochs: one setting each, as epsilon is cliprange
+    c = PPOConfig(output_dir=None, max_completion_length=256, num_iterations=1)
+    assert (c.response_length, c.num_ppo_epochs, c.max_completion_length, c.num_iterations) == (256, 1, 256, 1)
+    c = PPOConfig(output_dir=None, response_length=20, num_ppo_epochs=2)
+    assert (c.max_completion_length, c.num_iterations) == (20, 2)
+
+
+def test_trl_grpo_names_on_the_command_line_beat_the_embedded_preset():
+    from helpers import cli_config
+
+    c = cli_config(["--max_completion_length", "7", "--num_iterations", "2"])
+    assert (c.response_length, c.max_completion_length, c.num_ppo_epochs, c.num_iterations) == (7, 7, 2, 2)
+    assert cli_config([]).response_length == cli_config([]).max_completion_length == 12  # the preset's
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -253,6 +268,9 @@ def test_defaults_follow_the_estimator_and_epsilon_is_cliprange():
     (dict(loss_type="vespo", delta=2.0), "delta bounds the clipped ratio; loss_type vespo"),
     (dict(loss_type="sapo", sapo_temperature_pos=float("nan")), "sapo_temperature_pos must be > 0"),
     (dict(epsilon=0.3, cliprange=0.1), "epsilon 0.3 and cliprange 0.1 are one setting"),
+    (dict(max_completion_length=9, response_length=7), "max_completion_length 9 and response_length 7 are one "
+                                                       "setting"),
+    (dict(num_iterations=1, num_ppo_epochs=2), "num_iterations 1 and num_ppo_epochs 2 are one setting"),
     (dict(epsilon_high=0.1), r"epsilon_high \(0.1\) must be >= epsilon \(0.2\)"),
     (dict(delta=1.0), "delta must be > 1"),
     (dict(delta=float("nan")), "delta must be > 1"),

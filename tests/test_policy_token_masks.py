@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fastppo.policy_terms as P
 import fastppo.train as T
 from fastppo.errors import SettingsError
 from helpers import make_trainer, metrics_without_clock, small_config
@@ -37,7 +38,7 @@ def case(rows: int, cols: int, seed: int):
        q=st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0]))
 def test_the_kept_tokens_are_the_top_quantile_of_the_trained_ones(rows, cols, seed, q):
     entropy, mask = case(rows, cols, seed)
-    kept = T.high_entropy_mask(entropy, mask, q)
+    kept = P.high_entropy_mask(entropy, mask, q)
     assert not (kept & ~mask).any()  # an untrained token is never kept
     values = entropy[mask]
     if values.numel() == 0:
@@ -59,9 +60,9 @@ def test_the_kept_tokens_are_the_top_quantile_of_the_trained_ones(rows, cols, se
 def test_past_torch_quantile_limit_the_sort_gives_the_same_mask(monkeypatch):
     entropy, mask = case(7, 13, 5)
     for q in (0.0, 0.2, 0.37, 0.8):
-        want = T.high_entropy_mask(entropy, mask, q)
-        monkeypatch.setattr(T, "QUANTILE_LIMIT", 3)
-        got = T.high_entropy_mask(entropy, mask, q)
+        want = P.high_entropy_mask(entropy, mask, q)
+        monkeypatch.setattr(P, "QUANTILE_LIMIT", 3)
+        got = P.high_entropy_mask(entropy, mask, q)
         monkeypatch.undo()
         assert torch.equal(got, want), q
 
@@ -71,7 +72,7 @@ def _rank(rank: int, port: int, out: str, parts, q: float) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         entropy, mask = parts[rank]
-        torch.save(T.high_entropy_mask(entropy, mask, q), f"{out}.{rank}")
+        torch.save(P.high_entropy_mask(entropy, mask, q), f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -91,10 +92,10 @@ def test_the_quantile_is_over_every_process(tmp_path):
     for e, m in ((entropy, mask), (entropy_b, mask_b)):
         parts = [(e[:4], m[:4]), (e[4:], m[4:])]
         mp.spawn(_rank, args=(port, out, parts, 0.3), nprocs=2, join=True)
-        together = T.high_entropy_mask(e, m, 0.3)
+        together = P.high_entropy_mask(e, m, 0.3)
         assert torch.equal(torch.cat([torch.load(f"{out}.0"), torch.load(f"{out}.1")]), together)
         port += 1
-        local = T.high_entropy_mask(e[:4], m[:4], 0.3)
+        local = P.high_entropy_mask(e[:4], m[:4], 0.3)
         if m[4:].any():  # the other process's tokens move the threshold
             assert not torch.equal(local, together[:4])
 
@@ -120,7 +121,7 @@ def test_ppo_losses_masks_the_policy_term_and_the_bonus_only():
             return pg_loss - 0.1 * T.aggregate(entropy, mask_for_policy) + 0.04 * kl
         return T.ppo_losses(new, None, entropy, old, None, adv, None, mask, **kw)[0]
 
-    kept = T.high_entropy_mask(entropy, mask, 0.5)
+    kept = P.high_entropy_mask(entropy, mask, 0.5)
     assert 0 < int(kept.sum()) < int(mask.sum())
     for q, policy_mask in ((0.5, kept), (1.0, mask)):
         got, want = loss_of(q), loss_of(q, policy_mask)
@@ -155,7 +156,7 @@ def test_the_off_policy_mask_drops_negative_advantages_of_drifted_rows():
     old[:2] += 0.3  # two rows drifted well past the threshold, the others about as far as it
     adv[1] = -adv[1].abs()
     threshold = 0.05
-    keep = T.off_policy_keep_mask(new, old, adv, mask, threshold)
+    keep = P.off_policy_keep_mask(new, old, adv, mask, threshold)
     for r in range(5):
         m = mask[r]
         mean_kl = (old[r][m] - new[r][m]).sum() / max(int(m.sum()), 1)
@@ -178,7 +179,7 @@ def test_ppo_losses_drops_them_from_the_policy_term_only():
     adv[:2] = -adv[:2].abs()
     kw = dict(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.1, ratio_threshold=10.0,
               ref_logprobs=ref, beta=0.04)
-    keep = T.off_policy_keep_mask(new, old, adv, mask, 0.01)
+    keep = P.off_policy_keep_mask(new, old, adv, mask, 0.01)
     assert (mask & ~keep).any() and (mask & keep).any()
     got = T.ppo_losses(new, None, entropy, old, None, adv, None, mask, off_policy_mask_threshold=0.01, **kw)[0]
     pg, ratio, _ = T.clipped_surrogate(new, old, adv, 0.2, mask=mask)

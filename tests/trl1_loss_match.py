@@ -88,8 +88,8 @@ from fastppo.kernels import kl_penalty  # noqa: E402
 from fastppo.actor_critic import PolicyAndValue  # noqa: E402
 from fastppo.loading import disable_dropout  # noqa: E402
 from fastppo.reward_scores import combine_rewards  # noqa: E402
-from fastppo.train import (assemble, estimate_advantages, per_token_rewards, policy_loss_weights,  # noqa: E402
-                           ppo_losses, surrogate_options, trained_mask)
+from fastppo.policy_terms import policy_loss_weights, surrogate_options  # noqa: E402
+from fastppo.train import assemble, estimate_advantages, per_token_rewards, ppo_losses, trained_mask  # noqa: E402
 
 P, K = 3, 4
 PROMPT_LENGTHS = [3, 5, 2]

@@ -20,7 +20,7 @@ default) and normaliser d:
                 (cispo: ρ_n > ε_max where A_n > 0, TRL's cispo_clip_ratio; sapo: never)
 
 u and d are how a caller aggregates (TRL GRPO's ``loss_type``: the trainer's
-``policy_loss_weights``); the entropy term is always the masked mean (or sum),
+``fastppo.policy_terms.policy_loss_weights``); the entropy term is always the masked mean (or sum),
 as TRL GRPO's bonus is, whatever the aggregation.
 
 Masked tokens are selected out (``torch.where``, not multiplied by 0), so
