@@ -179,9 +179,6 @@ def _check_policy_loss(c: PPOConfig) -> None:
             f"loss_type cispo caps the ratio at epsilon_high itself (ScaleRL's ε_max, 5.0 recommended; TRL GRPO's "
             f"meaning), so epsilon_high must be > 1, got {c.epsilon_high} (unset, it is epsilon's value): every "
             "on-policy token would be capped")
-    require(c.loss_type != "vespo" or not c.fused_policy_loss,
-            "loss_type vespo and fused_policy_loss: vespo weighs each token by its whole completion's ratio, which "
-            "the fused loss does not have when it forms the token's gradient; drop --fused_policy_loss")
     for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
         value = getattr(c, name)
         require(_is_finite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value!r}")
@@ -199,9 +196,6 @@ def _check_policy_loss(c: PPOConfig) -> None:
     t = c.off_policy_mask_threshold
     require(t is None or (_is_finite(t) and t >= 0), f"off_policy_mask_threshold must be >= 0 (a bound on a "
             f"sequence's mean KL), got {t!r}")
-    require(t is None or not c.fused_policy_loss,
-            "off_policy_mask_threshold and fused_policy_loss: the fused loss forms each token's gradient before its "
-            "sequence's KL is known; drop --fused_policy_loss")
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         value = getattr(c, name)
         require(_is_finite(value) and value > 0, f"{name} must be > 0 (it scales sapo's gate), got {value!r}")

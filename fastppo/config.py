@@ -387,7 +387,7 @@ class PPOConfig(TrainingArguments):
                   "dapo: MiniMax-M1/ScaleRL), sapo (a sigmoid gate −A·σ(τ(ρ − 1))·4/τ in place of the clip, "
                   "τ the sapo_temperature of A's sign; aggregated as grpo) and vespo (−sg(φ(w))·A·log π, φ a gamma "
                   "weight of the completion's ratio w = exp Σ log ρ, the vespo_k/lambda of A's sign; aggregated as "
-                  "dapo; not with fused_policy_loss)."},
+                  "dapo)."},
     )
     epsilon: float | None = field(
         default=None,

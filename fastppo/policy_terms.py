@@ -1,16 +1,12 @@
 """What TRL GRPO's policy-loss settings make of each token, for step 5 (``fastppo.train.ppo_losses``):
 
 * ``loss_type``'s aggregation, as token weights and a normaliser (``policy_loss_weights``);
-* the per-token surrogate each ``loss_type`` asks for (``surrogate_options``; the surrogates themselves are
-  ``fastppo.kernels.clipped_surrogate``'s, and VESPO's weights, which need a whole completion, are
-  ``vespo_weights``);
-* the token masks: ``top_entropy_quantile`` (``high_entropy_mask``) and ``off_policy_mask_threshold``
-  (``off_policy_keep_mask``).
+* the per-token surrogate each ``loss_type`` asks for, with the off-policy sequence mask (``surrogate_options``;
+  the surrogates and the mask themselves are ``fastppo.kernels.clipped_surrogate``'s);
+* ``top_entropy_quantile``'s token mask (``high_entropy_mask``): the micro-batch's entropy quantile.
 
 Each against TRL 1.16's ``GRPOTrainer._compute_loss`` in tests/test_trl1_loss_match.py."""
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -54,40 +50,26 @@ def policy_loss_weights(loss_type: str, mask: torch.Tensor, response_length: int
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-# TRL GRPO's loss_types with a token loss of their own: fastppo.kernels.clipped_surrogate's surrogates, and vespo
-# (``vespo_weights``: its weights need each completion's whole ratio, which the fused kernel's rows do not have)
+# TRL GRPO's loss_types with a token loss of their own: fastppo.kernels.clipped_surrogate's surrogates
 SURROGATE_OF_LOSS_TYPE = {"cispo": "cispo", "sapo": "sapo", "vespo": "vespo"}
 
 
 def surrogate_options(config: PPOConfig) -> dict:
-    """The per-token policy loss the config asks for, as keywords of ``clipped_surrogate`` (beyond ε), of
-    ``ppo_losses`` and of ``fused_ppo_policy_loss``: the clip's upper side (cispo's ε_max), δ, and the
-    surrogate with sapo's temperatures."""
-    options = dict(cliprange_high=config.epsilon_high, delta=config.delta,
-                   surrogate=SURROGATE_OF_LOSS_TYPE.get(config.loss_type, "clip"),
-                   sapo_temperature_pos=config.sapo_temperature_pos, sapo_temperature_neg=config.sapo_temperature_neg)
-    if config.loss_type == "vespo":  # ppo_losses' own (the fused loss refuses it)
-        options["vespo_gamma"] = (config.vespo_k_pos, config.vespo_lambda_pos, config.vespo_k_neg,
-                                  config.vespo_lambda_neg)
-    return options
+    """The per-token policy loss the config asks for, as keywords of ``clipped_surrogate`` (beyond ε and the
+    sequences), of ``ppo_losses`` and of ``fused_ppo_policy_loss``: the clip's upper side (cispo's ε_max), δ, the
+    surrogate with sapo's temperatures and vespo's (k₊, λ₊, k₋, λ₋), and the off-policy sequence mask."""
+    return dict(cliprange_high=config.epsilon_high, delta=config.delta,
+                surrogate=SURROGATE_OF_LOSS_TYPE.get(config.loss_type, "clip"),
+                sapo_temperature_pos=config.sapo_temperature_pos, sapo_temperature_neg=config.sapo_temperature_neg,
+                vespo_gamma=(config.vespo_k_pos, config.vespo_lambda_pos, config.vespo_k_neg, config.vespo_lambda_neg),
+                off_policy_mask_threshold=config.off_policy_mask_threshold)
 
 
-VESPO_LOG_W_MIN = math.log(1e-8)  # VESPO's (and TRL's) floor of log w
-
-
-def vespo_weights(new_logprobs, old_logprobs, advantages, mask, gamma: tuple[float, float, float, float]):
-    """[b, T] VESPO's φ(w) = exp(λ + k·log w − λ·w) (TRL GRPO's ``get_gamma_weights``; 1 at w = 1), without
-    gradient: w is the row's ratio exp(Σ_t clamp(log ρ_t, ±20)) over its trained tokens, log w clamped to
-    [log 1e-8, 20]; (k, λ) = ``gamma``'s (k₊, λ₊) where A >= 0, else (k₋, λ₋), λ at least 1e-4. An overflow is 0."""
-    k_pos, lambda_pos, k_neg, lambda_neg = gamma
-    real = mask != 0
-    zero = torch.zeros((), dtype=new_logprobs.dtype, device=new_logprobs.device)
-    log_ratio = torch.where(real, (new_logprobs.detach() - old_logprobs).clamp(-20.0, 20.0), zero)
-    log_w = log_ratio.sum(1, keepdim=True).clamp(VESPO_LOG_W_MIN, 20.0)
-    nonneg = advantages >= 0
-    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
-    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+def reads_whole_sequences(config: PPOConfig) -> bool:
+    """Whether a token's policy term needs its whole completion: the sequence level (GSPO), vespo's weight, the
+    off-policy mask. The fused loss then takes the completions' lengths."""
+    return (config.importance_sampling_level == "sequence" or config.loss_type == "vespo"
+            or config.off_policy_mask_threshold is not None)
 
 
 QUANTILE_LIMIT = 1 << 24  # torch.quantile refuses more values; past it the same interpolation over a sort
@@ -120,14 +102,3 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
         high = torch.clamp(low + 1, max=values.numel() - 1)
         threshold = ordered[low] + (ordered[high] - ordered[low]) * (position - low)
     return real & (entropy >= threshold)
-
-
-def off_policy_keep_mask(new_logprobs, old_logprobs, advantages, mask, threshold: float) -> torch.Tensor:
-    """TRL GRPO's ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence masking): [b, T] bool, the
-    tokens whose advantage is >= 0 or whose row's mean of log π_θ_old − log π_θ over its trained tokens is at most
-    ``threshold``; the others leave the policy term."""
-    real = mask != 0
-    zero = torch.zeros((), dtype=new_logprobs.dtype, device=new_logprobs.device)
-    kl = torch.where(real, old_logprobs - new_logprobs.detach(), zero)
-    mean_kl = kl.sum(1, keepdim=True) / real.sum(1, keepdim=True).clamp(min=1)
-    return (advantages >= 0) | (mean_kl <= threshold)

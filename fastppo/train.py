@@ -42,8 +42,8 @@ from fastppo.kernels import (clip_sides, clipped_surrogate, fused_full_kl, gae, 
 from fastppo.kernels.stats import WHITEN_EPS
 from fastppo.batching import micro_batches, token_budget_batches
 from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, gather_metrics, objective_sums
-from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, off_policy_keep_mask, policy_loss_weights,
-                                  surrogate_options, vespo_weights)
+from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, policy_loss_weights, reads_whole_sequences,
+                                  surrogate_options)
 from fastppo.layout import gathered, lm_head_of, make_layout
 from fastppo.rewards import transform_scores
 
@@ -404,9 +404,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                ratio_threshold: float, fused_policy_loss=None, ref_logprobs=None, beta: float = 0.0,
                kl_loss_type: str = "k3", bias_correction_kl: bool = True, cliprange_high: float | None = None,
                delta: float | None = None, sequence_level: bool = False, token_weights=None, normalizer=None,
-               mean_weights=None, surrogate: str = "clip", sapo_temperature_pos: float = 1.0,
-               sapo_temperature_neg: float = 1.05, top_entropy_quantile: float = 1.0,
-               off_policy_mask_threshold: float | None = None, vespo_gamma: tuple | None = None):
+               mean_weights=None, top_entropy_quantile: float = 1.0, **surrogate):
     """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]); the statistics are means over trained
     tokens.
 
@@ -415,12 +413,10 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     per-token values laid out as grids, for the statistics. ``new_values=None``: no critic, no value loss.
     ``beta``: + β·KL_t(π‖π_ref) by ``kl_loss_type`` in each token's loss (TRL GRPO's in-loss KL), weighted by ρ_t
     when ``bias_correction_kl`` (TRL's default: the samples came from π_θ_old, not π_θ).
-    ``cliprange_high``, ``delta``, ``sequence_level`` (one ratio per row: GSPO), ``surrogate`` and sapo's
-    temperatures: ``clipped_surrogate``'s options (``surrogate_options``). ``top_entropy_quantile`` < 1: only the
-    tokens of ``high_entropy_mask`` take the policy term and the entropy bonus (TRL GRPO's).
-    ``off_policy_mask_threshold``: only the tokens of ``off_policy_keep_mask`` take the policy term.
-    ``surrogate="vespo"``: the token loss −sg(φ)·A·log π with ``vespo_weights``' φ at ``vespo_gamma`` (ρ is still
-    the level's ratio, for the KL term's correction and the logs; nothing is flagged as clipped).
+    ``cliprange_high``, ``delta``, ``sequence_level`` (one ratio per row: GSPO) and ``surrogate``'s keywords
+    (``surrogate_options``: the surrogate, its settings, the off-policy mask): ``clipped_surrogate``'s options,
+    each row one sequence. ``top_entropy_quantile`` < 1: only the tokens of ``high_entropy_mask`` take the policy
+    term and the entropy bonus (TRL GRPO's).
     ``token_weights`` and ``normalizer``: how the policy and KL terms are aggregated (``policy_loss_weights``);
     the entropy bonus and the value loss are token means whatever they are (TRL GRPO's bonus is), or, with
     ``mean_weights``, Σ over the tokens of mean_weights·x (``step_token_weights``: token-budget micro-batches).
@@ -434,29 +430,18 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                                   None if mean_weights is None else 1.0)
     # clipped surrogate: max(−A·min(ρ, δ), −A·clip(ρ, 1 − ε, 1 + ε_h)) (or cispo's, sapo's)
     log_ratio = new_logprobs - old_logprobs
-    rows = None
-    if sequence_level:
-        b, t = new_logprobs.shape
-        rows = torch.arange(b, device=new_logprobs.device)[:, None].expand(b, t)
+    b, t = new_logprobs.shape
+    rows = torch.arange(b, device=new_logprobs.device)[:, None].expand(b, t)  # each row one sequence
     # masked: what a caller left in old_logprobs / advantages off the trained tokens reaches no gradient
-    vespo = surrogate == "vespo"
-    surrogate_kw = dict(surrogate="clip" if vespo else surrogate, sapo_temperature_pos=sapo_temperature_pos,
-                        sapo_temperature_neg=sapo_temperature_neg)
-    pg_losses, ratio, clipped = clipped_surrogate(new_logprobs, old_logprobs, advantages, cliprange, mask=mask,
-                                                  cliprange_high=cliprange_high, delta=delta, sequence_ids=rows,
-                                                  num_sequences=None if rows is None else rows.shape[0], **surrogate_kw)
-    if vespo:  # its own token loss; the clipped one above gave ρ
-        phi = vespo_weights(new_logprobs, old_logprobs, advantages, mask, vespo_gamma)
-        pg_losses = torch.where(mask != 0, -phi * torch.where(mask != 0, advantages, 0.0) * new_logprobs, 0.0)
-        clipped = torch.zeros_like(clipped)
+    pg_losses, ratio, clipped = clipped_surrogate(
+        new_logprobs, old_logprobs, advantages, cliprange, mask=mask, cliprange_high=cliprange_high, delta=delta,
+        sequence_ids=rows, num_sequences=b, importance_sampling_level="sequence" if sequence_level else "token",
+        **surrogate)
     policy_mask = mask  # the tokens the policy term and the entropy bonus read
-    zero = torch.zeros((), dtype=pg_losses.dtype, device=pg_losses.device)
     if top_entropy_quantile < 1:
         policy_mask = high_entropy_mask(entropy, mask, top_entropy_quantile)
-        pg_losses = torch.where(policy_mask, pg_losses, zero)
-    if off_policy_mask_threshold is not None:  # the policy term only, as TRL (the entropy bonus keeps them)
-        keep = off_policy_keep_mask(new_logprobs, old_logprobs, advantages, mask, off_policy_mask_threshold)
-        pg_losses = torch.where(keep, pg_losses, zero)
+        pg_losses = torch.where(policy_mask, pg_losses, torch.zeros((), dtype=pg_losses.dtype,
+                                                                     device=pg_losses.device))
     pg_loss = aggregate(pg_losses, mask, token_weights, normalizer)
     mean_entropy = aggregate(entropy, policy_mask, mean_weights, None if mean_weights is None else 1.0)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
@@ -472,7 +457,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     with torch.no_grad():
         stats = torch.full((len(STAT_NAMES),), float("nan"), device=loss.device)  # NaN: not computed (no critic)
         clip_low, clip_high = clip_sides(ratio, advantages, cliprange, cliprange_high, delta,
-                                         "sapo" if vespo else surrogate)  # vespo clips nothing either
+                                         surrogate.get("surrogate", "clip"))
         for name, value in (
             ("approxkl", 0.5 * masked_mean(log_ratio**2, mask)),
             ("policykl", masked_mean(-log_ratio, mask)),
@@ -559,6 +544,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
         fdist.all_reduce(dapo_tokens)
         dapo_tokens = dapo_tokens / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)
     sequence_level = config.importance_sampling_level == "sequence"
+    whole_sequences = reads_whole_sequences(config)  # the fused loss then takes the completions' lengths
     clip = surrogate_options(config)
     epochs_run = config.num_ppo_epochs
     model.train()
@@ -592,7 +578,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         old_logprobs=old_logprobs, advantages=advantages, mask=mask, cliprange=config.cliprange,
                         entropy_coef=config.entropy_coef, token_weights=token_weights, normalizer=normalizer,
                         entropy_weights=mean_weights, importance_sampling_level=config.importance_sampling_level,
-                        sequence_lengths=[rollout.response_lengths[r] for r in rows] if sequence_level else None,
+                        sequence_lengths=[rollout.response_lengths[r] for r in rows] if whole_sequences else None,
                         **clip)
                 sync = k == len(micro) - 1  # DDP all-reduces gradients on the last micro-step only
                 ddp_accumulates = zero is None and hasattr(model, "no_sync") and not sync
@@ -610,8 +596,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         fused_policy_loss=out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
                         kl_loss_type=config.kl_loss_type, bias_correction_kl=config.use_bias_correction_kl,
                         sequence_level=sequence_level, token_weights=token_weights, normalizer=normalizer,
-                        mean_weights=mean_weights, top_entropy_quantile=config.top_entropy_quantile,
-                        off_policy_mask_threshold=config.off_policy_mask_threshold, **clip,
+                        mean_weights=mean_weights, top_entropy_quantile=config.top_entropy_quantile, **clip,
                     )
                     # each micro-batch's loss is on the step's scale and the step is their mean; with step weights
                     # it is already this micro-batch's share of the step (logged ×count, on the same scale)

@@ -47,13 +47,11 @@ TRL_GRPO_LOSS_VARIANT_BETAS = {"unfused": 0.04, "fused": 0.0}
 
 
 def trl_grpo_loss_variant_runs() -> list[tuple[str, str]]:
-    """(variant, "unfused" or "fused") for each run: top_entropy_quantile, off_policy_mask_threshold and vespo run
-    unfused only (the fused loss refuses them)."""
+    """(variant, "unfused" or "fused") for each run: top_entropy_quantile runs unfused only (the fused loss refuses
+    it)."""
     return [(name, kind) for name, settings in sorted(TRL_GRPO_LOSS_VARIANTS.items())
             for kind in sorted(TRL_GRPO_LOSS_VARIANT_BETAS)
-            if kind == "unfused" or (settings.get("top_entropy_quantile", 1.0) == 1.0
-                                     and settings.get("off_policy_mask_threshold") is None
-                                     and settings.get("loss_type") != "vespo")]
+            if kind == "unfused" or settings.get("top_entropy_quantile", 1.0) == 1.0]
 
 
 # Kernel output (fp32 accumulation) vs a float64 reference, per *input* dtype.

@@ -145,7 +145,7 @@ def test_vespo_weights_against_their_definition():
     """φ(w) = exp(λ + k·log w − λ·w), w the row's exp Σ log ρ over its trained tokens (each log ρ clamped to ±20,
     log w to [log 1e-8, 20]), (k, λ) by the advantage's sign; 1 on policy; no gradient; the token loss
     −φ·A·log π."""
-    from fastppo.policy_terms import vespo_weights
+    from fastppo.kernels.ppo_loss import vespo_weights
     from fastppo.train import ppo_losses
 
     g = torch.Generator().manual_seed(2)
@@ -157,7 +157,12 @@ def test_vespo_weights_against_their_definition():
     adv = torch.randn(4, 1, generator=g, dtype=torch.float64).expand(4, 6).clone()
     adv[0] = torch.tensor([1.0, -1.0, 0.0, 2.0, -2.0, 0.5])  # per-token signs (and 0, which counts as >= 0)
     gamma = (2.0, 3.0, 3.0, 2.0)
-    phi = vespo_weights(new, old, adv, mask, gamma)
+    rows = torch.arange(4)[:, None].expand(4, 6)
+
+    def weights(old):
+        return vespo_weights(new - torch.where(mask, old, new.detach()), adv, mask, rows, 4, gamma)
+
+    phi = weights(old)
     assert not phi.requires_grad
     for r in range(4):
         log_w = sum(max(-20.0, min(20.0, (new[r, t] - old[r, t]).item())) for t in range(6) if mask[r, t])
@@ -166,7 +171,7 @@ def test_vespo_weights_against_their_definition():
             k, lam = gamma[:2] if adv[r, t] >= 0 else gamma[2:]
             want = math.exp(lam + k * log_w - lam * math.exp(log_w))
             assert phi[r, t].item() == pytest.approx(want, rel=1e-12), (r, t)
-    assert torch.equal(vespo_weights(new, new.detach(), adv, mask, gamma), torch.ones_like(phi))  # φ(1) = 1
+    assert torch.equal(weights(new.detach()), torch.ones_like(phi))  # φ(1) = 1
     loss, _ = ppo_losses(new, None, torch.zeros_like(new), old, None, adv, None, mask, cliprange=0.2,
                          cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=float("inf"),
                          surrogate="vespo", vespo_gamma=gamma)
@@ -207,6 +212,10 @@ SETTINGS = {
     "sapo": dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0),
     "sapo_sequence": dict(loss_type="sapo", importance_sampling_level="sequence"),
     "luspo_sequence": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "vespo": dict(loss_type="vespo"),
+    "vespo_sequence_off_policy": dict(loss_type="vespo", importance_sampling_level="sequence",
+                                      off_policy_mask_threshold=0.02),
+    "off_policy": dict(loss_type="dapo", off_policy_mask_threshold=0.02),
 }
 
 
@@ -221,9 +230,10 @@ def test_fused_update_equals_unfused_update(scored, name, padding_free):
     fused, fused_stats = update(scored, 4, fused_policy_loss=True, **settings)
     assert rel(fused, plain) < 1e-11, rel(fused, plain)
     torch.testing.assert_close(fused_stats, stats, rtol=1e-10, atol=1e-12, equal_nan=True)
-    # the loss_type's plain step: cispo's ε_max moved out of reach; sapo's temperatures at their defaults
-    base_settings = dict(loss_type=settings["loss_type"], padding_free=padding_free,
-                         epsilon_high=100.0 if name.startswith("cispo") else 0.2)
+    # the loss_type's plain step: cispo's ε_max moved out of reach; sapo's temperatures at their defaults; vespo
+    # against dapo, its aggregation with the clipped surrogate
+    base_settings = dict(loss_type="dapo" if name.startswith("vespo") else settings["loss_type"],
+                         padding_free=padding_free, epsilon_high=100.0 if name.startswith("cispo") else 0.2)
     base, base_stats = update(scored, 4, **base_settings)
     assert rel(plain, base) > 1e-4, name
     if name == "clip_higher":  # fewer tokens clipped above: ε_h widens the upper side only
@@ -263,7 +273,6 @@ def test_trl_grpo_names_on_the_command_line_beat_the_embedded_preset():
     (dict(loss_type="sapo", delta=2.0), "delta bounds the clipped ratio; loss_type sapo has no clip"),
     (dict(loss_type="cispo", epsilon_high=5.0, delta=2.0), "delta bounds the clipped ratio; loss_type cispo"),
     (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be > 0"),
-    (dict(loss_type="vespo", fused_policy_loss=True), "loss_type vespo and fused_policy_loss"),
     (dict(loss_type="vespo", vespo_lambda_neg=-1.0), "vespo_lambda_neg must be a finite number >= 0"),
     (dict(loss_type="vespo", delta=2.0), "delta bounds the clipped ratio; loss_type vespo"),
     (dict(loss_type="sapo", sapo_temperature_pos=float("nan")), "sapo_temperature_pos must be > 0"),

@@ -26,9 +26,10 @@ V, H = 29, 12
 
 
 def oracle(hidden, weight, bias, index, old, adv, mask, eps, eps_high, delta, level, lengths, weights, normalizer,
-           entropy_coef, temperature, reduction, entropy_weights=None, surrogate="clip", sapo=(1.0, 1.05)):
+           entropy_coef, temperature, reduction, entropy_weights=None, surrogate="clip", sapo=(1.0, 1.05),
+           vespo=(2.0, 3.0, 3.0, 2.0), off_policy=None):
     """(loss, ratio per token) in float64, sequence by sequence, as TRL GRPO writes the loss (its loss_types
-    cispo and sapo: ``surrogate``, ``eps_high`` being cispo's ε_max)."""
+    cispo, sapo and vespo: ``surrogate``, ``eps_high`` being cispo's ε_max; its off-policy sequence mask)."""
     logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t() + (0 if bias is None else bias)) / temperature
     logp_all = torch.log_softmax(logits, -1)
     logp = logp_all.gather(1, index.reshape(-1, 1)).squeeze(1)
@@ -48,7 +49,14 @@ def oracle(hidden, weight, bias, index, old, adv, mask, eps, eps_high, delta, le
         else:
             coef = torch.exp(logp[rows] - torch.where(m, old[rows], logp[rows].detach()))
         a = torch.where(m, adv[rows], 0.0)
-        if surrogate == "cispo":
+        token_log_ratio = torch.where(m, logp[rows] - torch.where(m, old[rows], 0.0), 0.0).detach()
+        if surrogate == "vespo":  # TRL's get_gamma_weights for this one sequence
+            log_w = min(max(token_log_ratio.clamp(-20, 20).sum().item(), math.log(1e-8)), 20.0)
+            k = torch.where(a >= 0, vespo[0], vespo[2]).double()
+            lam = torch.where(a >= 0, vespo[1], vespo[3]).double()
+            phi = torch.exp(lam + k * log_w - lam * math.exp(log_w))
+            token_loss = -phi * a * logp[rows]
+        elif surrogate == "cispo":
             token_loss = -torch.clamp(coef, max=eps_high).detach() * a * logp[rows]
         elif surrogate == "sapo":
             tau = torch.where(a > 0, a.new_tensor(sapo[0]), a.new_tensor(sapo[1]))
@@ -57,12 +65,16 @@ def oracle(hidden, weight, bias, index, old, adv, mask, eps, eps_high, delta, le
             clipped = torch.clamp(coef, 1 - eps, 1 + eps_high) * a
             unclipped = (coef if delta is None else torch.clamp(coef, max=delta)) * a
             token_loss = -torch.minimum(unclipped, clipped)
+        if off_policy is not None:  # TRL's get_off_policy_mask for this one sequence
+            mean_kl = -token_log_ratio.sum() / max(int(m.sum()), 1)
+            token_loss = torch.where((a >= 0) | (mean_kl <= off_policy), token_loss, 0.0)
         pg_terms.append(torch.where(m, token_loss, 0.0) * u[rows])
         ratios.append(coef.detach())
     pg = torch.cat(pg_terms).sum()
     ent = torch.where(real, entropy, 0.0).sum()
     count = real.sum().double()
-    plain = weights is None and normalizer is None and level == "token" and entropy_weights is None
+    plain = (weights is None and normalizer is None and level == "token" and entropy_weights is None
+             and surrogate != "vespo" and off_policy is None)  # else the kernel's sequence path: Σ m at least 1
     if entropy_weights is not None:  # each token's own weight in the entropy term
         d = normalizer if normalizer is not None else count.clamp(min=1) if reduction == "token_mean" else 1.0
         loss = pg / d - entropy_coef * torch.where(real, entropy_weights.reshape(-1) * entropy, 0.0).sum()
@@ -115,6 +127,12 @@ OPTIONS = {
                                   reduction="sum"),
     "sapo_sequence": dict(surrogate="sapo", sapo_temperature_pos=1.25, sapo_temperature_neg=0.75,
                           importance_sampling_level="sequence", token_weights="grpo"),
+    "vespo": dict(surrogate="vespo"),
+    "vespo_sequence_gamma_weights": dict(surrogate="vespo", importance_sampling_level="sequence",
+                                         vespo_gamma=(1.0, 2.0, 2.0, 1.0), token_weights="grpo", normalizer=3.0),
+    "off_policy": dict(off_policy_mask_threshold=0.0625),
+    "off_policy_sequence_sapo": dict(off_policy_mask_threshold=0.0, surrogate="sapo", sapo_temperature_pos=1.25,
+                                     sapo_temperature_neg=0.75, importance_sampling_level="sequence"),
 }
 LENGTHS = [5, 3, 0, 9, 1, 6]  # a zero-length sequence, a one-token one, and sequences over an 8-token chunk
 
@@ -141,7 +159,8 @@ def run(fn, case, lengths, options, entropy_coef=0.125, temperature=0.75):
         kw["token_weights"] = grpo_weights(case, lengths)
     if kw.get("entropy_weights") == "random":
         kw["entropy_weights"] = entropy_weights(case)
-    if kw.get("importance_sampling_level") == "sequence":
+    if (kw.get("importance_sampling_level") == "sequence" or kw.get("surrogate") == "vespo"
+            or kw.get("off_policy_mask_threshold") is not None):  # the options that read whole sequences
         kw["sequence_lengths"] = lengths
     out = fn(leaves["hidden"], leaves["weight"], case["index"], case["old_logprobs"], case["advantages"],
              case["mask"], 0.25, entropy_coef, temperature, bias=leaves["bias"], **kw)
@@ -159,7 +178,8 @@ def run_oracle(case, lengths, options, entropy_coef=0.125, temperature=0.75):
                          options.get("cliprange_high", 0.25), options.get("delta"), level, lengths, weights,
                          options.get("normalizer"), entropy_coef, temperature, options.get("reduction", "token_mean"),
                          ent_weights, options.get("surrogate", "clip"),
-                         (options.get("sapo_temperature_pos", 1.0), options.get("sapo_temperature_neg", 1.05)))
+                         (options.get("sapo_temperature_pos", 1.0), options.get("sapo_temperature_neg", 1.05)),
+                         options.get("vespo_gamma", (2.0, 3.0, 3.0, 2.0)), options.get("off_policy_mask_threshold"))
     return loss, ratio, torch.autograd.grad(loss, list(leaves.values()))
 
 
@@ -264,8 +284,8 @@ def test_property_reference_equals_oracle(lengths, seed, option, entropy_coef):
     case = make(lengths, seed=seed)
     out, grads = run(fused_ppo_policy_loss_reference, case, lengths, OPTIONS[option], entropy_coef=entropy_coef)
     loss, _, expected = run_oracle(case, lengths, OPTIONS[option], entropy_coef=entropy_coef)
-    plain = not {"token_weights", "normalizer", "importance_sampling_level", "entropy_weights", "reduction"} & set(
-        OPTIONS[option])
+    plain = not {"token_weights", "normalizer", "importance_sampling_level", "entropy_weights", "reduction",
+                 "off_policy_mask_threshold"} & set(OPTIONS[option]) and OPTIONS[option].get("surrogate") != "vespo"
     if not case["mask"].any() and plain:  # plain token mean of nothing: NaN, as masked_mean
         assert math.isnan(out.loss.item()) and math.isnan(loss.item())
         return

@@ -1,6 +1,6 @@
 """The policy term's token masks from TRL GRPO: ``top_entropy_quantile`` ("Beyond the 80/20 Rule",
 ``high_entropy_mask``) and ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence masking,
-``off_policy_keep_mask``), and their place in ``ppo_losses``. Against TRL 1.16's own loss and gradients:
+``fastppo.kernels.ppo_loss.off_policy_keep``, applied by ``clipped_surrogate``), and their place in ``ppo_losses``. Against TRL 1.16's own loss and gradients:
 ``test_trl1_loss_match.py`` (variants top_entropy*, off_policy_mask*).
 
 The entropy mask keeps the trained tokens whose entropy reaches the (1 − q) quantile of the micro-batch's trained
@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastppo.policy_terms as P
+from fastppo.kernels.ppo_loss import off_policy_keep
 import fastppo.train as T
 from fastppo.errors import SettingsError
 from helpers import make_trainer, metrics_without_clock, small_config
@@ -146,6 +147,12 @@ def test_a_run_trains_with_it(tmp_path, model_dir):
     assert all(math.isfinite(row[k]) for k in ("loss/policy_avg", "policy/entropy_avg", "clip_ratio/region_mean"))
 
 
+def keep_of(new, old, adv, mask, threshold):
+    """The off-policy mask as clipped_surrogate applies it: the tokens whose loss it leaves alone."""
+    rows = torch.arange(new.shape[0])[:, None].expand(new.shape)
+    return off_policy_keep(new - torch.where(mask, old, new), adv, mask, rows, new.shape[0], threshold)
+
+
 def test_the_off_policy_mask_drops_negative_advantages_of_drifted_rows():
     g = torch.Generator().manual_seed(4)
     new = torch.randn(5, 7, generator=g, dtype=torch.float64)
@@ -158,7 +165,7 @@ def test_the_off_policy_mask_drops_negative_advantages_of_drifted_rows():
     old[:2] += 0.3  # two rows drifted well past the threshold, the others about as far as it
     adv[1] = -adv[1].abs()
     threshold = 0.05
-    keep = P.off_policy_keep_mask(new, old, adv, mask, threshold)
+    keep = keep_of(new, old, adv, mask, threshold)
     for r in range(5):
         m = mask[r]
         mean_kl = (old[r][m] - new[r][m]).sum() / max(int(m.sum()), 1)
@@ -181,7 +188,7 @@ def test_ppo_losses_drops_them_from_the_policy_term_only():
     adv[:2] = -adv[:2].abs()
     kw = dict(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.1, ratio_threshold=10.0,
               ref_logprobs=ref, beta=0.04)
-    keep = P.off_policy_keep_mask(new, old, adv, mask, 0.01)
+    keep = keep_of(new.detach(), old, adv, mask, 0.01)
     assert (mask & ~keep).any() and (mask & keep).any()
     got = T.ppo_losses(new, None, entropy, old, None, adv, None, mask, off_policy_mask_threshold=0.01, **kw)[0]
     pg, ratio, _ = T.clipped_surrogate(new, old, adv, 0.2, mask=mask)
@@ -195,7 +202,6 @@ def test_ppo_losses_drops_them_from_the_policy_term_only():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold must be >= 0"),
     (dict(off_policy_mask_threshold=float("inf")), "off_policy_mask_threshold must be >= 0"),
-    (dict(off_policy_mask_threshold=0.5, fused_policy_loss=True), "off_policy_mask_threshold and fused_policy_loss"),
     (dict(top_entropy_quantile=1.5), r"top_entropy_quantile must be in \[0, 1\]"),
     (dict(top_entropy_quantile=-0.1), r"top_entropy_quantile must be in \[0, 1\]"),
     (dict(top_entropy_quantile=float("nan")), r"top_entropy_quantile must be in \[0, 1\]"),

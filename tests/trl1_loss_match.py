@@ -88,7 +88,7 @@ from fastppo.kernels import kl_penalty  # noqa: E402
 from fastppo.actor_critic import PolicyAndValue  # noqa: E402
 from fastppo.loading import disable_dropout  # noqa: E402
 from fastppo.reward_scores import combine_rewards  # noqa: E402
-from fastppo.policy_terms import policy_loss_weights, surrogate_options  # noqa: E402
+from fastppo.policy_terms import policy_loss_weights, reads_whole_sequences, surrogate_options  # noqa: E402
 from fastppo.train import assemble, estimate_advantages, per_token_rewards, ppo_losses, trained_mask  # noqa: E402
 
 P, K = 3, 4
@@ -219,8 +219,8 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
         fused_loss = dict(old_logprobs=old, advantages=advantages, mask=mask, cliprange=config.cliprange,
                           entropy_coef=config.entropy_coef, token_weights=token_weights, normalizer=normalizer,
                           importance_sampling_level=config.importance_sampling_level,
-                          sequence_lengths=list(rollout.response_lengths)
-                          if config.importance_sampling_level == "sequence" else None, **clip)
+                          sequence_lengths=list(rollout.response_lengths) if reads_whole_sequences(config) else None,
+                          **clip)
     out = PolicyAndValue(policy, None, critic=False)(layout, config.temperature, return_entropy=True,
                                                     policy_loss=fused_loss)
     loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
@@ -232,8 +232,7 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
                              bias_correction_kl=config.use_bias_correction_kl,
                              sequence_level=config.importance_sampling_level == "sequence",
                              token_weights=token_weights, normalizer=normalizer,
-                             top_entropy_quantile=config.top_entropy_quantile,
-                             off_policy_mask_threshold=config.off_policy_mask_threshold, **clip)
+                             top_entropy_quantile=config.top_entropy_quantile, **clip)
     loss.backward()
     from fastppo.metrics import STAT
     return {"loss": loss.detach().clone(), "tokens": int(mask.sum()),

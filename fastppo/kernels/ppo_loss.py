@@ -13,8 +13,12 @@ default) and normaliser d:
     pg_n = max(−A_n min(ρ_n, δ), −A_n clip(ρ_n, 1 − ε, 1 + ε_h))           (P3)
     pg_n = −A_n · sg(min(ρ_n, ε_max)) · logp_n       (P3', surrogate "cispo": TRL GRPO's loss_type; ε_max = ε_h)
     pg_n = −A_n · σ(τ_n (ρ_n − 1)) · 4/τ_n,  τ_n = τ₊ if A_n > 0 else τ₋     (P3'', "sapo")
+    pg_n = −A_n · sg(φ(w_s(n))) · logp_n,  φ(w) = exp(λ + k log w − λ w),
+           w_s = exp Σ_{t∈s} m_t clamp(logp_t − o_t, ±20)                  (P3v, "vespo": ``vespo_weights``)
+    pg_n = 0 where A_n < 0 and the mean over s(n) of m_t (o_t − logp_t) exceeds the off-policy threshold  (P6)
     loss = Σ u_n pg_n / d − c · Σ m_n H_n / Σ m_n   ("token_mean"; d = Σ m_n by default)  (P4)
-           (with u or d given, or at the sequence level, Σ m_n counts at least 1: an empty mask gives 0)
+           (with u or d given, or on the sequence path: the sequence level, (P3v), (P6), Σ m_n counts at
+           least 1: an empty mask gives 0)
            Σ u_n pg_n / d − c · Σ m_n H_n           ("sum"; d = 1 by default)
     clipped_n = −A_n clip(ρ_n, 1 − ε, 1 + ε_h) > −A_n min(ρ_n, δ)  (the trainer's clipfrac)
                 (cispo: ρ_n > ε_max where A_n > 0, TRL's cispo_clip_ratio; sapo: never)
@@ -64,8 +68,8 @@ memory stays bounded whatever N is):
     grad_W   += dx_cᵀ @ h_c
     grad_b   += Σ_rows dx_c
 
-At the sequence level a token's gradient needs its whole sequence's log-probs
-(its one ratio), so the chunks hold whole sequences (a sequence longer than C
+At the sequence level (and for (P3v) and (P6)) a token's gradient needs its whole sequence's log-probs
+(its one ratio, its weight, its mask), so the chunks hold whole sequences (a sequence longer than C
 is a chunk of its own: the logits buffer grows to it), and the one row kernel
 is split in two launches with the per-token math between them: pass 1 (lse, H,
 logp per row), then (P2)-(P5) on the chunk's [rows] vectors by
@@ -98,6 +102,7 @@ Layout, as every kernel module: kernels, launchers, autograd, public, references
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -115,7 +120,10 @@ if HAS_TRITON:
     from fastppo.kernels._lmhead import row_pick, row_softmax, softmax_dlogits, store_dlogits
 
 REDUCTIONS = ("token_mean", "sum")
-SURROGATES = ("clip", "cispo", "sapo")  # (P3), (P3'), (P3''): the Triton kernel's SURROGATE is the index
+SURROGATES = ("clip", "cispo", "sapo", "vespo")  # (P3), (P3'), (P3''), (P3v): the row kernel's SURROGATE is the index
+WHOLE_SEQUENCE_SURROGATES = ("vespo",)  # a token's term needs its whole sequence: the sequence path
+VESPO_GAMMA = (2.0, 3.0, 3.0, 2.0)  # TRL GRPO's (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+VESPO_LOG_W_MIN = math.log(1e-8)  # VESPO's (and TRL's) floor of log w
 
 
 class PPOPolicyLossOutput(NamedTuple):
@@ -240,18 +248,23 @@ class PolicyTerms(NamedTuple):
     delta: float | None  # δ, the bound on the unclipped ratio (None: none)
     entropy_coef: float
     token_mean: bool  # reduction "token_mean" (else "sum")
-    sequence_lengths: list[int] | None  # tokens of each sequence in order: the sequence-level ratio; None: token level
+    sequence_lengths: list[int] | None  # tokens of each sequence in order (the sequence path); None: token rows
     token_weights: torch.Tensor | None  # [N] u (None: the mask)
     normalizer: torch.Tensor | None  # 0-d d (None: Σ m for token_mean, 1 for sum)
     entropy_weights: torch.Tensor | None = None  # [N] e, the entropy term's weights (None: by the reduction)
-    surrogate: str = "clip"  # (P3), (P3') or (P3''): SURROGATES
+    surrogate: str = "clip"  # (P3), (P3'), (P3'') or (P3v): SURROGATES
     sapo_temperatures: tuple[float, float] = (1.0, 1.05)  # sapo's τ for A > 0 and for A <= 0
+    level: str = "token"  # importance_sampling_level (sequence_lengths may be set at "token" too: vespo, (P6))
+    vespo_gamma: tuple[float, float, float, float] = VESPO_GAMMA
+    off_policy_mask_threshold: float | None = None  # (P6)
 
     @property
     def surrogate_options(self) -> dict:
-        """``clipped_surrogate``'s surrogate keywords."""
+        """``clipped_surrogate``'s keywords beyond the clip's."""
         pos, neg = self.sapo_temperatures
-        return dict(surrogate=self.surrogate, sapo_temperature_pos=pos, sapo_temperature_neg=neg)
+        return dict(surrogate=self.surrogate, sapo_temperature_pos=pos, sapo_temperature_neg=neg,
+                    importance_sampling_level=self.level, vespo_gamma=self.vespo_gamma,
+                    off_policy_mask_threshold=self.off_policy_mask_threshold)
 
     @property
     def clip_high(self) -> float:
@@ -440,7 +453,8 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef,
                                 temperature, bias, reduction, cliprange_high, delta, importance_sampling_level,
                                 sequence_lengths, token_weights, normalizer, entropy_weights=None, surrogate="clip",
-                                sapo_temperature_pos=1.0, sapo_temperature_neg=1.05):
+                                sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_gamma=VESPO_GAMMA,
+                                off_policy_mask_threshold=None):
     check_lm_head_args(hidden, weight, bias)
     check_tensor("index", index, dtypes=INDEX_DTYPES)
     check_tensor("old_logprobs", old_logprobs, dtypes=FLOAT_DTYPES)
@@ -460,15 +474,19 @@ def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages,
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}; got {reduction!r}")
     cliprange, cliprange_high, delta = check_clip_args(cliprange, cliprange_high, delta)
-    temperatures = check_surrogate_args(surrogate, cliprange_high, delta, sapo_temperature_pos, sapo_temperature_neg)
+    temperatures, vespo_gamma, off_policy_mask_threshold = check_surrogate_args(
+        surrogate, cliprange_high, delta, sapo_temperature_pos, sapo_temperature_neg, vespo_gamma,
+        off_policy_mask_threshold)
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}; "
                          f"got {importance_sampling_level!r}")
     lengths = None
-    if importance_sampling_level == "sequence":
+    if (importance_sampling_level == "sequence" or surrogate in WHOLE_SEQUENCE_SURROGATES
+            or off_policy_mask_threshold is not None):
         lengths = _sequence_lengths(index, sequence_lengths)
     elif sequence_lengths is not None:
-        raise ValueError("sequence_lengths is read only with importance_sampling_level='sequence'")
+        raise ValueError("sequence_lengths is read only with importance_sampling_level='sequence', surrogate "
+                         "'vespo' or off_policy_mask_threshold")
     if normalizer is not None:
         if isinstance(normalizer, torch.Tensor):
             if normalizer.numel() != 1 or not normalizer.is_floating_point():
@@ -481,7 +499,7 @@ def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages,
             normalizer = torch.tensor(value, dtype=acc_dtype(hidden.dtype), device=hidden.device)
     terms = PolicyTerms(cliprange, cliprange_high, delta, check_float("entropy_coef", entropy_coef),
                         reduction == "token_mean", lengths, token_weights, normalizer, entropy_weights, surrogate,
-                        temperatures)
+                        temperatures, importance_sampling_level, vespo_gamma, off_policy_mask_threshold)
     return terms, check_temperature(temperature)
 
 
@@ -516,9 +534,10 @@ def check_clip_args(cliprange, cliprange_high=None, delta=None) -> tuple[float, 
 
 
 def check_surrogate_args(surrogate, cliprange_high: float, delta: float | None, sapo_temperature_pos=1.0,
-                         sapo_temperature_neg=1.05) -> tuple[float, float]:
+                         sapo_temperature_neg=1.05, vespo_gamma=VESPO_GAMMA, off_policy_mask_threshold=None):
     """``surrogate`` one of SURROGATES; cispo's ε_max (``cliprange_high``) > 1; ``delta`` only with "clip";
-    sapo's temperatures > 0: refused by name otherwise. Returns the temperatures (τ for A > 0, for A <= 0)."""
+    sapo's temperatures > 0; vespo's (k₊, λ₊, k₋, λ₋) four numbers >= 0; the off-policy threshold >= 0 or None:
+    refused by name otherwise. Returns (the sapo temperatures, vespo's gamma, the threshold), checked."""
     if not isinstance(surrogate, str) or surrogate not in SURROGATES:
         raise ValueError(f"surrogate must be one of {', '.join(SURROGATES)}; got {surrogate!r}")
     if surrogate == "cispo" and cliprange_high <= 1.0:
@@ -528,15 +547,22 @@ def check_surrogate_args(surrogate, cliprange_high: float, delta: float | None, 
     if surrogate != "clip" and delta is not None:
         raise ValueError(f"delta bounds the clipped surrogate's ratio and has no meaning for surrogate {surrogate!r}; "
                          "leave it unset")
-    return (check_float("sapo_temperature_pos", sapo_temperature_pos, minimum=0.0, exclusive_minimum=True),
-            check_float("sapo_temperature_neg", sapo_temperature_neg, minimum=0.0, exclusive_minimum=True))
+    temperatures = (check_float("sapo_temperature_pos", sapo_temperature_pos, minimum=0.0, exclusive_minimum=True),
+                    check_float("sapo_temperature_neg", sapo_temperature_neg, minimum=0.0, exclusive_minimum=True))
+    if not isinstance(vespo_gamma, (tuple, list)) or len(vespo_gamma) != 4:
+        raise ValueError(f"vespo_gamma must be (k_pos, lambda_pos, k_neg, lambda_neg); got {vespo_gamma!r}")
+    gamma = tuple(check_float(f"vespo_gamma[{i}]", x, minimum=0.0) for i, x in enumerate(vespo_gamma))
+    if off_policy_mask_threshold is not None:
+        off_policy_mask_threshold = check_float("off_policy_mask_threshold", off_policy_mask_threshold, minimum=0.0)
+    return temperatures, gamma, off_policy_mask_threshold
 
 
 def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef=0.0,
                           temperature=1.0, bias=None, reduction="token_mean", *, cliprange_high=None, delta=None,
                           importance_sampling_level="token", sequence_lengths=None, token_weights=None,
                           normalizer=None, entropy_weights=None, surrogate="clip", sapo_temperature_pos=1.0,
-                          sapo_temperature_neg=1.05) -> PPOPolicyLossOutput:
+                          sapo_temperature_neg=1.05, vespo_gamma=VESPO_GAMMA,
+                          off_policy_mask_threshold=None) -> PPOPolicyLossOutput:
     """The clipped PPO policy loss with entropy bonus, from hidden states and the LM head (module docstring).
 
     Args:
@@ -568,8 +594,11 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
         entropy_weights: [...] e, each masked token's weight in the entropy term, which becomes −c·Σ e·H
             (default: the reduction's mean or sum; the trainer's token-budget micro-batches give each token the
             weight it has in row-count micro-batches).
-        surrogate: "clip" (P3), "cispo" (P3': ``cliprange_high`` is ε_max, > 1) or "sapo" (P3'', with
-            ``sapo_temperature_pos`` and ``sapo_temperature_neg``): TRL GRPO's loss_types of those names.
+        surrogate: "clip" (P3), "cispo" (P3': ``cliprange_high`` is ε_max, > 1), "sapo" (P3'', with
+            ``sapo_temperature_pos`` and ``sapo_temperature_neg``) or "vespo" (P3v, with ``vespo_gamma`` =
+            (k₊, λ₊, k₋, λ₋)): TRL GRPO's loss_types of those names.
+        off_policy_mask_threshold: (P6), TRL GRPO's off-policy sequence mask (None: off). It and "vespo" read
+            each token's whole sequence (``sequence_lengths`` or the rows of ``index``), as the sequence level does.
 
     Returns:
         ``PPOPolicyLossOutput(loss, logprobs, ratio, clipped, entropy)``: the
@@ -581,11 +610,12 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
     terms, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction,
         cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer, entropy_weights,
-        surrogate, sapo_temperature_pos, sapo_temperature_neg)
+        surrogate, sapo_temperature_pos, sapo_temperature_neg, vespo_gamma, off_policy_mask_threshold)
     hidden, weight, bias = lm_head_operands(hidden, weight, bias)
     vocab, hdim = weight.shape
     kernel_scalars = (1.0 - terms.cliprange, terms.clip_high, terms.entropy_coef, temperature,
-                      *terms.sapo_temperatures, *(() if terms.delta is None else (terms.delta,)))
+                      *(terms.sapo_temperatures if terms.surrogate == "sapo" else ()),
+                      *(() if terms.delta is None else (terms.delta,)))
     if not use_triton(hidden, kernel_scalars) or index.numel() == 0:
         # a CPU: the same math over the chunked LM-head core (never the [N, V] logits; the reference's are)
         return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias, terms,
@@ -640,32 +670,65 @@ def _surrogate(log_ratio, advantages, cliprange, cliprange_high, delta, logprobs
     return torch.max(unclipped, clipped), ratio, clipped > unclipped
 
 
-def sequence_mean(x: torch.Tensor, real: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int):
-    """Per token, the mean of ``x`` over the real tokens of its sequence (0 for a sequence with none): GSPO's
-    length-normalised log-ratio. ``sequence_ids`` [x's shape] numbers the sequences 0..num_sequences − 1."""
+def sequence_sum(x: torch.Tensor, real: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int,
+                 mean: bool = False) -> torch.Tensor:
+    """Per token, the sum (``mean``: the mean) of ``x`` over the real tokens of its sequence (0 for a sequence with
+    none). ``sequence_ids`` [x's shape] numbers the sequences 0..num_sequences − 1."""
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     ids = sequence_ids.reshape(-1).long()
     sums = x.new_zeros(num_sequences).index_add(0, ids, torch.where(real, x, zero).reshape(-1))
-    counts = x.new_zeros(num_sequences).index_add(0, ids, real.reshape(-1).to(x.dtype))
-    return (sums / counts.clamp(min=1.0)).index_select(0, ids).view(x.shape)
+    if mean:
+        sums = sums / x.new_zeros(num_sequences).index_add(0, ids, real.reshape(-1).to(x.dtype)).clamp(min=1.0)
+    return sums.index_select(0, ids).view(x.shape)
+
+
+def sequence_mean(x: torch.Tensor, real: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int):
+    """Per token, the mean of ``x`` over the real tokens of its sequence (0 for a sequence with none): GSPO's
+    length-normalised log-ratio."""
+    return sequence_sum(x, real, sequence_ids, num_sequences, mean=True)
+
+
+def vespo_weights(token_log_ratio, advantages, real, sequence_ids, num_sequences, gamma=VESPO_GAMMA):
+    """(P3v) VESPO's φ(w) = exp(λ + k·log w − λ·w) per token, without gradient (TRL GRPO's ``get_gamma_weights``;
+    1 at w = 1): w is the token's sequence ratio exp(Σ clamp(log ρ_t, ±20)) over its real tokens, log w clamped to
+    [log 1e-8, 20]; (k, λ) = ``gamma``'s (k₊, λ₊) where A >= 0, else (k₋, λ₋), λ at least 1e-4. An overflow is 0."""
+    k_pos, lambda_pos, k_neg, lambda_neg = gamma
+    log_w = sequence_sum(token_log_ratio.detach().clamp(-20.0, 20.0), real, sequence_ids, num_sequences)
+    log_w = log_w.clamp(VESPO_LOG_W_MIN, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def off_policy_keep(token_log_ratio, advantages, real, sequence_ids, num_sequences, threshold: float):
+    """(P6) DeepSeek-V3.2's off-policy sequence mask (TRL GRPO's ``off_policy_mask_threshold``), per token: A >= 0,
+    or the mean over its sequence's real tokens of log π_old − log π_θ (−log ρ) at most ``threshold``."""
+    mean_kl = sequence_sum(-token_log_ratio.detach(), real, sequence_ids, num_sequences, mean=True)
+    return (advantages >= 0) | (mean_kl <= threshold)
 
 
 def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                       cliprange: float, *, mask: torch.Tensor | None = None, cliprange_high: float | None = None,
                       delta: float | None = None, sequence_ids: torch.Tensor | None = None,
                       num_sequences: int | None = None, surrogate: str = "clip",
-                      sapo_temperature_pos: float = 1.0,
-                      sapo_temperature_neg: float = 1.05) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                      importance_sampling_level: str | None = None, vespo_gamma=VESPO_GAMMA,
+                      off_policy_mask_threshold: float | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's per-token clipped surrogate loss, max(−A·min(ρ, δ), −A·clip(ρ, 1 − ε, 1 + ε_h)) with
     ρ = exp(logp − old): (the per-token loss, ρ, where the clipped term won). The one PyTorch statement of
-    (P2)-(P3) and of the other ``surrogate``s (P3') and (P3''): the trainer, the reference below, the
-    sequence-level kernel path and the tests use it; the Triton kernel computes the same per row and is tested
-    against it.
+    (P2)-(P3), of the other ``surrogate``s (P3'), (P3''), (P3v) and of the off-policy mask (P6): the trainer, the
+    reference below, the sequence-level kernel path and the tests use it; the Triton kernel computes (P2)-(P3'')
+    per row and is tested against it.
 
     ``surrogate``: "clip" (the above), "cispo" (−sg(min(ρ, ε_max))·A·logp with ε_max = ``cliprange_high``
-    itself, > 1: TRL GRPO's loss_type cispo; the flag marks ρ > ε_max where A > 0) or "sapo"
+    itself, > 1: TRL GRPO's loss_type cispo; the flag marks ρ > ε_max where A > 0), "sapo"
     (−A·σ(τ(ρ − 1))·4/τ, τ = ``sapo_temperature_pos`` where A > 0 else ``sapo_temperature_neg``: TRL GRPO's
-    loss_type sapo; never flagged); ``delta`` is read by "clip" only.
+    loss_type sapo; never flagged) or "vespo" (−sg(φ)·A·logp with ``vespo_weights``' φ at ``vespo_gamma``,
+    (k₊, λ₊, k₋, λ₋): TRL GRPO's loss_type vespo; never flagged; needs ``sequence_ids``); ``delta`` is read by
+    "clip" only. ``off_policy_mask_threshold``: the tokens ``off_policy_keep`` drops get loss 0 (needs
+    ``sequence_ids``).
 
     The three tensors have one shape and device; ``cliprange`` ε >= 0, ``cliprange_high`` ε_h >= ε (default ε),
     ``delta`` δ > 1 (default none), checked as ``fused_ppo_policy_loss`` checks them. A ratio that overflows
@@ -673,27 +736,51 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
     ``mask`` (optional, bool or numbers, nonzero = real): masked tokens get loss 0 and pass no gradient, and
     their ``old_logprobs`` and ``advantages`` never reach the loss or a gradient (inf/NaN allowed there); ρ and
     the flag are still reported for every token. ``sequence_ids`` (int, same shape; ``num_sequences`` of them,
-    counted when None): the sequence level (GSPO), ρ of every token of a sequence being
-    exp(``sequence_mean`` of its real tokens' logp − old).
+    counted when None) number the sequences; ``importance_sampling_level`` "sequence" (the default when they are
+    given, GSPO) makes ρ of every token of a sequence exp(``sequence_mean`` of its real tokens' logp − old),
+    "token" keeps one ρ per token (vespo's and the off-policy mask's sequences without GSPO).
     """
     cliprange, cliprange_high, delta = _check_clipped_surrogate_args(
         logprobs, old_logprobs, advantages, cliprange, mask, cliprange_high, delta, sequence_ids)
-    temperatures = check_surrogate_args(surrogate, cliprange_high, delta, sapo_temperature_pos, sapo_temperature_neg)
+    temperatures, vespo_gamma, off_policy_mask_threshold = check_surrogate_args(
+        surrogate, cliprange_high, delta, sapo_temperature_pos, sapo_temperature_neg, vespo_gamma,
+        off_policy_mask_threshold)
+    level = importance_sampling_level or ("token" if sequence_ids is None else "sequence")
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}; "
+                         f"got {importance_sampling_level!r}")
+    whole_sequences = level == "sequence" or surrogate == "vespo" or off_policy_mask_threshold is not None
+    if whole_sequences and sequence_ids is None:
+        raise ValueError("sequence_ids are needed: the sequence level, surrogate 'vespo' and "
+                         "off_policy_mask_threshold read each token's whole sequence")
     bounds = (cliprange, cliprange_high, delta)
-    if mask is None and sequence_ids is None:
-        return _surrogate(logprobs - old_logprobs, advantages, *bounds, logprobs, surrogate, temperatures)
+    own = "clip" if surrogate == "vespo" else surrogate  # vespo's ρ and flags are the clipped surrogate's
+    if mask is None and not whole_sequences:
+        return _surrogate(logprobs - old_logprobs, advantages, *bounds, logprobs, own, temperatures)
     real = torch.ones_like(logprobs, dtype=torch.bool) if mask is None else mask != 0
     zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
-    log_ratio = logprobs - torch.where(real, old_logprobs, logprobs.detach())
+    token_log_ratio = logprobs - torch.where(real, old_logprobs, logprobs.detach())
+    log_ratio = token_log_ratio
+    count = 0
     if sequence_ids is not None:
-        count = int(sequence_ids.max()) + 1 if num_sequences is None and sequence_ids.numel() else num_sequences
-        log_ratio = sequence_mean(log_ratio, real, sequence_ids, count or 0)
-    loss, ratio, clipped = _surrogate(log_ratio, torch.where(real, advantages, zero), *bounds, logprobs, surrogate,
-                                      temperatures)
+        count = (int(sequence_ids.max()) + 1 if sequence_ids.numel() else 0) if num_sequences is None \
+            else num_sequences
+    if level == "sequence":
+        log_ratio = sequence_mean(token_log_ratio, real, sequence_ids, count)
+    adv = torch.where(real, advantages, zero)
+    loss, ratio, clipped = _surrogate(log_ratio, adv, *bounds, logprobs, own, temperatures)
+    if surrogate == "vespo":
+        loss = -vespo_weights(token_log_ratio, adv, real, sequence_ids, count, vespo_gamma) * adv * logprobs
+        clipped = torch.zeros_like(clipped)
+    if off_policy_mask_threshold is not None:
+        keep = off_policy_keep(token_log_ratio, adv, real, sequence_ids, count, off_policy_mask_threshold)
+        loss = torch.where(keep, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
     with torch.no_grad():  # the statistics of the masked tokens, from their own values
-        raw_log_ratio = log_ratio.detach() if sequence_ids is not None else logprobs.detach() - old_logprobs
-        _, raw_ratio, raw_clipped = _surrogate(raw_log_ratio, advantages, *bounds, logprobs.detach(), surrogate,
+        raw_log_ratio = log_ratio.detach() if level == "sequence" else logprobs.detach() - old_logprobs
+        _, raw_ratio, raw_clipped = _surrogate(raw_log_ratio, advantages, *bounds, logprobs.detach(), own,
                                                temperatures)
+        if surrogate == "vespo":
+            raw_clipped = torch.zeros_like(raw_clipped)
     return (torch.where(real, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)),
             torch.where(real, ratio, raw_ratio), torch.where(real, clipped, raw_clipped))
 
@@ -702,12 +789,12 @@ def clip_sides(ratio: torch.Tensor, advantages: torch.Tensor, cliprange: float, 
                delta: float | None = None, surrogate: str = "clip") -> tuple[torch.Tensor, torch.Tensor]:
     """TRL GRPO's clip_ratio/low and /high flags per token: the ratio (after δ's bound) below 1 − ε where A < 0,
     above 1 + ε_h where A > 0 (where the clip took the gradient away). "cispo": no low side, the high side above
-    ε_max (TRL's cispo_clip_ratio); "sapo": neither (it does not clip)."""
+    ε_max (TRL's cispo_clip_ratio); "sapo", "vespo": neither (they do not clip)."""
     cliprange, cliprange_high, delta = check_clip_args(cliprange, cliprange_high, delta)
     check_surrogate_args(surrogate, cliprange_high, delta)
     if surrogate != "clip":
         high = (ratio > cliprange_high) & (advantages > 0)
-        if surrogate == "sapo":
+        if surrogate != "cispo":
             high = torch.zeros_like(high)
         return torch.zeros_like(high), high
     bounded = ratio if delta is None else ratio.clamp(max=delta)
@@ -719,13 +806,14 @@ def fused_ppo_policy_loss_reference(hidden, weight, index, old_logprobs, advanta
                                     cliprange_high=None, delta=None, importance_sampling_level="token",
                                     sequence_lengths=None, token_weights=None, normalizer=None,
                                     entropy_weights=None, surrogate="clip", sapo_temperature_pos=1.0,
-                                    sapo_temperature_neg=1.05) -> PPOPolicyLossOutput:
+                                    sapo_temperature_neg=1.05, vespo_gamma=VESPO_GAMMA,
+                                    off_policy_mask_threshold=None) -> PPOPolicyLossOutput:
     """Plain PyTorch ``fused_ppo_policy_loss``: materialised fp32 (fp64) logits (``COMPUTE_DTYPE_RULE``), then
     (P1)-(P4) as the trainer writes them."""
     terms, temperature = _check_ppo_policy_loss_args(
         hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef, temperature, bias, reduction,
         cliprange_high, delta, importance_sampling_level, sequence_lengths, token_weights, normalizer, entropy_weights,
-        surrogate, sapo_temperature_pos, sapo_temperature_neg)
+        surrogate, sapo_temperature_pos, sapo_temperature_neg, vespo_gamma, off_policy_mask_threshold)
     hidden, weight, bias = lm_head_operands(hidden, weight, bias)
     return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias, terms)
 
