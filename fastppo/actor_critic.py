@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from fastppo.kernels import PPOPolicyLossOutput, fused_ppo_policy_loss
 from fastppo.layout import Layout, backbone_and_head, decoder_hidden, lm_head_of, lm_of, token_logprobs_from_hidden
+from fastppo.policy_terms import high_entropy_mask
 from fastppo.value_head import AutoModelForCausalLMWithValueHead
 
 __all__ = ["ActorCriticOutput", "PolicyAndValue", "Reference", "fused_policy_loss"]
@@ -78,15 +79,29 @@ class PolicyAndValue(nn.Module):
 
 
 def fused_policy_loss(model, hidden, layout: Layout, temperature: float, old_logprobs, advantages, mask, cliprange,
-                      entropy_coef, **options):
+                      entropy_coef, top_entropy_quantile: float = 1.0, **options):
     """``fused_ppo_policy_loss`` on the layout's real tokens (its [b, T] grids picked there, ``options``' among
-    them; its other keyword-only settings as they are): the gradient is formed in the forward."""
+    them; its other keyword-only settings as they are): the gradient is formed in the forward.
+
+    ``top_entropy_quantile`` < 1 (TRL GRPO's): the kernel forms each token's gradient as it goes, so the tokens'
+    entropies come first from a forward of the LM head without gradient (one more logits GEMM), and the tokens
+    ``high_entropy_mask`` keeps become the policy term's token weights and the entropy bonus's mean."""
     head = lm_head_of(model)
     bias = getattr(head, "bias", None)
     options = {k: layout.pick(v) if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in options.items()}
+    mask = layout.pick(mask)
+    if top_entropy_quantile < 1:
+        with torch.no_grad():
+            _, entropy = token_logprobs_from_hidden(model, hidden, layout.targets, temperature, True)
+        kept = high_entropy_mask(entropy, mask, top_entropy_quantile).to(entropy.dtype)
+        weights, normalizer = options.get("token_weights"), options.get("normalizer")
+        options["token_weights"] = kept if weights is None else weights * kept
+        if normalizer is None:  # the policy term's divisor still counts every trained token, as TRL's
+            options["normalizer"] = (mask != 0).sum().clamp(min=1).to(entropy.dtype)
+        options["entropy_weights"] = kept / kept.sum().clamp(min=1)  # the bonus: a mean over the kept tokens
     return fused_ppo_policy_loss(
         hidden, head.weight.to(hidden.dtype), layout.targets, layout.pick(old_logprobs), layout.pick(advantages),
-        layout.pick(mask), cliprange, entropy_coef, temperature, bias=None if bias is None else bias.to(hidden.dtype),
+        mask, cliprange, entropy_coef, temperature, bias=None if bias is None else bias.to(hidden.dtype),
         **options,
     )
 

@@ -187,9 +187,6 @@ def _check_policy_loss(c: PPOConfig) -> None:
     q = c.top_entropy_quantile
     require(_is_finite(q) and 0 <= q <= 1, f"top_entropy_quantile must be in [0, 1] (the share of tokens kept by "
             f"entropy), got {q!r}")
-    require(q == 1 or not c.fused_policy_loss,
-            "top_entropy_quantile and fused_policy_loss: the fused loss forms each token's gradient before the "
-            "micro-batch's entropy quantile is known; drop --fused_policy_loss")
     require(q == 1 or c.max_tokens_per_micro_batch is None,
             "top_entropy_quantile takes the entropy quantile of each micro-batch (TRL GRPO's), and "
             "max_tokens_per_micro_batch regroups the rows into other micro-batches; drop one of them")

@@ -579,6 +579,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         entropy_coef=config.entropy_coef, token_weights=token_weights, normalizer=normalizer,
                         entropy_weights=mean_weights, importance_sampling_level=config.importance_sampling_level,
                         sequence_lengths=[rollout.response_lengths[r] for r in rows] if whole_sequences else None,
+                        top_entropy_quantile=config.top_entropy_quantile,
                         **clip)
                 sync = k == len(micro) - 1  # DDP all-reduces gradients on the last micro-step only
                 ddp_accumulates = zero is None and hasattr(model, "no_sync") and not sync

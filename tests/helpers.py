@@ -47,11 +47,8 @@ TRL_GRPO_LOSS_VARIANT_BETAS = {"unfused": 0.04, "fused": 0.0}
 
 
 def trl_grpo_loss_variant_runs() -> list[tuple[str, str]]:
-    """(variant, "unfused" or "fused") for each run: top_entropy_quantile runs unfused only (the fused loss refuses
-    it)."""
-    return [(name, kind) for name, settings in sorted(TRL_GRPO_LOSS_VARIANTS.items())
-            for kind in sorted(TRL_GRPO_LOSS_VARIANT_BETAS)
-            if kind == "unfused" or settings.get("top_entropy_quantile", 1.0) == 1.0]
+    """(variant, "unfused" or "fused"): every variant both ways."""
+    return [(name, kind) for name in sorted(TRL_GRPO_LOSS_VARIANTS) for kind in sorted(TRL_GRPO_LOSS_VARIANT_BETAS)]
 
 
 # Kernel output (fp32 accumulation) vs a float64 reference, per *input* dtype.

@@ -216,6 +216,7 @@ SETTINGS = {
     "vespo_sequence_off_policy": dict(loss_type="vespo", importance_sampling_level="sequence",
                                       off_policy_mask_threshold=0.02),
     "off_policy": dict(loss_type="dapo", off_policy_mask_threshold=0.02),
+    "top_entropy": dict(loss_type="bnpo", top_entropy_quantile=0.3, entropy_coef=0.1),
 }
 
 

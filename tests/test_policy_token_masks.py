@@ -205,7 +205,6 @@ def test_ppo_losses_drops_them_from_the_policy_term_only():
     (dict(top_entropy_quantile=1.5), r"top_entropy_quantile must be in \[0, 1\]"),
     (dict(top_entropy_quantile=-0.1), r"top_entropy_quantile must be in \[0, 1\]"),
     (dict(top_entropy_quantile=float("nan")), r"top_entropy_quantile must be in \[0, 1\]"),
-    (dict(top_entropy_quantile=0.2, fused_policy_loss=True), "top_entropy_quantile and fused_policy_loss"),
     (dict(top_entropy_quantile=0.2, max_tokens_per_micro_batch=64), "max_tokens_per_micro_batch regroups"),
 ])
 def test_bad_settings_are_refused_by_name(tmp_path, kwargs, message):

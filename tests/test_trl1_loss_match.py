@@ -80,8 +80,7 @@ def test_policy_loss_settings_equal_trls(record, name, kind):
     delta, importance_sampling_level, mask_truncated_completions, entropy_coef, the sapo and vespo settings, the
     token masks), unfused with beta and through the fused loss: TRL's loss and every gradient, at the tolerances
     above (measured: loss ≤ 3.6e-7, for cispo's loss of about 1.1 summed in fp32 from token terms −A·w·log π of
-    about 10 each; gradients ≤ 3e-7 of their scale). top_entropy_quantile, off_policy_mask_threshold and vespo run
-    unfused only (the fused loss refuses them)."""
+    about 10 each; gradients ≤ 3e-7 of their scale)."""
     rec = record["variants"][f"{name}-{kind}"]
     theirs, ours = rec["trl"], rec["fastppo"]
     torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=1e-6, atol=1e-7)

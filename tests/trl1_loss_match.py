@@ -220,7 +220,7 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
                           entropy_coef=config.entropy_coef, token_weights=token_weights, normalizer=normalizer,
                           importance_sampling_level=config.importance_sampling_level,
                           sequence_lengths=list(rollout.response_lengths) if reads_whole_sequences(config) else None,
-                          **clip)
+                          top_entropy_quantile=config.top_entropy_quantile, **clip)
     out = PolicyAndValue(policy, None, critic=False)(layout, config.temperature, return_entropy=True,
                                                     policy_loss=fused_loss)
     loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
