@@ -8,6 +8,12 @@ completions per iteration (gae: 8 prompts × 1; rloo, grpo, reinforce_plus_plus:
 stop on eos, response_length 16, T 1.0, lr 2e-5, 1 PPO epoch, no gradient checkpointing, seed 0. The reward is
 ``brevity`` below (minus the words of the completion): SmolLM2 runs on past 16 tokens on most of these prompts,
 so the reward rises only if the policy learns to answer in fewer words and stop.
+
+TRL GRPO's policy losses, each on grpo (``--loss_types``; ``--num_ppo_epochs 2`` so that the ratios move off 1,
+where every surrogate has the same gradient; cispo at ScaleRL's ε_max 5.0, the others at TRL's defaults):
+
+    python bench/critic_free_curves.py --estimators --loss_types dapo cispo sapo vespo --num_ppo_epochs 2 \
+        --out bench/loss_type_curves.json
 """
 from __future__ import annotations
 
@@ -30,7 +36,11 @@ def brevity(prompts: list[str], completions: list[str], **kwargs) -> list[float]
     return [-float(len(c.split())) for c in completions]
 
 
-def run(estimator: str, iterations: int, output_dir: str) -> dict:
+LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "luspo", "cispo", "sapo", "vespo")
+LOSS_TYPE_SETTINGS = {"cispo": {"epsilon_high": 5.0}}  # ScaleRL's ε_max (TRL's default, ε, caps every ratio)
+
+
+def run(estimator: str, iterations: int, output_dir: str, loss_type: str | None = None, epochs: int = 1) -> dict:
     import datasets
     from transformers import AutoTokenizer, TrainerCallback
 
@@ -44,9 +54,10 @@ def run(estimator: str, iterations: int, output_dir: str) -> dict:
     config = PPOConfig(
         output_dir=output_dir, advantage_estimator=estimator, num_generations=k, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=1, max_steps=iterations, response_length=16, temperature=1.0,
-        learning_rate=2e-5, num_ppo_epochs=1, stop_token="eos", seed=0, logging_steps=1, save_strategy="no",
+        learning_rate=2e-5, num_ppo_epochs=epochs, stop_token="eos", seed=0, logging_steps=1, save_strategy="no",
         num_sample_generations=0, gradient_checkpointing=False, disable_tqdm=True, report_to=[],
         local_rollout_forward_batch_size=BATCH,
+        **({} if loss_type is None else {"loss_type": loss_type, **LOSS_TYPE_SETTINGS.get(loss_type, {})}),
     )
     history = []
 
@@ -58,7 +69,9 @@ def run(estimator: str, iterations: int, output_dir: str) -> dict:
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=path, reward_model=brevity,
                          train_dataset=dataset, callbacks=[Record()])
     trainer.train()
-    return {"estimator": estimator, "num_generations": k, "seconds": time.perf_counter() - start,
+    label = estimator if loss_type is None else f"{estimator}/{loss_type}"
+    return {"estimator": label, "loss_type": config.loss_type, "num_ppo_epochs": epochs, "num_generations": k,
+            "seconds": time.perf_counter() - start,
             "value_model": trainer.value_model is not None, "reference": trainer.ref_model is not None,
             "history": history}
 
@@ -74,7 +87,7 @@ def plot(results: list[dict], path: str) -> None:
         ax.plot([h["iteration"] for h in r["history"]], [h["score"] for h in r["history"]], label=r["estimator"])
     ax.set_xlabel(f"iteration ({BATCH} completions each)")
     ax.set_ylabel("mean reward (− words per completion)")
-    ax.set_title("SmolLM2-135M-Instruct, CPU: the four advantage estimators")
+    ax.set_title("SmolLM2-135M-Instruct, CPU: " + ", ".join(r["estimator"] for r in results), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -84,16 +97,20 @@ def plot(results: list[dict], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS)
+    parser.add_argument("--estimators", nargs="*", default=list(ESTIMATORS), choices=ESTIMATORS)
+    parser.add_argument("--loss_types", nargs="*", default=[], choices=LOSS_TYPES,
+                        help="also grpo with each of these loss_types")
+    parser.add_argument("--num_ppo_epochs", type=int, default=1)
     parser.add_argument("--out", default="critic_free_curves.json")
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     results = []
-    for estimator in args.estimators:
+    runs = [(e, None) for e in args.estimators] + [("grpo", t) for t in args.loss_types]
+    for estimator, loss_type in runs:
         with tempfile.TemporaryDirectory() as tmp:
-            results.append(run(estimator, args.iterations, tmp))
+            results.append(run(estimator, args.iterations, tmp, loss_type, args.num_ppo_epochs))
         first, last = results[-1]["history"][:3], results[-1]["history"][-3:]
-        print(f"{estimator}: mean score of the first 3 iterations {sum(h['score'] for h in first) / 3:.2f}, "
+        print(f"{results[-1]['estimator']}: mean score of the first 3 iterations {sum(h['score'] for h in first) / 3:.2f}, "
               f"of the last 3 {sum(h['score'] for h in last) / 3:.2f} ({results[-1]['seconds']:.0f} s)", flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

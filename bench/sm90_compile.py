@@ -166,15 +166,17 @@ def full_kl_dlogits_launch(dtype, tile, chunk) -> Launch:
                   dict(**row_meta(tile), **p.acc_meta))
 
 
-def ppo_loss_rows_launch(dtype, tile, token_mean=True, needs_grad=True, options=False) -> Launch:
+def ppo_loss_rows_launch(dtype, tile, token_mean=True, needs_grad=True, options=False, surrogate="clip") -> Launch:
     """ppo_loss's row kernel over a chunk of fp32 logits [rows, V]; ``options``: token weights and
-    normaliser, entropy weights and δ. The tile's chunk_rows is the host's: it changes no compile."""
+    normaliser, entropy weights and δ (the clipped surrogate's); ``surrogate``: one of ppo_loss.SURROGATES the row
+    kernel takes (clip, cispo, sapo). The tile's chunk_rows is the host's: it changes no compile."""
     p, f32, mask = precision(dtype), ptr(torch.float32), ptr(torch.bool)
     a = p.acc
     return Launch(P._ppo_policy_loss_rows_kernel,
                   (a, V, p.x, V, ptr(torch.int64), f32, f32, mask, a, a, a, a, a, a, mask, a, a, V,
-                   0.7, 0.75, 1.25, 1.5, 0.01),
-                  dict(TOKEN_MEAN=token_mean, WEIGHTED=options, ENTROPY_WEIGHTED=options, HAS_DELTA=options,
+                   0.7, 0.75, 1.25, 1.5, 0.01, 1.0, 1.05),
+                  dict(TOKEN_MEAN=token_mean, WEIGHTED=options, ENTROPY_WEIGHTED=options,
+                       HAS_DELTA=options and surrogate == "clip", SURROGATE=P.SURROGATES.index(surrogate),
                        NEEDS_GRAD=needs_grad, **row_meta(tile), **p.acc_meta))
 
 

@@ -58,11 +58,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
         compile(S.full_kl_dlogits_launch(dtype, dlogits, chunk))
 
         # ppo_loss.py: both passes (with the gradient, both reductions) and the statistics-only forward, plain
-        # and with every option (token weights and normaliser, entropy weights, delta)
+        # and with every option (token weights and normaliser, entropy weights, delta), and each surrogate
         tile = P._ppo_loss_tile(N, V, CUDA)
         for token_mean, needs_grad, options in ((True, True, False), (False, True, False), (True, False, False),
                                                 (True, True, True)):
             compile(S.ppo_loss_rows_launch(dtype, tile, token_mean, needs_grad, options))
+        for surrogate in ("cispo", "sapo"):  # TRL GRPO's loss_types of those names: their own constexpr branch
+            compile(S.ppo_loss_rows_launch(dtype, tile, True, True, True, surrogate))
 
     # kl.py: elementwise estimators, every estimator code, fp32 and fp64 accumulators (the long k3 series)
     pen = K._kl_penalty_tile(CUDA)
