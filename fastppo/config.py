@@ -416,7 +416,7 @@ class PPOConfig(TrainingArguments):
     top_entropy_quantile: float = field(
         default=1.0,
         metadata={"help": "Keep in the policy term only the tokens whose entropy is in this top quantile of the "
-                  "micro-batch's trained tokens on all processes (TRL GRPO's name, 'Beyond the 80/20 Rule''s ρ, "
+                  "micro-batch's trained tokens on all processes (TRL GRPO's name, the ρ of 'Beyond the 80/20 Rule', "
                   "0.2 recommended; 0: the highest-entropy token(s) only; 1: every token). The entropy bonus "
                   "averages over the same tokens; the KL term and the normalisers keep them all."},
     )

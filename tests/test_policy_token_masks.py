@@ -103,15 +103,23 @@ def test_the_quantile_is_over_every_process(tmp_path):
             assert not torch.equal(local, together[:4])
 
 
-def test_ppo_losses_masks_the_policy_term_and_the_bonus_only():
-    g = torch.Generator().manual_seed(1)
+def loss_inputs(seed: int, row_advantages: bool):
+    """[4, 6] float64 log-probs (a leaf), old ones and reference ones off them, advantages (one per row, or one
+    per token), entropies (a leaf) and a ragged mask, fresh from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
     shape = (4, 6)
     new = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
     old = new.detach() + 0.3 * torch.randn(shape, generator=g, dtype=torch.float64)
     ref = new.detach() + 0.2 * torch.randn(shape, generator=g, dtype=torch.float64)
-    adv = torch.randn(shape, generator=g, dtype=torch.float64)
+    adv = (torch.randn(4, 1, generator=g, dtype=torch.float64).expand(shape).clone() if row_advantages
+           else torch.randn(shape, generator=g, dtype=torch.float64))
     entropy = (torch.rand(shape, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
     mask = torch.rand(shape, generator=g) > 0.2
+    return new, old, ref, adv, entropy, mask
+
+
+def test_ppo_losses_masks_the_policy_term_and_the_bonus_only():
+    new, old, ref, adv, entropy, mask = loss_inputs(1, row_advantages=False)
     common = dict(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.1, ratio_threshold=10.0,
                   ref_logprobs=ref, beta=0.04)
 
@@ -176,14 +184,7 @@ def test_the_off_policy_mask_drops_negative_advantages_of_drifted_rows():
 
 
 def test_ppo_losses_drops_them_from_the_policy_term_only():
-    g = torch.Generator().manual_seed(6)
-    shape = (4, 6)
-    new = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
-    old = new.detach() + 0.3 * torch.randn(shape, generator=g, dtype=torch.float64)
-    ref = new.detach() + 0.2 * torch.randn(shape, generator=g, dtype=torch.float64)
-    adv = torch.randn(4, 1, generator=g, dtype=torch.float64).expand(shape).clone()
-    entropy = (torch.rand(shape, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
-    mask = torch.rand(shape, generator=g) > 0.2
+    new, old, ref, adv, entropy, mask = loss_inputs(6, row_advantages=True)
     old[:2] += 0.3  # drifted rows with negative advantages: dropped
     adv[:2] = -adv[:2].abs()
     kw = dict(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.1, ratio_threshold=10.0,
