@@ -28,7 +28,9 @@ against it first:
   * GSPO (``importance_sampling_level="sequence"``, sequences of 256 tokens) with grpo's token weights: chunks
     of whole sequences, each through the row-statistics kernel, the per-token loss on [rows] vectors in
     PyTorch, and the gradient kernel: the same two passes over each chunk's logits and the same three GEMMs,
-    plus a few small launches per chunk.
+    plus a few small launches per chunk;
+  * cispo (ε_max 5) with dapo's normaliser: the row kernel's cispo branch;
+  * vespo with the off-policy mask (0.5), sequences of 256 tokens: the sequence path at the token level.
 """
 import pytest
 import torch
@@ -111,7 +113,12 @@ SEQUENCE = 256  # GSPO case: tokens per completion
 def _options(name: str, n_tokens: int, mask: torch.Tensor) -> dict:
     if name == "clip-higher + delta + dapo":
         return dict(cliprange_high=0.28, delta=1.5, normalizer=mask.sum().float() / 2)
+    if name == "cispo + dapo":
+        return dict(surrogate="cispo", cliprange_high=5.0, normalizer=mask.sum().float() / 2)
     lengths = [min(SEQUENCE, n_tokens - s) for s in range(0, n_tokens, SEQUENCE)]
+    if name == "vespo + off-policy mask":
+        return dict(surrogate="vespo", off_policy_mask_threshold=0.5, sequence_lengths=lengths,
+                    normalizer=mask.sum().float() / 2)
     per_token = torch.repeat_interleave(torch.tensor([float(m.sum()) for m in mask.split(lengths)],
                                                      device=mask.device), torch.tensor(lengths, device=mask.device))
     return dict(importance_sampling_level="sequence", sequence_lengths=lengths,
@@ -122,7 +129,8 @@ OPTION_IMPLS = {"reference": fused_ppo_policy_loss_reference, "fastppo triton": 
 
 
 @pytest.mark.parametrize("impl", list(OPTION_IMPLS))
-@pytest.mark.parametrize("option", ["clip-higher + delta + dapo", "GSPO + grpo weights"])
+@pytest.mark.parametrize("option", ["clip-higher + delta + dapo", "GSPO + grpo weights", "cispo + dapo",
+                                    "vespo + off-policy mask"])
 def test_fused_ppo_policy_loss_options_gpu(measure, gpu_device, ppo_loss_shape, option, impl):
     hidden, weight, index, old, adv, mask = _inputs(gpu_device, ppo_loss_shape)
     (n_tokens, hid, vocab), dtype = ppo_loss_shape, hidden.dtype
