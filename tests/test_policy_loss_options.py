@@ -12,6 +12,7 @@ options is tested against TRL 1.16's own GRPOTrainer in ``test_trl1_loss_match.p
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -361,3 +362,34 @@ def test_weights_in_any_layout():
             want = fn(*args, bias=grid["bias"], token_weights=weights.contiguous(),
                       entropy_weights=weights.contiguous(), normalizer=4.0)
             torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
+
+
+SURROGATE_OPTIONS = [dict(surrogate="cispo", cliprange_high=1.2), dict(surrogate="sapo"), dict(surrogate="vespo"),
+                     dict(off_policy_mask_threshold=0.05, cliprange_high=0.375)]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the kernel's ρ = inf
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("options", SURROGATE_OPTIONS, ids=lambda o: o.get("surrogate", "off_policy"))
+def test_new_surrogates_with_an_overflowing_ratio_in_both_paths(options, autocast):
+    """A real token whose ratio overflows fp32 (old log-prob −200), beside masked tokens holding inf/NaN: the
+    loss and every gradient stay finite, and the Triton path (the interpreter here) agrees with the PyTorch one,
+    in fp32 and under bf16 autocast."""
+    device = triton_device_or_skip()
+    case = {k: None if v is None else v.to(device) for k, v in make(LENGTHS, seed=7).items()}
+    case = {k: v.float() if v is not None and v.is_floating_point() else v for k, v in case.items()}
+    first_real = int(case["mask"].nonzero()[0])
+    case["old_logprobs"][first_real] = -200.0
+    ctx = torch.autocast(device.type if hasattr(device, "type") else str(device), dtype=torch.bfloat16) \
+        if autocast else contextlib.nullcontext()
+    with ctx:
+        out, grads = run(fused_ppo_policy_loss, case, LENGTHS, options)
+        ref, ref_grads = run(fused_ppo_policy_loss_reference, case, LENGTHS, options)
+    assert out.ratio[first_real] == float("inf") and ref.ratio[first_real] == float("inf")  # it did overflow
+    assert torch.isfinite(out.loss) and torch.isfinite(ref.loss)
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, **tol)
+    for got, want in zip(grads, ref_grads):
+        assert torch.isfinite(got).all() and torch.isfinite(want).all()
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale)
