@@ -85,11 +85,11 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
     if fdist.is_distributed():  # every process's values: their counts first, then the values padded to the most
         world = torch.distributed.get_world_size()
         count = torch.tensor([values.numel()], device=values.device)
-        counts = fdist.all_gather([torch.empty_like(count) for _ in range(world)], count)
-        padded = values.new_zeros(int(max(c.item() for c in counts)))
+        counts = torch.cat(fdist.all_gather([torch.empty_like(count) for _ in range(world)], count)).tolist()
+        padded = values.new_zeros(max(counts))  # one host read of the counts above
         padded[: values.numel()] = values
         parts = fdist.all_gather([torch.empty_like(padded) for _ in range(world)], padded)
-        values = torch.cat([part[: int(c.item())] for part, c in zip(parts, counts)])
+        values = torch.cat([part[:n] for part, n in zip(parts, counts)])
     if values.numel() == 0:
         return torch.zeros_like(real)
     level = torch.tensor(1.0 - quantile, dtype=values.dtype, device=values.device)
