@@ -55,7 +55,7 @@ minibatch on one process: ``trained_mask`` (mask_truncated_completions), the dap
 through the fused loss (``fused_ppo_policy_loss``, its plain-PyTorch path on a CPU) at beta 0 (the fused loss
 takes no in-loss KL), each against TRL at the same beta.
 
-``OUT.pt``: ``{"grpo": {f"{scale}-{beta}": record}, "variants": {f"{name}-{beta}": record}, "rloo": record,
+``python tests/trl1_loss_match.py OUT.pt [MODEL_DIR]`` (default: the embedded tiny Llama). ``OUT.pt``: ``{"grpo": {f"{scale}-{beta}": record}, "variants": {f"{name}-{beta}": record}, "rloo": record,
 "batch": ..., "seconds": ...}``; each record holds both sides' advantages [B] (and for GRPO the loss and every
 gradient), plus the max differences.
 """
@@ -384,7 +384,7 @@ def grad_diffs(a: dict, b: dict) -> dict:
 def main():
     out_path = sys.argv[1]
     start = time.perf_counter()
-    path = embedded.embedded_model_path()
+    path = sys.argv[2] if len(sys.argv) > 2 else embedded.embedded_model_path()  # another model's directory
     batch = make_batch(path)
     current, old, ref = old_and_ref(path, batch)
     mask = batch["real"]
