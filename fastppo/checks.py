@@ -160,6 +160,11 @@ def _check_multi_objective(c: PPOConfig) -> None:
             f"{'it' if len(given) == 1 else 'them'} (the KL belongs in the loss: beta)")
 
 
+def given_name(c: PPOConfig, name: str) -> str:
+    """The name the user gave a setting of two names by (``max_completion_length`` for ``response_length``)."""
+    return getattr(c, "given_as", {}).get(name, name)
+
+
 def _check_policy_loss(c: PPOConfig) -> None:
     """TRL GRPO's policy-loss settings: an aggregation it names, one ε, a wider upper clip, δ above 1, a level it
     names, and a stop token for mask_truncated_completions to read."""
@@ -235,7 +240,7 @@ def _check_sizes_and_saving(c: PPOConfig) -> None:
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs",
                  "response_length", "local_rollout_forward_batch_size", "ddp_timeout", "per_device_eval_batch_size"):
         value = getattr(c, name)
-        require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+        require(isinstance(value, int) and value >= 1, f"{given_name(c, name)} must be an integer >= 1, got {value!r}")
     for name in ("logging_steps", "save_steps"):
         value = getattr(c, name)
         require(_is_finite(value) and value > 0 and (value < 1 or float(value).is_integer()),
@@ -301,6 +306,9 @@ def _check_rewards_and_kl(c: PPOConfig) -> None:
         require(_is_finite(c.kl_target) and c.kl_target > 0, f"kl_target must be > 0 with adaptive_kl, got "
                 f"{c.kl_target}")
         require(_is_finite(c.kl_horizon) and c.kl_horizon > 0, f"kl_horizon must be > 0, got {c.kl_horizon}")
+        require(c.kl_coef > 0, f"adaptive_kl scales kl_coef by a factor each iteration, and kl_coef is 0 (unset, "
+                f"it is 0 for advantage_estimator {c.advantage_estimator!r}): it would stay 0 while a reference "
+                "model runs every iteration; set kl_coef > 0 (the starting β), or drop adaptive_kl")
     require(_is_finite(c.target_kl) and c.target_kl > 0, f"target_kl must be > 0, got {c.target_kl}")
     for name in ("gamma", "lam"):
         require(_is_finite(getattr(c, name)) and 0 <= getattr(c, name) <= 1,
@@ -323,7 +331,7 @@ def _check_loss(c: PPOConfig) -> None:
     """The loss: the clip ranges and coefficients, the policy loss's settings (``_check_policy_loss``), the token
     budget of a micro-batch, the entropy bonus, the ratio threshold."""
     for name in ("cliprange", "cliprange_value", "vf_coef"):
-        require(_is_finite(getattr(c, name)) and getattr(c, name) >= 0, f"{name} must be >= 0, got "
+        require(_is_finite(getattr(c, name)) and getattr(c, name) >= 0, f"{given_name(c, name)} must be >= 0, got "
                 f"{getattr(c, name)}")
     _check_policy_loss(c)
     budget = c.max_tokens_per_micro_batch

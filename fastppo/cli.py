@@ -13,6 +13,7 @@ models and the dataset itself; so does this one, with fastppo's own ``ScriptArgu
 """
 from __future__ import annotations
 
+import decimal
 import difflib
 import json
 import os
@@ -87,7 +88,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOC
     """(script args, training args, model args, the fields named on the command line), as TRL's
     ``ppo.py`` parses them. An unknown flag is argparse's usage error (exit 2) naming the closest ones."""
     parser = build_parser()
-    argv = join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
+    argv = join_negative_numbers(list(sys.argv[1:] if argv is None else argv), parser)
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")) and os.path.isfile(argv[0]):
         files = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
         with settings_errors(argv[0]):
@@ -116,20 +117,35 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOC
     return (*dataclasses_, frozenset(given))
 
 
-def join_negative_numbers(argv: list[str]) -> list[str]:
-    """``--flag -1e-5`` as ``--flag=-1e-5``: argparse reads a negative number in exponent notation as a flag."""
+def join_negative_numbers(argv: list[str], parser: HfArgumentParser | None = None) -> list[str]:
+    """Negative numbers as argparse cannot read them: ``--flag -1e-5`` as ``--flag=-1e-5`` (argparse reads a
+    negative number in exponent notation as a flag); after a flag of several values (``--reward_weights -1 1``),
+    each negative number stays a value of its own, written without an exponent where it had one."""
     out: list[str] = []
+    several = False  # inside the values of a flag that takes several
     for token in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and token.startswith("-"):
-            try:
-                float(token)
-            except ValueError:
-                pass
-            else:
+        if token.startswith("-") and is_number(token) and out:
+            if several:
+                out.append(format(decimal.Decimal(token), "f") if "e" in token.lower() else token)
+                continue
+            if out[-1].startswith("--") and "=" not in out[-1]:
                 out[-1] = f"{out[-1]}={token}"
                 continue
+        if token.startswith("--"):
+            action = parser._option_string_actions.get(token.split("=", 1)[0]) if parser is not None else None
+            several = action is not None and "=" not in token and action.nargs not in (None, "?", 0, 1)
+        elif several and not is_number(token):
+            several = False
         out.append(token)
     return out
+
+
+def is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def cli_settings(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOConfig, ModelConfig, bool]:

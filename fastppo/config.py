@@ -42,6 +42,7 @@ LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vesp
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPRANGE_DEFAULT = 0.2  # TRL 0.26 PPO's cliprange, TRL GRPO's epsilon
 GRPO_NAMES = {"max_completion_length": "response_length", "num_iterations": "num_ppo_epochs"}  # TRL GRPO's: TRL PPO's
+ALIASES = {"epsilon": "cliprange", **GRPO_NAMES}  # every setting with two names: TRL GRPO's name -> TRL PPO's
 # Each estimator's defaults where its source differs from TRL 0.26's PPO: num_generations (TRL 1.16's RLOOConfig 2,
 # GRPOConfig 8; one sample per prompt for the others), kl_coef, the per-token KL in the reward (TRL GRPO has
 # none: its KL, beta, is in the loss; TRL RLOO's beta is the summed k1 in the reward, which is kl_coef here), and
@@ -64,6 +65,31 @@ class TRLDefaultPath(str):
 
     def __str__(self):  # argparse passes a string default through the field's type, str: keep the mark
         return self
+
+
+class Untouched:
+    """A number left at its field's default, marked so that ``__post_init__`` can tell it from the same number
+    given by the user (``PPOConfig(cliprange=0.2, epsilon=0.3)`` names two values of one setting; ``cliprange``
+    left alone and ``epsilon=0.3`` names one). The marks are dropped there: every field is a plain number after."""
+
+    class Int(int):
+        pass
+
+    class Float(float):
+        pass
+
+    @staticmethod
+    def of(value):
+        return Untouched.Int(value) if isinstance(value, int) else Untouched.Float(value)
+
+    @staticmethod
+    def marked(value) -> bool:
+        return isinstance(value, (Untouched.Int, Untouched.Float))
+
+    @staticmethod
+    def plain(value):
+        return int(value) if isinstance(value, Untouched.Int) else float(value) if isinstance(value, Untouched.Float) \
+            else value
 
 
 def user_path(value):
@@ -128,7 +154,7 @@ class PPOConfig(TrainingArguments):
         default=10,
         metadata={"help": "Sample tables (generate_completions) shown during training; 0: never."},
     )
-    response_length: int = field(default=53, metadata={"help": "Tokens generated per response (max_new_tokens)."})
+    response_length: int = field(default=Untouched.of(53), metadata={"help": "Tokens generated per response (max_new_tokens)."})
     max_completion_length: int | None = field(
         default=None, metadata={"help": "TRL GRPO's name of response_length: one setting (one given fills the other; "
                                 "two different values are refused)."})
@@ -191,7 +217,7 @@ class PPOConfig(TrainingArguments):
     ref_adapter_name: str | None = field(
         default=None, metadata={"help": "Multi-adapter PEFT (not supported: refused when set)."}
     )
-    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout batch."})
+    num_ppo_epochs: int = field(default=Untouched.of(4), metadata={"help": "Passes over each rollout batch."})
     num_iterations: int | None = field(
         default=None, metadata={"help": "TRL GRPO's name of num_ppo_epochs (its μ: passes over each generation batch): "
                                 "one setting (one given fills the other; two different values are refused)."})
@@ -207,8 +233,8 @@ class PPOConfig(TrainingArguments):
         metadata={"help": "Per-token KL(π‖π_ref) in the reward: k1 (logp − ref) or k3 as in TRL; fastppo adds k2 (½d²), "
                   "abs, mse (= k2) and full (exact, over the whole vocabulary, fused)."},
     )
-    cliprange: float = field(default=CLIPRANGE_DEFAULT, metadata={"help": "Policy ratio clip range ε (TRL GRPO's "
-                                                                  "epsilon: the two are one setting)."})
+    cliprange: float = field(default=Untouched.of(CLIPRANGE_DEFAULT), metadata={
+        "help": "Policy ratio clip range ε (TRL GRPO's epsilon: the two are one setting)."})
     vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range around the rollout values."})
     gamma: float = field(default=1.0, metadata={"help": "Discount factor γ."})
@@ -452,21 +478,20 @@ class PPOConfig(TrainingArguments):
             self.kl_coef = defaults["kl_coef"]
         if self.loss_type is None:
             self.loss_type = defaults["loss_type"]
-        # cliprange (TRL PPO's) and epsilon (TRL GRPO's) are one ε: one given fills the other; two given that differ
-        # are left as they are for checks.check_settings to refuse, naming both
-        if self.epsilon is None:
-            self.epsilon = self.cliprange
-        elif self.cliprange == CLIPRANGE_DEFAULT:
-            self.cliprange = self.epsilon
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
-        # TRL GRPO's names of two TRL PPO settings, filled the same way
-        for grpo_name, ppo_name in GRPO_NAMES.items():
-            default = type(self).__dataclass_fields__[ppo_name].default
+        # one setting, two names (TRL GRPO's epsilon, max_completion_length, num_iterations; TRL PPO's cliprange,
+        # response_length, num_ppo_epochs): the one the user gave fills the other (its name kept for the messages,
+        # given_as); both given with two values are left for checks.check_settings to refuse, naming both
+        self.given_as = {}
+        for grpo_name, ppo_name in ALIASES.items():
             if getattr(self, grpo_name) is None:
                 setattr(self, grpo_name, getattr(self, ppo_name))
-            elif getattr(self, ppo_name) == default:
+            elif Untouched.marked(getattr(self, ppo_name)):
                 setattr(self, ppo_name, getattr(self, grpo_name))
+                self.given_as[ppo_name] = grpo_name
+            for name in (grpo_name, ppo_name):
+                setattr(self, name, Untouched.plain(getattr(self, name)))
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"  # TRL's bool form
         for name in ("reward_model_path", "reward_fn"):  # one given (an appended flag, too) is TRL's single string

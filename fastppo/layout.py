@@ -62,6 +62,13 @@ def backbone_and_head(seq_cls_model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return backbone, head
 
 
+def reads_last_token(seq_cls_model: nn.Module) -> bool:
+    """Whether a sequence-classification model scores a sequence by its head on the last real token's hidden
+    state: transformers' decoder classifiers (Llama, Qwen2, GPT-2, ...) name that head ``score``; encoders
+    (BERT, DeBERTa, RoBERTa) name theirs ``classifier`` and read a pooler of the first token instead."""
+    return isinstance(getattr(seq_cls_model, "score", None), nn.Linear)
+
+
 def gathered(*params):
     """A context in which ``params`` are whole, for reading weights directly outside their module's forward.
 

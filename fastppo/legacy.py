@@ -161,7 +161,8 @@ class PPOConfig:
             per_device_train_batch_size=self.mini_batch_size,
             gradient_accumulation_steps=self.batch_size // self.mini_batch_size,
             num_mini_batches=self.batch_size // self.backward_batch_size, num_ppo_epochs=self.ppo_epochs,
-            total_episodes=self.steps, kl_coef=self.init_kl_coef, adaptive_kl=self.adap_kl_ctrl,
+            total_episodes=self.steps, kl_coef=self.init_kl_coef,
+            adaptive_kl=self.adap_kl_ctrl and self.init_kl_coef != 0,  # from 0 the controller's β stays 0 (as TRL's)
             kl_target=self.target, kl_horizon=self.horizon, kl_estimator={"kl": "k1"}.get(self.kl_penalty,
                                                                                            self.kl_penalty),
             gamma=self.gamma, lam=self.lam, cliprange=self.cliprange, cliprange_value=self.cliprange_value,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -20,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from fastppo.errors import LoadError, SettingsError
 from fastppo.layout import (backbone_and_head, causal_lm_of, decoder_hidden, lm_head_of, lm_of, make_layout,
-                            token_logprobs_from_hidden)
+                            reads_last_token, token_logprobs_from_hidden)
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, enable_checkpointing
 
 __all__ = ["DTYPES", "POSITION_LIMIT_FIELDS", "apply_liger", "apply_peft", "build_models", "check_lm_head",
@@ -101,9 +102,16 @@ def load_seq_cls(path: str, model_args, tokenizer, what: str, fresh_head_ok: boo
     if any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in saved.architectures or ()) \
             and saved.num_labels != 1:  # transformers' own report of the mismatch is a log line, then a RuntimeError
         raise SettingsError(_labels_message(what, saved.num_labels, f"at {path!r}"))
+    kwargs = pretrained_kwargs(model_args, frozen, bf16)
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, output_loading_info=True, **pretrained_kwargs(model_args, frozen, bf16))
+        try:
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, output_loading_info=True, **kwargs)
+        except ValueError as e:  # sdpa is fastppo's choice, not the user's: a model without it (DeBERTa) runs eager
+            if model_args.attn_implementation or "attention implementation" not in str(e):
+                raise
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, output_loading_info=True, **{**kwargs, "attn_implementation": "eager"})
     except (OSError, ValueError) as e:
         raise load_error(what, path, e) from e
     _, head = backbone_and_head(model)
@@ -244,7 +252,8 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
                      tokenizer, loaded, largest_input_id, log)
     if want_peft and not is_peft(policy):
         policy = apply_peft(policy, peft_config, model_args)
-    prepare_models(policy, ref_model, value_model, reward_models, tokenizer, config, device, log)
+    prepare_models(policy, ref_model, value_model, reward_models, tokenizer, config, device, log,
+                   packed_rewards=list(same_tokens.values()))
     return policy, ref_model, value_model, reward_models
 
 
@@ -264,13 +273,22 @@ def _tokenizer_at(path: str | None, model_args):
 
 
 def reward_tokenizer(reward, given, tokenizer, policy, model_args, log):
-    """None when the reward model reads the policy's token ids (its tokenizer, ``given`` or found beside its
-    weights, has the policy's vocabulary); else its own tokenizer, with which the trainer re-tokenizes the text.
+    """None when the reward model reads the policy's token ids: a decoder classifier (``reads_last_token``) whose
+    tokenizer, ``given`` (an object or a path) or found beside its weights, has the policy's vocabulary. Else the
+    tokenizer with which the trainer re-tokenizes the text for the model's own forward: its own, or for an
+    encoder with none found, the policy's.
 
-    No tokenizer found: a model whose embedding has as many rows as the policy's is taken to share its
+    No tokenizer found for a decoder: one whose embedding has as many rows as the policy's is taken to share its
     tokenizer (said once); any other is refused: it would read ids of another vocabulary."""
+    if isinstance(given, (str, os.PathLike)):  # a path, as processing_class takes one
+        path, given = str(given), _tokenizer_at(str(given), model_args)
+        if given is None:
+            raise SettingsError(f"reward_processing_classes: no tokenizer could be loaded from {path!r} (for reward "
+                                f"model {reward.name!r}); give a tokenizer object or a directory that holds one")
     own = given if given is not None else _tokenizer_at(
         reward.path or getattr(getattr(reward.model, "config", None), "_name_or_path", None), model_args)
+    if own is None and not reads_last_token(reward.model):  # an encoder scores text: the policy's, re-tokenized
+        own = tokenizer
     if own is None:
         rows, policy_rows = embedding_rows(reward.model), embedding_rows(policy)
         if rows != policy_rows:
@@ -282,12 +300,21 @@ def reward_tokenizer(reward, given, tokenizer, policy, model_args, log):
         log(f"reward model {reward.name!r}: no tokenizer beside it; its vocabulary has the policy's size "
             f"({rows}), so it reads the policy's token ids (pass reward_processing_classes if it is another's)")
         return None
-    if same_vocabulary(own, tokenizer):
-        return None
+    if same_vocabulary(own, tokenizer) and reads_last_token(reward.model):
+        return None  # the policy's token ids, read at the last token: exact, and no decode
     if own.pad_token_id is None and own.eos_token_id is not None:
-        own.pad_token = own.eos_token  # padding never reaches the model (it is masked); the id only fills rows
-    log(f"reward model {reward.name!r} has its own tokenizer ({len(own)} tokens, the policy's {len(tokenizer)}): "
-        "it scores the decoded text re-tokenized with it")
+        own.pad_token = own.eos_token  # TRL GRPO's rule: the texts are right-padded with it, and masked
+    if own.pad_token_id is None:
+        raise SettingsError(f"reward model {reward.name!r}: its tokenizer has no pad token and no eos token to pad "
+                            "with, and its texts are scored in right-padded batches; give it a pad token")
+    # the model's own forward finds a decoder's last token by this id (TRL GRPO sets it the same way)
+    reward.model.config.get_text_config().pad_token_id = own.pad_token_id
+    if own is tokenizer or same_vocabulary(own, tokenizer):
+        log(f"reward model {reward.name!r} is an encoder ({type(reward.model).__name__}): it scores the decoded text "
+            "by its own forward (its pooler and head)")
+    else:
+        log(f"reward model {reward.name!r} has its own tokenizer ({len(own)} tokens, the policy's {len(tokenizer)}): "
+            "it scores the decoded text re-tokenized with it, by its own forward")
     return own
 
 
@@ -318,8 +345,10 @@ def apply_liger(models, log) -> None:
             log(f"use_liger_kernel: could not patch {type(model).__name__}: {e}")
 
 
-def prepare_models(policy, ref_model, value_model, reward_models, tokenizer, config, device, log):
-    """Patch (Liger), zero dropout, place, freeze the frozen ones."""
+def prepare_models(policy, ref_model, value_model, reward_models, tokenizer, config, device, log,
+                   packed_rewards=None):
+    """Patch (Liger), zero dropout, place, freeze the frozen ones. ``packed_rewards``: the reward models that read
+    the rollout's own rows (packed under padding_free; the others read their own tokens, padded); default all."""
     if config.use_liger_kernel:
         if device.type == "cuda":
             apply_liger([m for m in (policy, value_model) if m is not None], log)
@@ -340,7 +369,8 @@ def prepare_models(policy, ref_model, value_model, reward_models, tokenizer, con
     check_lm_head(policy, len(tokenizer), device)
     if config.padding_free:  # every forward of these models runs on packed rows
         for what, model in (("policy", policy), ("reference model", ref_model), ("value model", value_model),
-                            *(("reward model", m) for m in reward_models)):
+                            *(("reward model", m) for m in (reward_models if packed_rewards is None
+                                                            else packed_rewards))):
             if model is not None:
                 check_packing(model, device, what)
 
@@ -361,7 +391,7 @@ def check_lm_head(model: nn.Module, vocab_size: int, device) -> None:
         layout = make_layout(ids, 1, [1], [n - 1], packed=False)
         got = layout.scatter(token_logprobs_from_hidden(
             model, decoder_hidden(model, layout).index_select(0, layout.gather), layout.targets, 1.0, False))
-    if not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
+    if not torch.allclose(got.float(), expected, atol=1e-3, rtol=1e-3):  # an fp64 policy gives fp64 log-probs
         raise SettingsError(
             f"{type(causal_lm_of(model)).__name__}: log-probs from the last hidden state and the LM head do not "
             "match the model's logits (logit scaling or soft-capping?); fastppo's fused path cannot train it"

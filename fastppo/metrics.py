@@ -18,7 +18,7 @@ from fastppo.dist import all_reduce
 STAT_NAMES = (
     "approxkl", "policykl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio",
     "advantages_mean", "returns_mean", "returns_var", "vpred_mean", "vf_error", "values_mean", "values_var",
-    "ratio_skipped", "kl_loss", "clip_low", "clip_high", "clip_region",
+    "ratio_skipped", "kl_loss", "clip_low", "clip_high", "clip_region", "kl_token_sum", "kl_tokens",
 )
 STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 
@@ -53,12 +53,14 @@ KL_IN_LOSS_METRIC = "kl"
 def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int, critic: bool = True,
                    kl: bool = True, kl_in_loss: bool = False,
                    reward_columns: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
-    """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration.
+    """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration (two more
+    for the rewards' moments).
 
     ``critic=False``: no value terms; ``kl=False``: no reference ran, so no ``objective/kl``; ``kl_in_loss``:
-    + the mean per-token KL term of the loss under TRL GRPO's name ``kl``. ``reward_columns``: each reward's
-    scores (NaN where it did not judge), logged as TRL GRPO's ``rewards/<name>/mean`` and ``/std`` over the
-    completions it judged on every process (in the same all-reduce)."""
+    + TRL GRPO's ``kl``, the in-loss per-token KL (ρ-weighted under ``use_bias_correction_kl``) as a token mean
+    over every process for each micro-step, averaged over the micro-steps, whatever ``loss_type`` aggregates
+    the loss by. ``reward_columns``: each reward's scores (NaN where it did not judge), logged as TRL GRPO's
+    ``rewards/<name>/mean`` and ``/std`` over the completions it judged on every process (``reward_moments``)."""
     stats = result.stats.flatten(1)  # [S, n]
     ran = torch.isfinite(stats)
     counts = ran.sum(1).float()
@@ -66,22 +68,19 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     ratio_row = stats[STAT["ratio"]]
     ratio = torch.where(ran[STAT["ratio"]], ratio_row, torch.zeros_like(ratio_row))
     columns = reward_columns or {}
-    moments = []  # per reward: the sum, the sum of squares and the count of the completions it judged
-    for column in columns.values():
-        judged = ~torch.isnan(column)
-        x = torch.where(judged, column, torch.zeros_like(column)).double()
-        moments.append(torch.stack([x.sum(), (x ** 2).sum(), judged.sum().double()]))
+    slots = stats.shape[1]  # the in-loss KL's token sums and counts per micro-step, all-reduced slot by slot
+    kl_slots = stats[[STAT["kl_token_sum"], STAT["kl_tokens"]]].reshape(-1).to(objective.device, objective.dtype)
     packed = torch.cat([
         objective, sums, counts, (ratio**2).sum().reshape(1),
-        torch.as_tensor(result.skipped_steps, dtype=torch.float32).to(objective.device).reshape(1),
-        *(m.to(objective.device, objective.dtype) for m in moments),
+        torch.as_tensor(result.skipped_steps, dtype=torch.float32).to(objective.device).reshape(1), kl_slots,
     ])
     packed = all_reduce(packed).tolist()
-    reward_moments = packed[len(packed) - 3 * len(moments):] if moments else []
     n_obj, n = objective.numel(), len(STAT_NAMES)
     kl_sum, entropy, nsr, scores, num_eos = packed[:n_obj]
     sums, counts = packed[n_obj : n_obj + n], packed[n_obj + n : n_obj + 2 * n]
     ratio_sq, skipped = packed[n_obj + 2 * n], packed[n_obj + 2 * n + 1]
+    kl_sums = packed[n_obj + 2 * n + 2: n_obj + 2 * n + 2 + slots]
+    kl_counts = packed[n_obj + 2 * n + 2 + slots: n_obj + 2 * n + 2 + 2 * slots]
     mean = {name: (s / c if c else float("nan")) for name, s, c in zip(STAT_NAMES, sums, counts)}
     c = counts[STAT["ratio"]]
     ratio_var = (ratio_sq - c * mean["ratio"] ** 2) / (c - 1) if c > 1 else 0.0
@@ -108,17 +107,39 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
         "train/skipped_steps": skipped / w,
         "train/ratio_skipped_microbatches": sums[STAT["ratio_skipped"]],
     }
-    if kl_in_loss:
-        metrics[KL_IN_LOSS_METRIC] = mean["kl_loss"]
-    for i, name in enumerate(columns):
-        total, squares, n = reward_moments[3 * i: 3 * i + 3]
-        mean_r = total / n if n else float("nan")
+    if kl_in_loss:  # TRL GRPO's: each micro-step's token mean over every process, averaged over the micro-steps
+        per_slot = [s / max(c, 1.0) for s, c in zip(kl_sums, kl_counts) if math.isfinite(s)]
+        metrics[KL_IN_LOSS_METRIC] = sum(per_slot) / len(per_slot) if per_slot else float("nan")
+    for name, (mean_r, std_r) in zip(columns, reward_moments(list(columns.values()))):
         metrics[f"rewards/{name}/mean"] = mean_r
-        metrics[f"rewards/{name}/std"] = math.sqrt(max(squares - n * mean_r**2, 0.0) / (n - 1)) if n > 1 else \
-            float("nan")
+        metrics[f"rewards/{name}/std"] = std_r
     for name in (() if critic else VALUE_METRICS) + (() if kl else ("objective/kl",)):
         del metrics[name]
     return metrics
+
+
+def reward_moments(columns: list[torch.Tensor]) -> list[tuple[float, float]]:
+    """(mean, unbiased std) of each reward's scores over the completions it judged (NaN: not judged) on every
+    process: TRL GRPO's nanmean and nanstd, computed in float64 and in two passes (the second around the first's
+    mean, with its residual subtracted), so that rewards near 1,000 with a spread of 0.02 keep their spread."""
+    if not columns:
+        return []
+    judged = [~torch.isnan(c) for c in columns]
+    first = torch.stack([torch.stack([torch.where(j, c.double(), 0.0).sum(), j.sum().double()])
+                         for c, j in zip(columns, judged)])
+    all_reduce(first)
+    counts = first[:, 1]
+    centre = first[:, 0] / counts.clamp(min=1)
+    second = torch.stack([torch.stack([torch.where(j, c.double() - m, 0.0).sum(),
+                                       torch.where(j, (c.double() - m) ** 2, 0.0).sum()])
+                          for c, j, m in zip(columns, judged, centre)])
+    all_reduce(second)
+    out = []
+    for (residual, squares), m, n in zip(second.tolist(), centre.tolist(), counts.tolist()):
+        mean = m + residual / n if n else float("nan")
+        var = (squares - residual * residual / n) / (n - 1) if n > 1 else float("nan")
+        out.append((mean, math.sqrt(max(var, 0.0)) if n > 1 else float("nan")))
+    return out
 
 
 class MetricsLogger:

@@ -15,11 +15,10 @@ import torch
 import torch.nn as nn
 
 from fastppo.config import as_list, user_path
-from fastppo.data import left_pad, prompt_messages
+from fastppo.data import prompt_messages
 from fastppo.errors import SettingsError, SettingsTypeError
-from fastppo.rewards import (DEFAULT_REWARD_FN, call_reward_fn, load_reward_fn, reward_fn_columns, reward_fn_name,
-                             reward_model_scores)
-from fastppo.train import assemble
+from fastppo.rewards import (DEFAULT_REWARD_FN, call_reward_fn, load_reward_fn, own_forward_scores, reward_fn_columns,
+                             reward_fn_name, reward_model_scores)
 
 
 @dataclass
@@ -48,25 +47,39 @@ def reward_name(entry) -> str:
     return entry.rstrip("/").split("/")[-1]
 
 
+def unique_name(name: str, taken: set[str]) -> str:
+    """``name``, or ``name_2``, ``name_3`` ... the first not in ``taken`` (which it joins): each reward keeps a
+    column and a log of its own, even beside one whose own name is ``name_2``."""
+    unique, n = name, 1
+    while unique in taken:
+        n += 1
+        unique = f"{name}_{n}"
+    taken.add(unique)
+    return unique
+
+
 def resolve_rewards(reward, config) -> list[Reward]:
     """The run's rewards from the trainer's ``reward_model`` argument (a model, a function, ``"module:function"``,
     a path, or a list mixing them) or, without one, the config's reward model paths then reward functions; the
     default rule without any. ``reward_weights`` in the same order (TRL GRPO's); names made unique."""
     if isinstance(reward, (list, tuple)) and not reward:  # not "no reward given": the default would train silently
         raise SettingsError("reward_model is an empty list: give at least one reward (a function, a model or a path)")
+    unused = [spec for spec in as_list(config.reward_fn) if as_list(reward) and spec not in as_list(reward)]
+    if unused:  # the argument wins; the config's functions would be dropped without a word
+        raise SettingsError(f"reward_fn {', '.join(map(repr, unused))} is set in the config and reward_model= is given "
+                            "too, which takes its place: give every reward in one of them (a list mixes functions "
+                            "and models; reward_weights in its order)")
     entries = as_list(reward) or as_list(user_path(config.reward_model_path)) + as_list(config.reward_fn) or [DEFAULT_REWARD_FN]
     weights = config.reward_weights if config.reward_weights is not None else [1.0] * len(entries)
     if len(weights) != len(entries):
         raise SettingsError(f"reward_weights has {len(weights)} weight(s) for {len(entries)} reward(s) "
                             f"({', '.join(reward_name(e) for e in entries)}); give one per reward, in that order")
-    rewards, seen = [], {}
+    rewards, taken = [], set()
     for entry, weight in zip(entries, weights):
         if entry is None or not (isinstance(entry, (nn.Module, str)) or callable(entry)):
             raise SettingsTypeError(f"reward_model must be a model, a function or a path (or a list of them), got "
                                     f"{type(entry).__name__}")
-        name = reward_name(entry)
-        seen[name] = seen.get(name, 0) + 1
-        name = name if seen[name] == 1 else f"{name}_{seen[name]}"
+        name = unique_name(reward_name(entry), taken)
         if isinstance(entry, nn.Module):
             rewards.append(Reward(name, float(weight), model=entry))
         elif callable(entry):
@@ -103,12 +116,12 @@ def combine_rewards(columns: dict[str, torch.Tensor], weights: dict[str, float])
 
 
 def retokenized_scores(reward: Reward, texts: list[str], completions: list[str], messages: list | None,
-                       chunk: int, packed: bool, device) -> torch.Tensor:
+                       chunk: int, device) -> torch.Tensor:
     """[B] the score of a reward model with its own tokenizer, of the text it would score alone: conversational
     prompts (``messages``, a dataset's chat rows) + the completion as an assistant turn through its chat template,
     else ``texts`` (prompt + completion decoded together by the policy's tokenizer, so the spacing between them is
-    the one the policy wrote), tokenized without added special tokens (TRL GRPO's rule for reward models).
-    Batched and read at each row's last token through today's layout (packed with ``packed``)."""
+    the one the policy wrote); read by the model's own forward on its own tokens (``own_forward_scores``: TRL
+    GRPO's rule for reward models, right-padded, no added special tokens)."""
     tok = reward.tokenizer
     texts = list(texts)
     for i, completion in enumerate(completions):
@@ -116,18 +129,18 @@ def retokenized_scores(reward: Reward, texts: list[str], completions: list[str],
         if isinstance(turns, list) and turns and isinstance(turns[0], dict):
             turns = prompt_messages(turns)[0] + [{"role": "assistant", "content": completion}]
             texts[i] = tok.apply_chat_template(turns, tokenize=False)
-    ids = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
-    empty = [i for i, row in enumerate(ids) if len(row) < 2]
-    if empty:
-        raise SettingsError(f"reward model {reward.name!r}: completion(s) {empty[:8]} are under two tokens in its "
-                            "own tokenizer (nothing to read a score from)")
-    # each sequence as a "query" of all but its last token and a one-token "response": the score's position
-    queries, query_mask = left_pad([row[:-1] for row in ids], tok.pad_token_id or 0)
-    last = torch.tensor([[row[-1]] for row in ids])
-    rollout = assemble(queries.to(device), query_mask.to(device), last.to(device),
-                       torch.ones_like(last, dtype=torch.bool, device=device),
-                       torch.zeros(len(ids), dtype=torch.bool, device=device))
-    return reward_model_scores(reward.model, rollout, chunk, packed)
+    return own_forward_scores(reward.model, tok, texts, chunk, reward.name, device)
+
+
+def check_model_scores(name: str, scores: torch.Tensor) -> torch.Tensor:
+    """A reward model's scores, refused when any is NaN or infinite (a model has no "not judged": that is a reward
+    function's None), naming the model and the rows."""
+    bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+    if bad:
+        raise SettingsError(f"reward model {name!r} gave non-finite scores at rows {bad[:8]} (e.g. "
+                            f"{scores[bad[0]].item()}): its weights or its dtype overflow on these completions; "
+                            "refusing to update on them")
+    return scores
 
 
 def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: str, chunk: int,
@@ -149,10 +162,12 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
         if reward.fn is not None:
             columns[reward.name] = call_reward_fn(reward.fn, reward_fn_name(reward.fn), prompts, completions, device,
                                                   **reward_fn_columns(prompt_ids, completion_ids, rows))
-        elif reward.tokenizer is None:  # the policy's tokenizer: today's token-id path, no decode
-            columns[reward.name] = reward_model_scores(reward.model, rollout, chunk, packed)
+        elif reward.tokenizer is None:  # the policy's tokenizer: its token ids, read at the last token, no decode
+            columns[reward.name] = check_model_scores(reward.name, reward_model_scores(reward.model, rollout, chunk,
+                                                                                       packed))
         else:
-            columns[reward.name] = retokenized_scores(reward, texts, completions, messages, chunk, packed, device)
+            columns[reward.name] = check_model_scores(reward.name, retokenized_scores(
+                reward, texts, completions, messages, chunk, device))
     if len(rewards) == 1 and rewards[0].weight == 1.0 and not torch.isnan(columns[rewards[0].name]).any():
         return columns[rewards[0].name], columns, prompts, completions  # one reward: its scores, bit for bit
     return combine_rewards(columns, {r.name: r.weight for r in rewards}), columns, prompts, completions

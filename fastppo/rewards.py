@@ -23,6 +23,7 @@ import torch
 from fastppo.dist import all_reduce
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.layout import backbone_and_head
+from fastppo.loading import position_limit
 
 # The reward function the embedded default trains on (and any run given no reward model or function).
 DEFAULT_REWARD_FN = "fastppo.rewards:positive_words"
@@ -157,6 +158,43 @@ def reward_model_scores(reward_model, rollout, chunk: int, packed: bool = False)
     return out.clone()
 
 
+def own_forward_scores(model, tokenizer, texts: list[str], chunk: int, name: str, device) -> torch.Tensor:
+    """[B] the scores of a reward model with its own tokenizer, as TRL 1.16's GRPOTrainer computes them:
+    ``model(**tokenizer(texts, padding=True, padding_side="right", add_special_tokens=False)).logits[:, 0]``, the
+    model's own forward, so every pooler and head (BERT's pooler, DeBERTa's ContextPooler, a decoder's last
+    non-pad token) is the model's; in chunks of ``chunk`` texts. A text longer than the model's learned positions
+    is refused (it would index past them), naming the row."""
+    limit = learned_positions(model)
+    scores = []
+    with torch.inference_mode():
+        for start in range(0, len(texts), chunk):
+            inputs = tokenizer(texts[start:start + chunk], return_tensors="pt", padding=True, padding_side="right",
+                               add_special_tokens=False)
+            lengths = inputs["attention_mask"].sum(1)
+            empty = (lengths == 0).nonzero().flatten().tolist()
+            if empty:
+                raise SettingsError(f"reward model {name!r}: completion(s) {[start + i for i in empty[:8]]} are no "
+                                    "token at all in its own tokenizer (nothing to score)")
+            if limit is not None and int(lengths.max()) > limit:
+                row = int(lengths.argmax())
+                raise SettingsError(
+                    f"reward model {name!r} reads at most {limit} positions, and completion {start + row} is "
+                    f"{int(lengths[row])} tokens in its own tokenizer (prompt and completion, as it scores them): "
+                    "lower max_prompt_length or max_completion_length, or use a reward model with more positions")
+            scores.append(model(**inputs.to(device)).logits[:, 0].float())
+    return torch.cat(scores).clone()
+
+
+def learned_positions(model) -> int | None:
+    """The positions a model can read, where its embedding of absolute positions bounds them (None: not
+    bounded, or not stated; DeBERTa's relative attention with ``position_biased_input=False`` reads any
+    length)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "position_biased_input", True) is False:
+        return None
+    return position_limit(config)
+
+
 # what every call passes beside the dataset's columns
 PASSED_ALWAYS = ("prompts", "completions", "prompt_ids", "completion_ids")
 
@@ -184,7 +222,7 @@ def reward_fn_columns(prompt_ids: list[list[int]], completion_ids: list[list[int
     if rows is not None:
         for name in rows.column_names:
             if name not in columns and name not in ("prompts", "completions"):
-                columns[name] = rows[name]
+                columns[name] = list(rows[name])  # a list, as TRL passes it (datasets returns a Column)
     return columns
 
 

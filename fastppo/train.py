@@ -284,11 +284,16 @@ def compute_advantages(rewards, values, response_mask, gamma: float, lam: float,
 # advantage goes to each of its trained tokens. reinforce_plus_plus keeps step 3's per-token rewards.
 
 
+# The group statistics below are taken in float64 and the advantages rounded back once: a group of equal rewards
+# then gets advantages of exactly 0 (k·r is exact in float64, and so is k·r / k), where float32 means an ulp off,
+# divided by std + 1e-4, would hand each completion of a prompt-only reward a push of ~1e-3 (a full AdamW step).
+
+
 def rloo_advantages(sequence_rewards: torch.Tensor, k: int) -> torch.Tensor:
     """[B] A_i = r_i − mean_{j≠i} r_j over the k samples of i's prompt (RLOO; TRL's RLOOTrainer)."""
-    r = sequence_rewards.view(-1, k)
+    r = sequence_rewards.view(-1, k).double()
     baseline = (r.sum(1, keepdim=True) - r) / (k - 1)
-    return (r - baseline).view(-1)
+    return (r - baseline).view(-1).to(sequence_rewards.dtype)
 
 
 GRPO_STD_EPS = 1e-4  # TRL GRPO's: a group of equal rewards gets advantage 0, not 0/0
@@ -298,16 +303,16 @@ def grpo_advantages(sequence_rewards: torch.Tensor, k: int, scale_rewards: str) 
     """[B] A_i = (r_i − mean_group) / (std + 1e-4) (GRPO; TRL's GRPOTrainer), the std (unbiased) of i's group
     (``scale_rewards="group"``), of the whole batch over every process (``"batch"``), or no division
     (``"none"``: Dr. GRPO)."""
-    r = sequence_rewards.view(-1, k)
+    r = sequence_rewards.view(-1, k).double()
     centred = (r - r.mean(1, keepdim=True)).view(-1)
     if scale_rewards == "none":
-        return centred
+        return centred.to(sequence_rewards.dtype)
     if scale_rewards == "group":
         std = r.std(1, keepdim=True).expand(-1, k).reshape(-1)
     else:
-        _, var = batch_moments(sequence_rewards, torch.ones_like(sequence_rewards, dtype=torch.bool))
+        _, var = batch_moments(r.view(-1), torch.ones_like(sequence_rewards, dtype=torch.bool))
         std = var.sqrt()
-    return centred / (std + GRPO_STD_EPS)
+    return (centred / (std + GRPO_STD_EPS)).to(sequence_rewards.dtype)
 
 
 def gdpo_advantages(reward_columns: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
@@ -316,7 +321,7 @@ def gdpo_advantages(reward_columns: torch.Tensor, weights: torch.Tensor, k: int)
     mean and unbiased std (+1e-4), ignoring NaNs; their weighted sum, NaNs left out; that sum centred and scaled
     by the whole batch's mean and unbiased std over every process. A group where a reward judged under two
     completions adds nothing of that reward (its std is NaN, as in TRL)."""
-    grouped = reward_columns.view(-1, k, reward_columns.shape[1])
+    grouped = reward_columns.view(-1, k, reward_columns.shape[1]).double()
     mean = grouped.nanmean(1, keepdim=True)
     judged = (~torch.isnan(grouped)).sum(1, keepdim=True)
     var = ((grouped - mean) ** 2).nanmean(1, keepdim=True) * judged / (judged - 1)
@@ -324,7 +329,8 @@ def gdpo_advantages(reward_columns: torch.Tensor, weights: torch.Tensor, k: int)
     normalised = ((grouped - mean) / (std + GRPO_STD_EPS)).view(reward_columns.shape)
     combined = (normalised * weights.to(normalised.dtype)).nansum(1)
     batch_mean, batch_var = batch_moments(combined, torch.ones_like(combined, dtype=torch.bool))
-    return torch.nan_to_num((combined - batch_mean) / (batch_var.sqrt() + GRPO_STD_EPS), nan=0.0)
+    return torch.nan_to_num((combined - batch_mean) / (batch_var.sqrt() + GRPO_STD_EPS), nan=0.0).to(
+        reward_columns.dtype)
 
 
 def reinforce_plus_plus_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float):
@@ -448,7 +454,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     loss = policy_loss + vf_coef * vf_loss if critic else policy_loss
     if beta:
         kl_tokens = kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
-        kl_loss = aggregate(kl_tokens * ratio if bias_correction_kl else kl_tokens, mask, token_weights, normalizer)
+        kl_tokens = kl_tokens * ratio if bias_correction_kl else kl_tokens
+        kl_loss = aggregate(kl_tokens, mask, token_weights, normalizer)
         loss = loss + beta * kl_loss
     # legacy TRL's ratio_threshold: a micro-batch whose ratios blew up contributes nothing (no host sync);
     # its logged losses are the ones applied (0), and ratio_skipped counts it
@@ -484,8 +491,10 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                 ("values_var", masked_var(old_values, mask, check=False)),
             ):
                 stats[STAT[name]] = value
-        if beta:
+        if beta:  # the term as aggregated, and its token sum and count (TRL GRPO logs their global token mean)
             stats[STAT["kl_loss"]] = kl_loss
+            stats[STAT["kl_token_sum"]] = torch.where(mask != 0, kl_tokens.detach(), 0.0).sum()
+            stats[STAT["kl_tokens"]] = (mask != 0).sum()
     return loss, stats
 
 
@@ -542,7 +551,9 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     if config.loss_type in GLOBAL_TOKEN_LOSS_TYPES:  # the rollout's active tokens on all processes, per micro-batch
         dapo_tokens = loss_mask.sum().float()
         fdist.all_reduce(dapo_tokens)
-        dapo_tokens = dapo_tokens / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)
+        # at least 1, as TRL's num_items_in_batch: a batch with every token masked (every completion truncated under
+        # mask_truncated_completions) has a loss of 0, not 0/0
+        dapo_tokens = dapo_tokens.clamp(min=1) / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)
     sequence_level = config.importance_sampling_level == "sequence"
     whole_sequences = reads_whole_sequences(config)  # the fused loss then takes the completions' lengths
     clip = surrogate_options(config)

@@ -355,7 +355,8 @@ class PPOTrainer:
                 result = self.iteration()  # steps 1-6: rollout, scoring, rewards, GAE, update, metrics
                 batch = result.batch
                 # then what a run shows: metrics, samples, callbacks, checkpoints
-                state.epoch = state.episode / max(len(self.prompts), 1)
+                # an episode is one completion: a pass over the prompts is num_generations episodes of each
+                state.epoch = state.episode / max(len(self.prompts) * sizes.num_generations, 1)
                 metrics = {
                     **result.metrics,
                     "eps": (state.episode - start_episode) / (time.perf_counter() - start),
@@ -545,7 +546,8 @@ def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool, config: PPO
     state = TrainerState(is_local_process_zero=is_main, is_world_process_zero=is_main)
     state.episode = 0
     state.max_steps = sizes.num_total_batches
-    state.num_train_epochs = sizes.num_total_batches * sizes.batch_size / num_prompts if num_prompts else 0
+    state.num_train_epochs = (sizes.num_total_batches * sizes.batch_size / (num_prompts * sizes.num_generations)
+                              if num_prompts else 0)
     state.logging_steps = every(config.logging_steps, sizes.num_total_batches)
     state.save_steps = every(config.save_steps, sizes.num_total_batches)
     state.eval_steps = every(config.eval_steps or config.logging_steps, sizes.num_total_batches)

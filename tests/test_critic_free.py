@@ -263,6 +263,26 @@ def prompt_length_reward(prompts, completions, **kwargs):
     return [float(len(p.split())) for p in prompts]
 
 
+@hsettings(max_examples=200, deadline=None)
+@given(k=st.integers(2, 16), value=st.floats(-1e6, 1e6, width=32), others=st.integers(0, 2**31 - 1))
+def test_equal_rewards_give_advantages_of_exactly_zero(k, value, others):
+    """Any float32 reward shared by a group: every estimator's advantages there are exactly 0, beside a group that
+    differs. (float32 group means an ulp off, divided by std + 1e-4, gave ~1e-3: a full AdamW step for a reward
+    that says nothing about the completions.)"""
+    from fastppo.train import gdpo_advantages
+
+    g = torch.Generator().manual_seed(others)
+    rewards = torch.cat([torch.full((k,), value, dtype=torch.float32), torch.randn(k, generator=g) * 3 + value])
+    outs = [rloo_advantages(rewards, k), *(grpo_advantages(rewards, k, scale) for scale in ("group", "batch", "none")),
+            gdpo_advantages(torch.stack([rewards, 2 * rewards], 1), torch.tensor([1.0, 0.5]), k)]
+    for out in outs[:4]:
+        assert out.dtype == torch.float32 and torch.equal(out[:k], torch.zeros(k)), out[:k]
+    # GDPO: each reward normalised in its group (0 in the equal group), the sum then centred on the whole batch (as
+    # TRL's), so the equal group's completions get one and the same advantage
+    gdpo = outs[4]
+    assert torch.isfinite(gdpo).all() and torch.equal(gdpo[:k], gdpo[:1].expand(k))
+
+
 def completion_length_reward(prompts, completions, **kwargs):
     return [float(len(c.split())) for c in completions]
 

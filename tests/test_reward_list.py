@@ -86,6 +86,68 @@ def test_the_score_is_the_weighted_sum_over_the_rewards_that_judged(tmp_path):
     assert [r.name for r in twice] == ["counts_good", "counts_good_2"]
 
 
+def length(prompts, completions, **kwargs):
+    return [float(len(c.split())) for c in completions]
+
+
+def length_2(prompts, completions, **kwargs):  # a function whose own name is what a repeat would be called
+    return [float(len(c)) for c in completions]
+
+
+def test_rewards_that_share_a_name_each_count(tmp_path, model_dir):
+    """[length, length, length_2] weighted [1, 1, 10]: three columns, three logs, and the score sums all three (the
+    second ``length`` was once named ``length_2`` and the real length_2 overwrote it)."""
+    rewards = resolve_rewards([length, length, length_2], small(tmp_path, reward_weights=[1.0, 1.0, 10.0]))
+    assert [r.name for r in rewards] == ["length", "length_2", "length_2_2"]
+    trainer = make_trainer(small(tmp_path, reward_weights=[1.0, 1.0, 10.0]), reward_model=[length, length, length_2])
+    batch = trainer.rollout()
+    _, completion_ids = batch.rollout.token_ids()
+    completions = trainer.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    want = torch.tensor([2.0 * len(c.split()) + 10.0 * len(c) for c in completions])
+    assert set(batch.reward_columns) == {"length", "length_2", "length_2_2"}
+    torch.testing.assert_close(batch.scores, want)
+    trainer.train()
+    last = json.loads(open(tmp_path / "out" / "metrics.jsonl").read().splitlines()[-1])
+    assert {"rewards/length/mean", "rewards/length_2/mean", "rewards/length_2_2/mean"} <= set(last)
+
+
+def test_dataset_columns_reach_a_reward_function_as_lists(tmp_path, model_dir):
+    """As TRL passes them: a reward written for TRL branches on ``isinstance(answer, list)`` (a datasets Column
+    would take the other branch and compare every completion with the Column itself)."""
+    import datasets
+
+    seen = []
+
+    def matches(prompts, completions, answer, **kwargs):
+        seen.append(type(answer))
+        golds = answer if isinstance(answer, list) else [answer] * len(completions)
+        return [float(gold in c) for gold, c in zip(golds, completions)]
+
+    prompts = ["the movie was", "the plot is", "i think the cast", "overall the"] * 4
+    dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": ["good", "bad", "great", "the"] * 4})
+    trainer = make_trainer(small(tmp_path), reward_model=matches, train_dataset=dataset)
+    trainer.rollout()
+    assert seen == [list]
+
+
+def test_a_reward_fn_in_the_config_beside_a_reward_model_argument_is_refused(tmp_path, model_dir):
+    with pytest.raises(SettingsError, match="reward_fn 'fastppo.rewards:positive_words' is set in the config and "
+                                            "reward_model= is given too"):
+        make_trainer(small(tmp_path, reward_fn="fastppo.rewards:positive_words"), reward_model=counts_good)
+
+
+def test_negative_reward_weights_parse_on_the_command_line(tmp_path):
+    from helpers import cli_config
+
+    config = cli_config(["--reward_fn", "fastppo.rewards:positive_words", "--reward_fn",
+                         "fastppo.rewards:completion_length", "--reward_weights", "-1", "1", "--output_dir",
+                         str(tmp_path / "out")])
+    assert config.reward_weights == [-1.0, 1.0]
+    config = cli_config(["--reward_fn", "a:b", "--reward_fn", "c:d", "--reward_fn", "e:f", "--reward_weights", "2",
+                         "-2.5e-3", "-1e2", "--learning_rate", "-1e-5", "--output_dir", str(tmp_path / "out")])
+    assert config.reward_weights == [2.0, -2.5e-3, -100.0] and config.learning_rate == -1e-5
+
+
 def test_a_list_trains_and_logs_each_reward(tmp_path, model_dir):
     trainer = make_trainer(small(tmp_path, reward_weights=[2.0, 0.5], num_sample_generations=2),
                            reward_model=[judges_short, counts_good])

@@ -84,6 +84,8 @@ def test_policy_loss_settings_equal_trls(record, name, kind):
     rec = record["variants"][f"{name}-{kind}"]
     theirs, ours = rec["trl"], rec["fastppo"]
     torch.testing.assert_close(ours["loss"], theirs["loss"], rtol=1e-6, atol=1e-7)
+    if VARIANT_BETAS[kind]:  # the logged "kl": the global token mean of the in-loss KL, whatever loss_type aggregates
+        assert ours["kl_metric"] == pytest.approx(theirs["kl_metric"], rel=1e-5, abs=1e-7), name
     assert ours["grads"].keys() == theirs["grads"].keys() and len(ours["grads"]) == 21
     for param, trl_grad in theirs["grads"].items():
         scale_of = trl_grad.abs().max().item()

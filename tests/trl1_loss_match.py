@@ -234,10 +234,15 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
                              token_weights=token_weights, normalizer=normalizer,
                              top_entropy_quantile=config.top_entropy_quantile, **clip)
     loss.backward()
-    from fastppo.metrics import STAT
+    from fastppo.metrics import STAT, UpdateResult, gather_metrics
+
+    # the logged metric as a run logs it: one process, one micro-step (TRL GRPO's name, "kl", only with beta)
+    logged = gather_metrics(torch.zeros(5), UpdateResult(stats[:, None, None, None], 0.0, 1.0, 1), 1, critic=False,
+                            kl=False, kl_in_loss=bool(config.beta))
     return {"loss": loss.detach().clone(), "tokens": int(mask.sum()),
             "grads": {n: p.grad.detach().clone() for n, p in policy.named_parameters()},
-            "clip_low": stats[STAT["clip_low"]].item(), "clip_high": stats[STAT["clip_high"]].item()}
+            "clip_low": stats[STAT["clip_low"]].item(), "clip_high": stats[STAT["clip_high"]].item(),
+            "kl_metric": logged.get("kl")}
 
 
 def trl_grpo(path, batch, old, ref, scale: str, beta: float, workdir: str, reward_columns=None,
@@ -296,6 +301,7 @@ def trl_grpo(path, batch, old, ref, scale: str, beta: float, workdir: str, rewar
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     return {"advantages": inputs["advantages"].detach().clone(), "loss": loss.detach().clone(),
+            "kl_metric": trainer._metrics["train"]["kl"][-1] if beta else None,
             "num_items_in_batch": float(inputs["num_items_in_batch"]),
             "ref_logprobs": None if trl_ref is None else trl_ref.detach().clone(),
             "grads": {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}}

@@ -1,0 +1,123 @@
+"""Logged metrics held to their definitions (TRL GRPO's, for TRL's names): each reward's mean and std over the
+completions it judged, stable for large rewards with a small spread and over every process; the in-loss ``kl`` as
+a token mean whatever ``loss_type`` aggregates the loss by. TRL 1.16's own logged ``kl`` for each loss type is in
+test_trl1_loss_match.py."""
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastppo.metrics import STAT, UpdateResult, gather_metrics, reward_moments
+from fastppo.policy_terms import policy_loss_weights
+from fastppo.train import ppo_losses
+
+pytestmark = pytest.mark.usefixtures("reference_path")
+
+
+def judged_rewards(seed: int, n: int, centre: float, spread: float) -> torch.Tensor:
+    """[n] float32 rewards around ``centre``, a third of them NaN (not judged)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (centre + spread * torch.randn(n, generator=g, dtype=torch.float64)).float()
+    x[torch.rand(n, generator=g) < 0.33] = float("nan")
+    return x
+
+
+def nanstd_float64(x: torch.Tensor) -> float:
+    values = x[~torch.isnan(x)].double().numpy()
+    return float(np.std(values, ddof=1))
+
+
+@pytest.mark.parametrize("centre, spread", [(1000.0, 0.0245), (0.0, 1.0), (-3e5, 2.0), (7.0, 0.0)])
+def test_reward_mean_and_std_are_the_float64_ones(centre, spread):
+    """Rewards near 1,000 with a spread of 0.0245: a one-pass sum of squares in float32 logged 0 (TRL's nanstd:
+    0.0245)."""
+    columns = {"a": judged_rewards(1, 40, centre, spread), "b": judged_rewards(2, 40, centre, spread)}
+    stats = torch.full((len(STAT), 1, 1, 1), math.nan)
+    logged = gather_metrics(torch.zeros(5), UpdateResult(stats, 0.0, 1.0, 1), 1, critic=False, kl=False,
+                            reward_columns=columns)
+    for name, column in columns.items():
+        mean, std = logged[f"rewards/{name}/mean"], logged[f"rewards/{name}/std"]
+        values = column[~torch.isnan(column)].double()
+        assert mean == pytest.approx(values.mean().item(), rel=1e-12, abs=1e-12)
+        assert std == pytest.approx(nanstd_float64(column), rel=1e-9, abs=1e-12)
+        if spread:
+            assert std > 0.5 * spread
+
+
+def test_a_reward_that_judged_under_two_completions_has_no_std():
+    (mean, std), (none_mean, none_std) = reward_moments([torch.tensor([float("nan"), 2.5]), torch.full((3,), math.nan)])
+    assert mean == 2.5 and math.isnan(std) and math.isnan(none_mean) and math.isnan(none_std)
+
+
+def _moments_rank(rank: int, port: int, out: str, parts) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.save(reward_moments(parts[rank]), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reward_moments_are_over_every_process(tmp_path):
+    whole = [judged_rewards(3, 24, 1000.0, 0.03), judged_rewards(4, 24, -2.0, 5.0)]
+    parts = [[c[:9] for c in whole], [c[9:] for c in whole]]  # uneven shares
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_moments_rank, args=(port, str(tmp_path / "m"), parts), nprocs=2, join=True)
+    together = reward_moments(whole)
+    for rank in (0, 1):
+        for got, want in zip(torch.load(f"{tmp_path / 'm'}.{rank}"), together):
+            assert got == pytest.approx(want, rel=1e-12)
+
+
+def kl_case(seed: int, rows: int):
+    """One micro-step's inputs with ratios away from 1 and a ragged mask (one row without a trained token)."""
+    g = torch.Generator().manual_seed(seed)
+    new = -torch.rand(rows, 7, generator=g, dtype=torch.float64) * 3
+    old = new + 0.3 * torch.randn(rows, 7, generator=g, dtype=torch.float64)
+    ref = new + 0.4 * torch.randn(rows, 7, generator=g, dtype=torch.float64)
+    advantages = torch.randn(rows, 1, generator=g, dtype=torch.float64).expand(rows, 7)
+    mask = torch.arange(7)[None] < torch.randint(1, 8, (rows, 1), generator=g)
+    mask[0] = False
+    return new, old, ref, advantages, mask
+
+
+def logged_kl(loss_type: str, cases) -> float:
+    stats = []
+    for new, old, ref, advantages, mask in cases:
+        weights, normalizer = policy_loss_weights(loss_type, mask, 7, mask.sum().double() if loss_type in (
+            "dapo", "cispo", "vespo") else None)
+        _, row = ppo_losses(new, None, torch.zeros_like(new), old, None, advantages, None, mask, cliprange=0.2,
+                            cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=math.inf,
+                            ref_logprobs=ref, beta=0.04, kl_loss_type="k3", token_weights=weights,
+                            normalizer=normalizer)
+        stats.append(row)
+    stacked = torch.stack(stats, 1)[:, None, None, :]  # [S, epochs 1, minibatches 1, micro-steps]
+    metrics = gather_metrics(torch.zeros(5), UpdateResult(stacked, 0.0, 1.0, 1), 1, critic=False, kl=False,
+                             kl_in_loss=True)
+    return metrics["kl"], stacked
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "luspo", "dapo", "bnpo", "sapo"])
+def test_the_logged_kl_is_the_token_mean_of_each_micro_step_for_every_loss_type(loss_type):
+    """TRL GRPO's ``kl``: per micro-step, Σ k3·ρ over the trained tokens / their count; the mean over micro-steps.
+    Once logged as the loss's own aggregation (grpo 0.130, dr_grpo 0.116, luspo 0.695 where TRL logs 0.150)."""
+    cases = [kl_case(seed, rows) for seed, rows in ((1, 5), (2, 3))]
+    want = []
+    for new, old, ref, _, mask in cases:
+        d = ref - new
+        per_token = (torch.exp(d) - d - 1) * torch.exp(new - old)
+        want.append((per_token[mask].sum() / mask.sum()).item())
+    got, stacked = logged_kl(loss_type, cases)
+    assert got == pytest.approx(sum(want) / len(want), rel=1e-6)
+    if loss_type in ("grpo", "dr_grpo", "luspo"):  # the loss's own aggregation is another number
+        aggregated = stacked[STAT["kl_loss"]].mean().item()
+        assert abs(aggregated - got) > 1e-3
