@@ -204,8 +204,9 @@ class PPOConfig(TrainingArguments):
     # containers); the flag appends, and __post_init__ keeps one value as TRL's string
     reward_model_path: str | None = field(
         default=TRLDefaultPath(TRL_DEFAULT_MODEL),
-        metadata={"help": "Reward model: an AutoModelForSequenceClassification with one label, scored at the last real "
-                  "token; one with another tokenizer scores the decoded text re-tokenized with its own (TRL's default "
+        metadata={"help": "Reward model: an AutoModelForSequenceClassification with one label; a decoder of the policy's "
+                  "vocabulary is read at the last real token of the policy's ids, any other (another tokenizer, an "
+                  "encoder) scores the decoded text by its own forward, as TRL GRPO does (TRL's default "
                   "names EleutherAI/pythia-160m, kept as the field's default for scripts that load it themselves; "
                   "fastppo loads a reward model only when one is set, else uses reward_fn). Repeat the flag for "
                   "several (a weighted sum with reward_weights). TRL's example also starts the value model from it; "

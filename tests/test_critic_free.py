@@ -222,10 +222,41 @@ def test_each_estimators_defaults_are_its_sources():
     (dict(advantage_estimator="rloo", value_model_path="some/model"), "value_model_path: .*critic-free"),
     (dict(advantage_estimator="grpo", shared_value_head=True), "shared_value_head: .*critic-free"),
     (dict(advantage_estimator="grpo", num_generations=0), "num_generations must be an integer >= 1"),
+    # a KL controller scales β by a factor: from grpo's kl_coef 0 it stays 0 while a reference runs every iteration
+    (dict(advantage_estimator="grpo", num_generations=2, adaptive_kl=True),
+     "adaptive_kl scales kl_coef .* and kl_coef is 0 .* advantage_estimator 'grpo'"),
+    (dict(kl_coef=0.0, adaptive_kl=True), "adaptive_kl scales kl_coef"),
 ])
 def test_bad_settings_are_refused_naming_the_setting(tmp_path, kwargs, message):
     with pytest.raises(SettingsError, match=message):
         make_trainer(small_config(tmp_path, **kwargs))
+
+
+def test_legacy_adaptive_kl_from_zero_runs_without_a_controller(tmp_path):
+    """Legacy TRL's adap_kl_ctrl defaults to True; with init_kl_coef 0 its β stays 0, which is no controller."""
+    from fastppo.legacy import PPOConfig as LegacyConfig
+
+    core = LegacyConfig(model_name="m", init_kl_coef=0.0, batch_size=4, mini_batch_size=2,
+                        output_dir=str(tmp_path)).to_core()
+    assert core.kl_coef == 0 and not core.adaptive_kl
+    core = LegacyConfig(model_name="m", init_kl_coef=0.1, batch_size=4, mini_batch_size=2,
+                        output_dir=str(tmp_path)).to_core()
+    assert core.kl_coef == 0.1 and core.adaptive_kl
+
+
+def test_an_epoch_is_a_pass_over_the_prompts_not_over_completions(tmp_path, model_dir):
+    """state.epoch and state.num_train_epochs in prompts (TRL's meaning): 16 prompts, 4 completions each, 8
+    completions an iteration; num_train_epochs 1 is 8 iterations, after which state.epoch is 1 (it was 4)."""
+    import datasets
+
+    prompts = [f"the movie {w}" for w in ("was", "is", "felt", "seemed")] * 4
+    config = small_config(tmp_path, advantage_estimator="grpo", num_generations=4, total_episodes=None,
+                          num_train_epochs=1, num_ppo_epochs=1, response_length=3)
+    trainer = make_trainer(config, train_dataset=datasets.Dataset.from_dict({"prompt": prompts}))
+    assert trainer.sizes.num_total_batches == 8
+    trainer.train()
+    assert trainer.state.num_train_epochs == pytest.approx(1.0)
+    assert trainer.state.epoch == pytest.approx(1.0)
 
 
 def test_num_generations_must_divide_the_batch_and_counts_completions(tmp_path):

@@ -179,6 +179,18 @@ def test_vespo_weights_against_their_definition():
     torch.testing.assert_close(grad, torch.where(mask, -phi * adv, 0.0) / mask.sum(), rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_batch_with_every_completion_truncated_and_masked_takes_a_zero_step(scored, loss_type):
+    """Every completion truncated under mask_truncated_completions: no trained token, a loss of 0 and a step that
+    changes nothing (TRL's normaliser is clamped to 1), not a non-finite step skipped (dapo's 0/0)."""
+    trainer, rollout, experience, targets = scored
+    none_stopped = dataclasses.replace(rollout, has_stop=torch.zeros_like(rollout.has_stop))
+    change, stats = update((trainer, none_stopped, experience, targets), 4, loss_type=loss_type,
+                           mask_truncated_completions=True, **OWN_SETTINGS.get(loss_type, {}))
+    assert torch.equal(change, torch.zeros_like(change))
+    assert (stats[STAT["pg_loss"]] == 0).all()
+
+
 def test_masked_truncated_completions_leave_the_loss(scored):
     """With mask_truncated_completions, what the rows that never stopped hold (their advantages) moves nothing;
     without it, it moves the step. The stopped rows still train."""
@@ -258,6 +270,39 @@ def test_defaults_follow_the_estimator_and_epsilon_is_cliprange():
     assert (c.max_completion_length, c.num_iterations) == (20, 2)
 
 
+def test_a_setting_of_two_names_given_once_by_either_is_one_value():
+    """Given by one name at the other's default value, or by both names with one value: one setting, no refusal."""
+    for kwargs in (dict(num_ppo_epochs=4), dict(num_iterations=4), dict(num_ppo_epochs=1, num_iterations=1),
+                   dict(cliprange=0.2, epsilon=0.2), dict(epsilon=0.2), dict(response_length=53)):
+        c = PPOConfig(output_dir=None, **kwargs)
+        assert c.num_ppo_epochs == c.num_iterations and c.cliprange == c.epsilon, kwargs
+        assert c.response_length == c.max_completion_length, kwargs
+        assert type(c.num_ppo_epochs) is int and type(c.cliprange) is float  # no mark left on a field
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_completion_length=0), "max_completion_length must be an integer >= 1, got 0"),
+    (dict(num_iterations=0), "num_iterations must be an integer >= 1, got 0"),
+    (dict(epsilon=-0.1), "epsilon must be >= 0, got -0.1"),
+])
+def test_an_error_names_the_setting_by_the_name_the_user_wrote(tmp_path, kwargs, message):
+    from fastppo.cli import EMBEDDED_PRESET
+    from helpers import SMALL_RUN
+
+    run = {**EMBEDDED_PRESET, **SMALL_RUN, "output_dir": str(tmp_path / "out"), **kwargs}
+    for ppo_name in ("response_length", "num_ppo_epochs", "cliprange"):
+        run.pop(ppo_name, None)
+    with pytest.raises(SettingsError, match=message):
+        make_trainer(PPOConfig(**run))
+
+
+def test_the_command_line_refuses_two_values_of_one_setting(tmp_path):
+    from helpers import cli_trainer
+
+    with pytest.raises(SettingsError, match="num_iterations 1 and num_ppo_epochs 4 are one setting"):
+        cli_trainer(["--num_ppo_epochs", "4", "--num_iterations", "1", "--output_dir", str(tmp_path / "out")])
+
+
 def test_trl_grpo_names_on_the_command_line_beat_the_embedded_preset():
     from helpers import cli_config
 
@@ -281,6 +326,12 @@ def test_trl_grpo_names_on_the_command_line_beat_the_embedded_preset():
     (dict(max_completion_length=9, response_length=7), "max_completion_length 9 and response_length 7 are one "
                                                        "setting"),
     (dict(num_iterations=1, num_ppo_epochs=2), "num_iterations 1 and num_ppo_epochs 2 are one setting"),
+    # one of the two at its default value, but given: still two values (once one of them silently won)
+    (dict(num_iterations=1, num_ppo_epochs=4), "num_iterations 1 and num_ppo_epochs 4 are one setting"),
+    (dict(cliprange=0.2, epsilon=0.3), "epsilon 0.3 and cliprange 0.2 are one setting"),
+    (dict(cliprange=0.3, epsilon=0.2), "epsilon 0.2 and cliprange 0.3 are one setting"),
+    (dict(max_completion_length=9, response_length=53), "max_completion_length 9 and response_length 53 are one"),
+
     (dict(epsilon_high=0.1), r"epsilon_high \(0.1\) must be >= epsilon \(0.2\)"),
     (dict(delta=1.0), "delta must be > 1"),
     (dict(delta=float("nan")), "delta must be > 1"),

@@ -132,6 +132,20 @@ def test_reward_function_without_kwargs_gets_only_what_it_names(tmp_path, model_
     assert calls == [8]
 
 
+def test_a_float64_policy_object_trains_in_float64(model_dir, tmp_path):
+    """A policy given in fp64 (once: "Double did not match Float" in the LM-head check) trains, and stays fp64."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policy = AutoModelForCausalLM.from_pretrained(model_dir).double()
+    trainer = PPOTrainer(args=small_config(tmp_path), model=policy,
+                         processing_class=AutoTokenizer.from_pretrained(model_dir))
+    start = digest(policy.state_dict())
+    trainer.train()
+    assert all(p.dtype == torch.float64 for p in trainer.policy.parameters())
+    assert digest(trainer.policy.state_dict()) != start
+    assert all(math.isfinite(m["objective/scores"]) for m in trainer.state.log_history if "objective/scores" in m)
+
+
 def test_model_and_ref_model_the_same_object_is_an_error(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
