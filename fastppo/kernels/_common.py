@@ -171,13 +171,19 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_index_range(index: torch.Tensor, vocab_size: int, name: str = "index") -> None:
-    """Range check for gather indices.
+    """Range check for gather indices, on every device: the same call that raises here on a CPU must not return
+    NaN rows on a GPU.
 
-    Costs one host sync, so it runs only on the reference path and under the
-    interpreter; on CUDA the kernels mask out-of-range loads instead of faulting
-    and users who need the check can call this function themselves.
+    On a CPU (and under the interpreter) a ``ValueError`` naming the range found, at once (the host sync is free
+    there). On CUDA a device-side assertion, queued with no host sync (``torch._assert_async``): an index out of
+    range fails the run at the next synchronisation, as ``torch.gather`` does with one, and like any CUDA
+    device-side assert it ends the process's CUDA context. Call this before the kernels launch.
     """
     if index.numel() == 0:
+        return
+    if index.is_cuda:
+        torch._assert_async(((index >= 0) & (index < vocab_size)).all(),
+                            f"fastppo.kernels: {name} values must lie in [0, {vocab_size})")
         return
     lo, hi = int(index.min()), int(index.max())
     if lo < 0 or hi >= vocab_size:
@@ -203,6 +209,16 @@ def launch(kernel, grid, device: torch.device, *args, **meta) -> None:
     args = tuple(fp32_scalar(a) if isinstance(a, float) else a for a in args)
     with device_guard(device):
         kernel[grid](*args, **meta)
+
+
+@torch.compiler.disable
+def run_eagerly(fn, *args):
+    """``fn(*args)``, run as it runs without ``torch.compile`` when a compiled caller reaches it: the kernels'
+    autograd Functions and launches are one opaque step there (a graph break), with the values and gradients of
+    eager. Traced instead, dynamo follows the Triton interpreter into numpy and fails, and inductor's
+    functionalisation of a kernel that writes into its outputs fails inside AOTAutograd ("a leaf Variable that
+    requires grad is being used in an in-place operation", seen on CUDA)."""
+    return fn(*args)
 
 
 def refuse_double_backward(name: str) -> None:

@@ -84,6 +84,7 @@ from typing import NamedTuple
 import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, check_same_device, check_tensor, tile_choice, tl, triton
+from fastppo.kernels._common import run_eagerly
 
 # --------------------------------------------------------------------------- kernels (device functions)
 
@@ -877,7 +878,7 @@ def chunked_lm_head_stats(hidden2d, weight, bias, index, transform: LogitTransfo
     and, for a 16-bit weight, one chunk's fp32 grad_W. Never an [N, V] tensor (double backward excepted).
     """
     plan = chunk_plan(hidden2d.shape[0], weight.shape[0], chunk)
-    return _ChunkedLMHeadStats.apply(hidden2d, weight, bias, index, transform, tuple(wants), plan)
+    return run_eagerly(_ChunkedLMHeadStats.apply, hidden2d, weight, bias, index, transform, tuple(wants), plan)
 
 
 def chunked_logprobs_entropy(hidden2d, weight, bias, index, temperature: float = 1.0, *,
@@ -1028,7 +1029,7 @@ def chunked_full_kl(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, 
     states, grad_h's [N, H] accumulator; never an [N, V] tensor (double backward excepted).
     """
     plan = chunk_plan(hidden2d.shape[0], weight.shape[0], chunk)
-    return _ChunkedFullKL.apply(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, float(temperature), plan)
+    return run_eagerly(_ChunkedFullKL.apply, hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, float(temperature), plan)
 
 
 # --------------------------------------------------------------------------- references

@@ -63,6 +63,7 @@ import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, check_same_device, check_same_shape, check_temperature
 from fastppo.kernels._common import check_tensor, launch, refuse_double_backward, tile_choice, tl, triton, use_triton
+from fastppo.kernels._common import run_eagerly
 from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype, check_lm_head_args
 from fastppo.kernels._lmhead import dot_precision, dot_upcast, lm_head_logits_reference, merge_splits, mm_acc
 from fastppo.kernels._lmhead import lm_head_operands, no_autocast, softmax_dlogits_tile, split_plan, tl_dtype
@@ -417,7 +418,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     """
     code = _check_kl_penalty_args(logprobs, ref_logprobs, estimator)
     if use_triton(logprobs):
-        return _KLPenalty.apply(logprobs, ref_logprobs, code, estimator)
+        return run_eagerly(_KLPenalty.apply, logprobs, ref_logprobs, code, estimator)
     return _kl_penalty_math(logprobs, ref_logprobs, estimator)
 
 
@@ -465,7 +466,7 @@ def fused_full_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=
         # No tokens: nothing to launch; the chunked path handles [0, H] and keeps autograd connected.
         # Dispatch sees both models' dtypes: an fp64 reference makes the call fp64 (exact scalars only).
         if use_triton(hidden, (temperature,), ref_hidden) and h2.shape[0] > 0:
-            kl = _FusedFullKL.apply(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
+            kl = run_eagerly(_FusedFullKL.apply, h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
         else:  # the chunked PyTorch path (_lmhead): neither [N, V] logits tensor is formed here either
             kl = chunked_full_kl(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
     return kl.reshape(hidden.shape[:-1])

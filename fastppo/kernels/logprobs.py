@@ -54,7 +54,7 @@ import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, check_index_range, check_same_device
 from fastppo.kernels._common import check_bool, check_float, check_temperature, check_tensor, launch, tile_choice, tl
-from fastppo.kernels._common import refuse_double_backward, triton, use_triton
+from fastppo.kernels._common import refuse_double_backward, run_eagerly, triton, use_triton
 from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, INTERPRETER_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype
 from fastppo.kernels._lmhead import check_lm_head_args, dot_precision, dot_upcast, lm_head_logits_reference
 from fastppo.kernels._lmhead import cap_logits_reference, merge_splits, row_tile, softmax_dlogits_tile, split_plan
@@ -555,11 +555,10 @@ def token_logprobs(logits, index, temperature=1.0, *, return_entropy=False, outp
         raw = _token_stats_reference(logits, safe_index, temperature, wants, keep)
         return _finish(raw, wants, keep, safe_index.shape, return_entropy, outputs)
     vocab = logits.shape[-1]
-    if not logits.is_cuda:  # interpreter: the check is cheap here; on CUDA it would sync
-        check_index_range(safe_index, vocab)
+    check_index_range(safe_index, vocab)  # on CUDA an assertion on the device, no sync
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    logp, ent = _TokenLogprobs.apply(
+    logp, ent = run_eagerly(_TokenLogprobs.apply, 
         logits.reshape(-1, vocab), safe_index.reshape(-1).contiguous(), temperature, wants[1]
     )
     return _finish((logp, ent, None, None, None), wants, keep, safe_index.shape, return_entropy, outputs)
@@ -612,9 +611,8 @@ def fused_token_logprobs(hidden, weight, index, temperature=1.0, *, bias=None, r
             raw = chunked_lm_head_stats(hidden.reshape(-1, hdim), weight, bias, safe_index.reshape(-1), transform,
                                         wants)
         else:
-            if not hidden.is_cuda:
-                check_index_range(safe_index, vocab)
-            raw = _FusedTokenLogprobs.apply(
+            check_index_range(safe_index, vocab)  # on CUDA an assertion on the device, no sync
+            raw = run_eagerly(_FusedTokenLogprobs.apply, 
                 hidden.reshape(-1, hdim), weight, bias, safe_index.reshape(-1).contiguous(), head, wants
             )
     return _finish(raw, wants, keep, safe_index.shape, return_entropy, outputs)

@@ -110,6 +110,7 @@ import torch
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, MASK_DTYPES, check_float
 from fastppo.kernels._common import check_index_range, check_same_device, check_same_shape, check_temperature
 from fastppo.kernels._common import check_tensor, launch, refuse_double_backward, tile_choice, tl, triton, use_triton
+from fastppo.kernels._common import run_eagerly
 from fastppo.kernels._lmhead import acc_dtype, addmm_acc_, check_lm_head_args, chunked_logprobs_entropy
 from fastppo.kernels._lmhead import lm_head_logits_reference, mm_acc
 from fastppo.kernels._lmhead import lm_head_operands, no_autocast, row_tile, tl_dtype
@@ -620,14 +621,13 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
         # a CPU: the same math over the chunked LM-head core (never the [N, V] logits; the reference's are)
         return _ppo_policy_loss_math(hidden, weight, index, old_logprobs, advantages, mask, temperature, bias, terms,
                                      chunked=True)
-    if not hidden.is_cuda:  # interpreter: cheap here; on CUDA it would sync
-        check_index_range(index, vocab)
+    check_index_range(index, vocab)  # on CUDA an assertion on the device, no sync
     flat = [t.reshape(-1).contiguous() for t in (index, old_logprobs.detach(), advantages.detach(), mask)]
     for name in ("token_weights", "entropy_weights"):
         if getattr(terms, name) is not None:
             terms = terms._replace(**{name: getattr(terms, name).detach().reshape(-1).contiguous()})
     with no_autocast(hidden.device):
-        loss, logp, ratio, clipped, ent = _FusedPPOPolicyLoss.apply(
+        loss, logp, ratio, clipped, ent = run_eagerly(_FusedPPOPolicyLoss.apply, 
             hidden.reshape(-1, hdim), weight, bias, *flat, temperature, terms)
     shape = index.shape
     return PPOPolicyLossOutput(loss, logp.view(shape), ratio.view(shape), clipped.view(shape), ent.view(shape))
