@@ -315,8 +315,9 @@ class PPOConfig(TrainingArguments):
     compiled_decode: bool | None = field(
         default=None,
         metadata={"help": "fastppo: sample with the decode step torch.compile'd over a static KV cache (CUDA graphs "
-                  "on a GPU; the same tokens as the eager loop for the same seed). Unset: on for a CUDA GPU, off on "
-                  "a CPU, where it does not pay (bench/RESULTS.md). Compiling takes tens of seconds, once."},
+                  "on a GPU; the same tokens as the eager loop for the same seed). Unset: on for a CUDA GPU in a run of "
+                  "20 iterations or more, off for shorter runs and on a CPU, where it does not pay (bench/RESULTS.md)."
+                  " Compiling takes tens of seconds, once per process."},
     )
     fused_policy_loss: bool = field(
         default=False,

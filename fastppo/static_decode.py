@@ -170,18 +170,31 @@ def why_not_static(lm) -> str | None:
     return None
 
 
+# Unset, the compiled decode is on for runs of at least this many rollouts: its compile (37-48 s in a new process
+# on an H200) is won back by its faster steps after about 15-20 GRPO iterations at SmolLM2-135M's shape (k 8,
+# 64-token completions; bench/RESULTS.md, issue 51); a shorter run samples eagerly.
+COMPILED_DECODE_MIN_ITERATIONS = 20
+
+
 def compiled_decode_enabled(requested: bool | None, device: torch.device, zero_stage: int | None = None,
-                            lm=None, log=None) -> bool:
+                            lm=None, log=None, iterations: int | None = None) -> bool:
     """Whether the rollout samples through a ``StaticDecoder``: ``requested`` (the ``compiled_decode`` setting),
-    or, unset, on for CUDA only. Under ZeRO-3 the policy's weights are gathered into fresh storage for every
-    rollout, so each would recompile: refused when asked for, off when unset. A model ``lm`` that cannot run
-    over a compiled static cache is refused when asked for, and decodes eagerly when unset."""
+    or, unset, on for CUDA only, and there only for a run of ``iterations`` >= ``COMPILED_DECODE_MIN_ITERATIONS``
+    rollouts (a shorter one would not win its compile back; it says so). Under ZeRO-3 the policy's weights are
+    gathered into fresh storage for every rollout, so each would recompile: refused when asked for, off when
+    unset. A model ``lm`` that cannot run over a compiled static cache is refused when asked for, and decodes
+    eagerly when unset."""
     if zero_stage == 3:
         if requested:
             raise SettingsError("compiled_decode: not with DeepSpeed ZeRO-3, whose policy weights are re-gathered "
                                 "into new storage for every rollout (each would compile the decode step again)")
         return False
     enabled = device.type == "cuda" if requested is None else bool(requested)
+    if enabled and requested is None and iterations is not None and iterations < COMPILED_DECODE_MIN_ITERATIONS:
+        (log or logger.info)(f"compiled decode off: {iterations} iterations are too few to win back its compile "
+                             f"(tens of seconds; it pays from about {COMPILED_DECODE_MIN_ITERATIONS}); sampling "
+                             "eagerly (compiled_decode=True compiles anyway)")
+        return False
     reason = why_not_static(lm) if enabled and lm is not None else None
     if reason is not None:
         if requested:

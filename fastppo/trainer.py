@@ -157,7 +157,7 @@ class PPOTrainer:
                                      learner.zero)
         self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
                                                         None if self.zero is None else self.zero.stage, self._lm(),
-                                                        self.log)
+                                                        self.log, iterations=self.sizes.num_total_batches)
         self._static_decoder: StaticDecoder | None = None
         self._batches = prompt_batches(len(self.prompts), self.sizes.local_prompts, self.dist.rank,
                                        self.dist.world_size, config.seed)

@@ -48,6 +48,21 @@ def test_buckets_and_the_default():
     assert compiled_decode_enabled(None, torch.device("cuda"), zero_stage=3) is False
     with pytest.raises(SettingsError, match="compiled_decode.*ZeRO-3"):
         compiled_decode_enabled(True, torch.device("cuda"), zero_stage=3)
+
+
+def test_a_run_too_short_to_win_back_the_compile_samples_eagerly():
+    """Unset on a GPU, the compiled decode is on from COMPILED_DECODE_MIN_ITERATIONS rollouts (its compile of tens of
+    seconds pays back after about 15-20 iterations on an H200); shorter runs sample eagerly and say why. Asked for,
+    it compiles whatever the length."""
+    from fastppo.static_decode import COMPILED_DECODE_MIN_ITERATIONS as MIN
+
+    said = []
+    cuda = torch.device("cuda")
+    assert compiled_decode_enabled(None, cuda, iterations=MIN - 1, log=said.append) is False
+    assert said and f"{MIN - 1} iterations are too few" in said[0] and "compiled_decode=True" in said[0]
+    assert compiled_decode_enabled(None, cuda, iterations=MIN) is True
+    assert compiled_decode_enabled(True, cuda, iterations=1) is True
+    assert compiled_decode_enabled(None, torch.device("cpu"), iterations=10**6) is False
     with pytest.raises(SettingsError, match="cache_bucket"):
         StaticDecoder(torch.nn.Linear(1, 1), cache_bucket=0)
 
