@@ -375,6 +375,7 @@ def child(side: str, case: GRPOCase) -> dict:
         raise RuntimeError(f"{side}: expected {case.iterations} iterations, got {len(stamps)} step ends and "
                            f"{len(REWARD_CALLS)} reward calls")
     iteration_s = [b - a for a, b in zip([clock.start, *stamps[:-1]], stamps)]
+    first_end_unix = time.time() - (time.perf_counter() - stamps[0])  # the 1st iteration's end on the wall clock
     return {
         "side": side,
         "case": dataclasses.asdict(case),
@@ -385,6 +386,7 @@ def child(side: str, case: GRPOCase) -> dict:
         "train_call_s": t2 - t1,
         "loop_s": stamps[-1] - clock.start,
         "iteration_s": iteration_s,
+        "first_iteration_end_unix": first_end_unix,
         "extra_s": extra_s,
         "peak_rss_delta_bytes": rss_delta,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated() if case.device == "cuda" else None,
@@ -439,17 +441,26 @@ def run_child(side: str, case: GRPOCase, timeout: float = 3600) -> dict:
     result["process_maxrss_bytes"] = usage.ru_maxrss * 1024
     result["process_cpu_s"] = usage.ru_utime + usage.ru_stime  # CPU time of the child: user + system
     result["startup_to_imports_s"] = result["child_start_unix"] - t0_unix + result["imports_s"]
+    result["launch_to_first_iteration_s"] = result["first_iteration_end_unix"] - t0_unix  # what a user waits for
     return result
 
 
-def compare(cases: list[GRPOCase], rounds: int, sides=DEFAULT_SIDES, log=print) -> dict[str, dict[str, list[dict]]]:
-    """``rounds`` x each case x each side, interleaved; the side order flips every round."""
+def compare(cases: list[GRPOCase], rounds: int, sides=DEFAULT_SIDES, log=print,
+            side_seconds: float = 3600) -> dict[str, dict[str, list[dict]]]:
+    """``rounds`` x each case x each side, interleaved; the side order flips every round. Each side's run has its
+    own limit, ``side_seconds``: one that fails or runs past it is reported and left out, and the others go on (a
+    slow stage cannot starve its peer)."""
     results = {_case_key(c): {s: [] for s in sides} for c in cases}
     for r in range(rounds):
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for case in cases:
             for side in order:
-                res = run_child(side, case)
+                try:
+                    res = run_child(side, case, timeout=side_seconds)
+                except RuntimeError as e:
+                    log(f"round {r + 1}/{rounds} beta {case.beta:g} {side:<16} FAILED or past its {side_seconds:g} s: "
+                        f"{str(e).splitlines()[0]}")
+                    continue
                 results[_case_key(case)][side].append(res)
                 log(f"round {r + 1}/{rounds} beta {case.beta:g} {side:<16} process {res['process_wall_s']:7.1f} s  "
                     f"(CPU {res['process_cpu_s']:7.1f} s)  loop {res['loop_s']:7.1f} s  "
@@ -494,9 +505,10 @@ def format_report(results: dict[str, dict[str, list[dict]]], case: GRPOCase) -> 
         n = len(by_side[sides[0]])
         lines += [f"### {key} ({n} round{'s' if n > 1 else ''}, medians)", "",
                   "| side | process wall s | vs TRL | start + imports s | build s | train() s | loop s | vs TRL "
+                  "| launch to 1st iteration s | 1st iteration s "
                   "| s/iteration (after the 1st) | fastppo final save+plot s | process peak RSS MiB | vs TRL "
                   "| peak RSS above imports MiB | peak CUDA MiB | vs TRL | reward first -> last "
-                  "| mean completion tokens |", "|" + " --- |" * 17]
+                  "| mean completion tokens |", "|" + " --- |" * 19]
         trl = by_side.get("trl") or []
         trl_wall = _med(trl, "process_wall_s") if trl else None
         trl_rss = _med(trl, "process_maxrss_bytes") if trl else None
@@ -512,7 +524,11 @@ def format_report(results: dict[str, dict[str, list[dict]]], case: GRPOCase) -> 
             cells = [
                 side, f"{wall:.1f}", _ratio(side, trl_wall, wall, "x"), f"{_med(runs, 'startup_to_imports_s'):.1f}",
                 f"{_med(runs, 'build_s'):.1f}", f"{_med(runs, 'train_call_s'):.1f}", f"{loop:.1f}",
-                _ratio(side, trl_loop, loop, "x"), f"{statistics.median(_per_iteration(r) for r in runs):.2f}",
+                _ratio(side, trl_loop, loop, "x"),
+                "–" if _med(runs, "launch_to_first_iteration_s") is None else
+                f"{_med(runs, 'launch_to_first_iteration_s'):.1f}",
+                f"{statistics.median(r['iteration_s'][0] for r in runs):.2f}",
+                f"{statistics.median(_per_iteration(r) for r in runs):.2f}",
                 "–" if side == "trl" else f"{save:.2f}", _mib(rss), _ratio(side, rss, trl_rss, ""),
                 _mib(_med(runs, "peak_rss_delta_bytes")), _mib(cuda), "–" if cuda is None else _ratio(side, cuda, trl_cuda, ""),
                 f"{rewards[0]:+.2f} -> {rewards[-1]:+.2f}",
@@ -571,6 +587,8 @@ def _parse(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="the embedded tiny model, 1 iteration, 1 round, beta 0, fastppo and trl: checks the bench runs")
     p.add_argument("--json", help="write the raw results here")
+    p.add_argument("--side_seconds", type=float, default=3600,
+                   help="each side's run is stopped after this long and left out (the other sides go on)")
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--case", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -608,7 +626,7 @@ def main(argv=None) -> None:
     print(f"case: {cases[0].describe().replace(f'beta {cases[0].beta:g}', 'beta ' + args.betas)}; sides "
           f"{', '.join(sides)}; {args.rounds} round(s)" + ("  [SMOKE RUN: measures nothing]" if args.smoke else ""),
           flush=True)
-    results = compare(cases, args.rounds, sides, log=lambda s: print(s, flush=True))
+    results = compare(cases, args.rounds, sides, log=lambda s: print(s, flush=True), side_seconds=args.side_seconds)
     print()
     print(format_report(results, cases[0]))
     if args.json:
