@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from rich.table import Table
 
-from fastppo.dist import all_reduce
+from fastppo.dist import all_reduce, is_distributed
 
 # One row per statistic of ppo_losses, kept per (epoch, minibatch, micro-step); NaN where not run.
 STAT_NAMES = (
@@ -233,22 +233,77 @@ def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> N
 
 
 def print_samples(console, prompts, completions, scores, update: int, path: str | None, n: int = 6,
-                  columns: dict[str, list[float]] | None = None) -> None:
+                  columns: dict[str, list[float]] | None = None, extra: dict[str, list] | None = None) -> None:
     """A rich table of sample completions, also appended to ``path`` (samples.jsonl; None: printed only).
-    ``columns``: each reward's own score beside the total (NaN: that reward did not judge the row)."""
+    ``columns``: each reward's own score beside the total (NaN: that reward did not judge the row); ``extra``:
+    the columns reward functions logged (``log_extra``), one value per row."""
     columns = columns if columns and len(columns) > 1 else {}  # one reward: its column is the score
+    extra = extra or {}
     table = Table(title=f"samples at iteration {update}", show_lines=False)
     table.add_column("query", overflow="fold")
     table.add_column("response", overflow="fold")
     for name in columns:
         table.add_column(name, justify="right")
+    for name in extra:
+        table.add_column(name, overflow="fold")
     table.add_column("score", justify="right")
-    rows = list(zip(prompts, completions, scores, *columns.values()))[:n]
+    rows = list(zip(prompts, completions, scores, *columns.values(), *extra.values()))[:n]
     for p, c, s, *each in rows:
-        table.add_row(p, c, *(f"{x:.3f}" for x in each), f"{s:.3f}")
+        scored, logged = each[:len(columns)], each[len(columns):]
+        table.add_row(p, c, *(f"{x:.3f}" for x in scored), *(str(x) for x in logged), f"{s:.3f}")
     if path is not None:
         with open(path, "a") as f:
             for p, c, s, *each in rows:
-                extra = {"rewards": dict(zip(columns, (None if x != x else x for x in each)))} if columns else {}
-                f.write(json.dumps({"iteration": update, "query": p, "response": c, "score": s, **extra}) + "\n")
+                scored, logged = each[:len(columns)], each[len(columns):]
+                more = {"rewards": dict(zip(columns, (None if x != x else x for x in scored)))} if columns else {}
+                if extra:
+                    more["extra"] = dict(zip(extra, logged))
+                f.write(json.dumps({"iteration": update, "query": p, "response": c, "score": s, **more},
+                                   default=str) + "\n")
     console.print(table)
+
+
+class RewardLogs:
+    """What reward functions log through the keywords TRL GRPO passes them: ``log_metric(name, value)``, scalars
+    averaged over the calls of an iteration on every process, and ``log_extra(column, values)``, a column of the
+    sample table (one value per completion)."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log = log
+        self.metrics: dict[str, list[float]] = {}
+        self.extra: dict[str, list] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(self, column: str, values) -> None:
+        self.extra.setdefault(str(column), []).extend(list(values))
+
+    def take_metrics(self, device) -> dict[str, float]:
+        """This iteration's metrics, each the mean of its values over every process (a collective: every process
+        calls it in step; its sums on ``device``, the process group's), and cleared."""
+        names = set(self.metrics)
+        if is_distributed():
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, sorted(names))
+            names = set().union(*map(set, gathered))
+        out = {}
+        for name in sorted(names):
+            values = self.metrics.get(name, [])
+            total, count = all_reduce(torch.tensor([sum(values), len(values)], dtype=torch.float64,
+                                                   device=device)).tolist()
+            out[name] = total / count if count else float("nan")
+        self.metrics.clear()
+        return out
+
+    def take_extra(self, rows: int) -> dict[str, list]:
+        """This iteration's logged columns of ``rows`` values, and cleared; a column of another length is left out
+        of the table, saying so."""
+        out = {}
+        for column, values in self.extra.items():
+            if len(values) == rows:
+                out[column] = values
+            else:
+                self.log(f"log_extra({column!r}): {len(values)} values for {rows} completions; not shown")
+        self.extra.clear()
+        return out

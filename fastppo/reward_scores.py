@@ -17,8 +17,8 @@ import torch.nn as nn
 from fastppo.config import as_list, user_path
 from fastppo.data import prompt_messages
 from fastppo.errors import SettingsError, SettingsTypeError
-from fastppo.rewards import (DEFAULT_REWARD_FN, call_reward_fn, load_reward_fn, own_forward_scores, reward_fn_columns,
-                             reward_fn_name, reward_model_scores)
+from fastppo.rewards import (DEFAULT_REWARD_FN, call_reward_fns, load_reward_fn, own_forward_scores,
+                             reward_fn_columns, reward_fn_name, reward_model_scores)
 
 
 @dataclass
@@ -110,8 +110,8 @@ def combine_rewards(columns: dict[str, torch.Tensor], weights: dict[str, float])
     stacked = torch.stack([columns[name] * weights[name] for name in columns], 1)
     unjudged = torch.isnan(stacked).all(1).nonzero().flatten().tolist()
     if unjudged:
-        raise SettingsError(f"no reward judged completion(s) {unjudged[:8]} (every reward function returned None for "
-                            f"them: {', '.join(columns)}); a completion needs at least one score")
+        raise SettingsError(f"no reward judged completion(s) {unjudged[:8]} (every reward function returned None or "
+                            f"NaN for them: {', '.join(columns)}); a completion needs at least one score")
     return stacked.nansum(1)
 
 
@@ -126,10 +126,15 @@ def retokenized_scores(reward: Reward, texts: list[str], completions: list[str],
     texts = list(texts)
     for i, completion in enumerate(completions):
         turns = messages[i] if messages is not None else None
-        if isinstance(turns, list) and turns and isinstance(turns[0], dict):
+        if is_conversation(turns):
             turns = prompt_messages(turns)[0] + [{"role": "assistant", "content": completion}]
             texts[i] = tok.apply_chat_template(turns, tokenize=False)
     return own_forward_scores(reward.model, tok, texts, chunk, reward.name, device)
+
+
+def is_conversation(value) -> bool:
+    """A chat row: a non-empty list of messages (dicts)."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
 
 def check_model_scores(name: str, scores: torch.Tensor) -> torch.Tensor:
@@ -144,10 +149,11 @@ def check_model_scores(name: str, scores: torch.Tensor) -> torch.Tensor:
 
 
 def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: str, chunk: int,
-                  packed: bool, device) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str] | None,
-                                                   list[str] | None]:
+                  packed: bool, device, context: dict | None = None
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str] | None, list[str] | None]:
     """Step 1's scores: each reward on the rollout (a model on the policy's token ids, or on its own tokens when it
-    has its own tokenizer; a function on the texts), then Σ wᵢ·rᵢ (``combine_rewards``). Returns (scores [B],
+    has its own tokenizer; the functions on the texts, as TRL GRPO calls them, ``context``'s keywords added:
+    ``trainer_state``, ``log_extra``, ``log_metric``), then Σ wᵢ·rᵢ (``combine_rewards``). Returns (scores [B],
     each reward's column [B] by name (NaN where a function did not judge), prompts, completions (texts, when
     decoded))."""
     columns, prompts, completions, texts = {}, None, None, None
@@ -157,17 +163,26 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     if any(r.tokenizer is not None for r in rewards):  # prompt + completion as one text: the spacing the policy wrote
         texts = tokenizer.batch_decode([p + c for p, c in zip(prompt_ids, completion_ids)], skip_special_tokens=True)
-    messages = rows[text_field] if rows is not None and text_field in rows.column_names else None
+    messages = list(rows[text_field]) if rows is not None and text_field in rows.column_names else None
+    functions = [r for r in rewards if r.fn is not None]
+    if functions:  # all at once: the async ones run together
+        chat = messages is not None and all(is_conversation(m) for m in messages)
+        scored = call_reward_fns(
+            [(reward_fn_name(r.fn), r.fn) for r in functions],
+            messages if chat else prompts,  # TRL GRPO: a conversational row's prompt messages, as the dataset has them
+            [[{"role": "assistant", "content": c}] for c in completions] if chat else completions, device,
+            **reward_fn_columns(prompt_ids, completion_ids, rows), **(context or {}))
+        columns.update((r.name, column) for r, column in zip(functions, scored))
     for reward in rewards:
         if reward.fn is not None:
-            columns[reward.name] = call_reward_fn(reward.fn, reward_fn_name(reward.fn), prompts, completions, device,
-                                                  **reward_fn_columns(prompt_ids, completion_ids, rows))
-        elif reward.tokenizer is None:  # the policy's tokenizer: its token ids, read at the last token, no decode
+            continue
+        if reward.tokenizer is None:  # the policy's tokenizer: its token ids, read at the last token, no decode
             columns[reward.name] = check_model_scores(reward.name, reward_model_scores(reward.model, rollout, chunk,
                                                                                        packed))
         else:
             columns[reward.name] = check_model_scores(reward.name, retokenized_scores(
                 reward, texts, completions, messages, chunk, device))
+    columns = {r.name: columns[r.name] for r in rewards}  # reward_weights' order: the sum's order
     if len(rewards) == 1 and rewards[0].weight == 1.0 and not torch.isnan(columns[rewards[0].name]).any():
         return columns[rewards[0].name], columns, prompts, completions  # one reward: its scores, bit for bit
     return combine_rewards(columns, {r.name: r.weight for r in rewards}), columns, prompts, completions

@@ -1,21 +1,26 @@
 """Rewards: rule-based reward functions (``--reward_fn fastppo.rewards:NAME``), calling a reward
 function or a reward model on completions, and legacy TRL's score scaling.
 
-The trainer calls a reward function once per rollout batch, as TRL's GRPOTrainer does, and expects
-one finite float per completion::
+The trainer calls a reward function once per rollout batch, as TRL 1.16's GRPOTrainer does, and expects
+one float (or None: not judged) per completion::
 
-    fn(prompts=list[str], completions=list[str], prompt_ids=list[list[int]],
-       completion_ids=list[list[int]], **dataset_columns) -> list[float] | torch.Tensor
+    fn(prompts=list, completions=list, prompt_ids=list[list[int]], completion_ids=list[list[int]],
+       trainer_state=TrainerState, log_extra=fn(column, values), log_metric=fn(name, value),
+       **dataset_columns) -> list[float | None] | torch.Tensor
 
 ``prompts[i]`` is the decoded query and ``completions[i]`` the decoded response (special tokens
-skipped, cut after the stop token, which ``completion_ids[i]`` keeps). A function without
-``**kwargs`` gets only the keywords it names.
+skipped, cut after the stop token, which ``completion_ids[i]`` keeps); for a conversational dataset,
+as TRL passes them, the row's prompt messages and ``[{"role": "assistant", "content": text}]``. The
+dataset's other columns come as lists. An ``async def`` function is awaited, together with the other
+async ones. A function without ``**kwargs`` gets only the keywords it names.
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -43,6 +48,13 @@ _POSITIVE = frozenset(POSITIVE_WORDS)
 _NEGATIVE = frozenset(NEGATIVE_WORDS)
 
 
+def completion_text(completion) -> str:
+    """A completion's text: the string, or a conversational completion's messages' contents joined."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in completion)
+    return completion
+
+
 def positive_words(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
     """#positive − #negative words of each completion (``POSITIVE_WORDS`` / ``NEGATIVE_WORDS``).
 
@@ -51,15 +63,15 @@ def positive_words(prompts: list[str], completions: list[str], **kwargs) -> list
     is worth more than TRL's default KL penalty (β = 0.05) costs and the optimum stays clear.
     """
     scores = []
-    for text in completions:
-        words = text.lower().split()
+    for completion in completions:
+        words = completion_text(completion).lower().split()
         scores.append(float(sum(w in _POSITIVE for w in words) - sum(w in _NEGATIVE for w in words)))
     return scores
 
 
 def completion_length(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
     """Number of words of each completion (a trivially learnable reward for tests)."""
-    return [float(len(text.split())) for text in completions]
+    return [float(len(completion_text(c).split())) for c in completions]
 
 
 # ============================================================================ scoring completions
@@ -99,45 +111,108 @@ def _accepted_kwargs(fn: Callable, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
-def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], device,
-                   **columns) -> torch.Tensor:
-    """[B] fp32 scores from a reward function; any failure is an error that names the function.
+def call_reward_fn(fn: Callable, name: str, prompts: list, completions: list, device, **columns) -> torch.Tensor:
+    """[B] fp32 scores from one reward function (``call_reward_fns`` with one)."""
+    return call_reward_fns([(name, fn)], prompts, completions, device, **columns)[0]
 
-    Called as TRL's GRPOTrainer calls reward functions: keywords ``prompts``, ``completions`` and
-    the ``columns`` (``prompt_ids``, ``completion_ids``, the dataset row's other columns).
-    """
+
+def call_reward_fns(functions: list[tuple[str, Callable]], prompts: list, completions: list, device,
+                    **columns) -> list[torch.Tensor]:
+    """[B] fp32 scores from each ``(name, function)``, called as TRL 1.16's GRPOTrainer calls reward functions:
+    keywords ``prompts``, ``completions`` and the ``columns`` (``prompt_ids``, ``completion_ids``, the dataset rows'
+    other columns as lists, ``trainer_state``, ``log_extra``, ``log_metric``); a function without ``**kwargs`` gets
+    only the ones it names. The plain functions run one after another, then the ``async`` ones together on a
+    background event loop (as TRL runs them). None or NaN: the function does not judge that completion (NaN in its
+    column). Any failure, a wrong length or an infinite score is an error that names the function."""
     # copies: a function that edits its arguments in place must not change the samples the run logs
-    kwargs = _accepted_kwargs(fn, dict(prompts=list(prompts), completions=list(completions),
-                                       **{k: list(v) if isinstance(v, list) else v for k, v in columns.items()}))
-    # None: the function does not judge that completion (TRL GRPO's convention); it stays NaN here, and only here
-    unjudged = []
+    shared = dict(prompts=list(prompts), completions=list(completions),
+                  **{k: list(v) if isinstance(v, list) else v for k, v in columns.items()})
+    results: dict[int, object] = {}
+    waiting = []
+    for i, (name, fn) in enumerate(functions):
+        kwargs = _accepted_kwargs(fn, shared)
+        if is_async(fn):
+            waiting.append((i, name, fn, kwargs))
+            continue
+        out = _invoke(name, lambda: fn(**kwargs))
+        if inspect.isawaitable(out):  # a callable object whose __call__ returns a coroutine
+            waiting.append((i, name, out, None))
+        else:
+            results[i] = out
+    if waiting:
+        outs = _run_concurrently([fn if kwargs is None else _call_async(name, fn, kwargs)
+                                  for _, name, fn, kwargs in waiting])
+        for (i, name, _, _), out in zip(waiting, outs):
+            if isinstance(out, BaseException):
+                raise _failure(name, out) from out
+            results[i] = out
+    return [_scores_of(results[i], name, completions, device) for i, (name, _) in enumerate(functions)]
+
+
+def is_async(fn: Callable) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _invoke(name: str, call: Callable):
     try:
-        out = fn(**kwargs)
-    except SystemExit as e:  # sys.exit() in a reward function must not end the run as a success
-        raise RewardFunctionError(f"reward_fn {name!r} called sys.exit({e.code!r}); a reward function must "
-                                  "return scores") from e
-    except Exception as e:
-        raise RewardFunctionError(f"reward_fn {name!r} raised {type(e).__name__}: {e}") from e
+        return call()
+    except (SystemExit, Exception) as e:  # sys.exit() in a reward function must not end the run as a success
+        raise _failure(name, e) from e
+
+
+def _failure(name: str, e: BaseException) -> RewardFunctionError:
+    if isinstance(e, SystemExit):
+        return RewardFunctionError(f"reward_fn {name!r} called sys.exit({e.code!r}); a reward function must return "
+                                   "scores")
+    return RewardFunctionError(f"reward_fn {name!r} raised {type(e).__name__}: {e}")
+
+
+async def _call_async(name: str, fn: Callable, kwargs: dict):
+    return await fn(**kwargs)
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _run_concurrently(awaitables: list) -> list:
+    """Each awaitable's result (or the exception it raised), run together on one background event loop, made once
+    per process in a daemon thread (TRL's way: it works the same whether or not the caller has a loop running,
+    as a notebook has)."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="fastppo-async-rewards", daemon=True).start()
+
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    return asyncio.run_coroutine_threadsafe(gather(), _LOOP).result()
+
+
+def _scores_of(out, name: str, completions: list, device) -> torch.Tensor:
+    """A function's return value as [B] fp32 scores: NaN where it returned None or NaN (not judged); refused when
+    it is not one number per completion, or holds an infinity."""
     try:
         if not isinstance(out, torch.Tensor):
-            out = list(out)
-            unjudged = [i for i, x in enumerate(out) if x is None]
-            out = [math.nan if x is None else x for x in out]
+            out = [math.nan if x is None else x for x in list(out)]
         scores = torch.as_tensor(out, dtype=torch.float32)
     except (TypeError, ValueError) as e:
-        raise SettingsTypeError(f"reward_fn {name!r} must return a list of floats or a tensor, got {type(out).__name__}") from e
+        raise SettingsTypeError(f"reward_fn {name!r} must return a list of floats or a tensor, got "
+                                f"{type(out).__name__}") from e
     scores = scores.reshape(-1) if scores.dim() > 1 and scores.numel() == len(completions) else scores
     if scores.dim() != 1 or scores.shape[0] != len(completions):
         raise SettingsError(
             f"reward_fn {name!r} returned {tuple(scores.shape)} scores for {len(completions)} completions; "
             "expected one float per completion"
         )
-    skipped = set(unjudged)
-    bad = [i for i in (~torch.isfinite(scores)).nonzero().flatten().tolist() if i not in skipped]
+    bad = torch.isinf(scores).nonzero().flatten().tolist()
     if bad:
         raise SettingsError(
-            f"reward_fn {name!r} returned non-finite scores at rows {bad[:8]} (e.g. {scores[bad[0]].item()}) for "
-            f"completion {completions[bad[0]]!r}; refusing to update on them"
+            f"reward_fn {name!r} returned infinite scores at rows {bad[:8]} (e.g. {scores[bad[0]].item()}) for "
+            f"completion {completions[bad[0]]!r}; refusing to update on them (None or NaN: not judged)"
         )
     return scores.to(device)
 
@@ -195,8 +270,8 @@ def learned_positions(model) -> int | None:
     return position_limit(config)
 
 
-# what every call passes beside the dataset's columns
-PASSED_ALWAYS = ("prompts", "completions", "prompt_ids", "completion_ids")
+# what every call passes beside the dataset's columns (TRL GRPO's, and the prompts' token ids)
+PASSED_ALWAYS = ("prompts", "completions", "prompt_ids", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 def check_reward_fn_columns(fn: Callable, name: str, dataset, what: str) -> None:
@@ -215,13 +290,17 @@ def check_reward_fn_columns(fn: Callable, name: str, dataset, what: str) -> None
                             f"(its columns: {columns}); add the column to {what}, or give the parameter a default")
 
 
+# dataset columns a reward function does not get (TRL GRPO's rule: the prompt and the completion come as texts)
+NOT_PASSED = ("prompt", "completion", "completion_ids", "prompts", "completions")
+
+
 def reward_fn_columns(prompt_ids: list[list[int]], completion_ids: list[list[int]], rows=None) -> dict:
     """The keywords a reward function gets beside the texts: ``prompt_ids`` and ``completion_ids`` (real
     tokens; the completion up to and including its stop token) and the dataset ``rows``' other columns."""
     columns = {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
     if rows is not None:
         for name in rows.column_names:
-            if name not in columns and name not in ("prompts", "completions"):
+            if name not in columns and name not in NOT_PASSED:
                 columns[name] = list(rows[name])  # a list, as TRL passes it (datasets returns a Column)
     return columns
 

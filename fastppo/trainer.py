@@ -33,7 +33,7 @@ from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import sample_responses, stop_ids_of
 from fastppo.layout import lm_of
-from fastppo.metrics import MetricsLogger, plot_curves, print_samples
+from fastppo.metrics import MetricsLogger, RewardLogs, plot_curves, print_samples
 from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, score_rewards
 from fastppo.rewards import check_reward_fn_columns, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
@@ -177,6 +177,7 @@ class PPOTrainer:
         self._logger = None
         self._run_lock = None
         self._training = False  # inside train(): the output_dir is this run's to write
+        self.reward_logs = RewardLogs(self.log)  # what reward functions log (log_metric, log_extra)
 
     # ------------------------------------------------------------------ 1. rollout
 
@@ -209,7 +210,9 @@ class PPOTrainer:
         with self.autocast():
             scores, columns, prompts, completions = score_rewards(
                 self.rewards, rollout, self.tokenizer, rows, config.dataset_text_field,
-                config.local_rollout_forward_batch_size, config.padding_free, self.device)
+                config.local_rollout_forward_batch_size, config.padding_free, self.device,
+                context=dict(trainer_state=self.state, log_extra=self.reward_logs.log_extra,
+                             log_metric=self.reward_logs.log_metric))
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
         scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,
                                      config.penalty_reward_value)
@@ -354,11 +357,13 @@ class PPOTrainer:
                 self.control = self.callback_handler.on_step_begin(config, state, self.control)
                 result = self.iteration()  # steps 1-6: rollout, scoring, rewards, GAE, update, metrics
                 batch = result.batch
+                logged_columns = self.reward_logs.take_extra(len(batch.scores))
                 # then what a run shows: metrics, samples, callbacks, checkpoints
                 # an episode is one completion: a pass over the prompts is num_generations episodes of each
                 state.epoch = state.episode / max(len(self.prompts) * sizes.num_generations, 1)
                 metrics = {
                     **result.metrics,
+                    **self.reward_logs.take_metrics(self.device),  # the reward functions' own (log_metric)
                     "eps": (state.episode - start_episode) / (time.perf_counter() - start),
                     "lr": result.lr,
                     "episode": state.episode,
@@ -382,7 +387,8 @@ class PPOTrainer:
                             else self.decode(*batch.rollout.token_ids())
                         print_samples(self.console, prompts, completions, batch.scores.tolist(), update,
                                       os.path.join(config.output_dir, "samples.jsonl"),
-                                      columns={k: v.tolist() for k, v in batch.reward_columns.items()})
+                                      columns={k: v.tolist() for k, v in batch.reward_columns.items()},
+                                      extra=logged_columns)
                 self.control = self.callback_handler.on_step_end(config, state, self.control)
                 preempted = stop.requested_anywhere()
                 # transformers' flow asks for a checkpoint at save_steps and after the last iteration (as TRL's

@@ -483,10 +483,16 @@ def _(ctx):
     must_refuse("a raising reward function")
 
 
-@case("reward fn: returns NaN", "refused", ["reward_fn", "non-finite", "nan"])
-def _(ctx):
+@case("reward fn: returns NaN for every completion", "refused", ["no reward judged", "none or nan"])
+def _(ctx):  # NaN is "not judged" (TRL GRPO's); a completion no reward judged has no score
     ctx.trainer(reward_model=lambda completions, **kw: [float("nan")] * len(completions)).train()
     must_refuse("NaN scores")
+
+
+@case("reward fn: returns an infinity", "refused", ["reward_fn", "infinite"])
+def _(ctx):
+    ctx.trainer(reward_model=lambda completions, **kw: [float("inf")] * len(completions)).train()
+    must_refuse("infinite scores")
 
 
 @case("reward fn: returns a [B,1] tensor", "ok|refused", ["reward_fn", "shape", "scores"])

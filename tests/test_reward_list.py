@@ -171,13 +171,21 @@ def test_a_list_trains_and_logs_each_reward(tmp_path, model_dir):
         assert first["rewards/judges_short/mean"] == pytest.approx(judged.mean().item(), rel=1e-5)
 
 
-def test_a_nan_is_refused_naming_the_reward(tmp_path, model_dir):
+def test_an_infinity_is_refused_naming_the_reward_and_a_nan_is_not_judged(tmp_path, model_dir):
     def broken(prompts, completions, **kwargs):
-        return [math.nan] + [1.0] * (len(completions) - 1)
+        return [math.inf] + [1.0] * (len(completions) - 1)
 
     trainer = make_trainer(small(tmp_path), reward_model=[counts_good, broken])
-    with pytest.raises(SettingsError, match="broken.* non-finite scores at rows \\[0\\]"):
+    with pytest.raises(SettingsError, match="broken.* infinite scores at rows \\[0\\]"):
         trainer.rollout()
+
+    def abstains(prompts, completions, **kwargs):  # TRL GRPO: NaN, like None, is "not judged"
+        return [math.nan] + [1.0] * (len(completions) - 1)
+
+    batch = make_trainer(small(tmp_path), reward_model=[counts_good, abstains]).rollout()
+    good = batch.reward_columns["counts_good"]
+    assert math.isnan(batch.reward_columns["abstains"][0]) and batch.scores[0] == good[0]
+    torch.testing.assert_close(batch.scores[1:], good[1:] + 1.0)
 
 
 # ---------------------------------------------------------------------------- a reward model with its own tokenizer

@@ -135,8 +135,11 @@ def test_reward_fn_validation_names_the_function():
     assert ok.tolist() == [1.0]
     with pytest.raises(RuntimeError, match="'m:boom' raised ZeroDivisionError"):
         call_reward_fn(lambda prompts, completions: 1 / 0, "m:boom", ["a"], ["b"], "cpu")
-    with pytest.raises(ValueError, match="'m:nan' returned non-finite"):
-        call_reward_fn(lambda prompts, completions: [float("nan")], "m:nan", ["a"], ["b"], "cpu")
+    with pytest.raises(ValueError, match="'m:inf' returned infinite scores at rows \\[1\\]"):
+        call_reward_fn(lambda prompts, completions: [1.0, float("-inf")], "m:inf", ["a", "a"], ["b", "c"], "cpu")
+    # None and NaN: not judged (TRL GRPO's meaning), NaN in the column
+    assert call_reward_fn(lambda prompts, completions: [None, float("nan"), 2.0], "m:none", ["a"] * 3,
+                          ["b"] * 3, "cpu").isnan().tolist() == [True, True, False]
     with pytest.raises(ValueError, match=r"'m:short' returned \(1,\) scores for 2 completions"):
         call_reward_fn(lambda prompts, completions: [1.0], "m:short", ["a", "a"], ["b", "c"], "cpu")
 
