@@ -12,14 +12,23 @@ from dataclasses import dataclass
 import torch
 from rich.table import Table
 
-from fastppo.dist import all_reduce, is_distributed
+from fastppo.dist import all_gather, all_reduce, is_distributed
 
 # One row per statistic of ppo_losses, kept per (epoch, minibatch, micro-step); NaN where not run.
 STAT_NAMES = (
     "approxkl", "policykl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio",
     "advantages_mean", "returns_mean", "returns_var", "vpred_mean", "vf_error", "values_mean", "values_var",
-    "ratio_skipped", "kl_loss", "clip_low", "clip_high", "clip_region", "kl_token_sum", "kl_tokens",
+    "ratio_skipped", "kl_loss", "clip_low", "clip_high", "clip_region", "kl_token_sum", "entropy_token_sum",
+    "tokens", "clip_low_sum", "clip_high_sum", "clip_region_sum", "clip_units",
 )
+# Per micro-step sums and their counts, all-reduced slot by slot: TRL GRPO's metrics are, for each micro-step, a mean
+# over every process's trained tokens (rows, for the clip fractions under GSPO), then averaged over the micro-steps
+GLOBAL_MEANS = {"kl": ("kl_token_sum", "tokens"), "entropy": ("entropy_token_sum", "tokens"),
+                "clip_ratio/low_mean": ("clip_low_sum", "clip_units"),
+                "clip_ratio/high_mean": ("clip_high_sum", "clip_units"),
+                "clip_ratio/region_mean": ("clip_region_sum", "clip_units")}
+SLOT_ROWS = ("kl_token_sum", "entropy_token_sum", "clip_low_sum", "clip_high_sum", "clip_region_sum", "tokens",
+             "clip_units")
 STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 
 
@@ -68,19 +77,19 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     ratio_row = stats[STAT["ratio"]]
     ratio = torch.where(ran[STAT["ratio"]], ratio_row, torch.zeros_like(ratio_row))
     columns = reward_columns or {}
-    slots = stats.shape[1]  # the in-loss KL's token sums and counts per micro-step, all-reduced slot by slot
-    kl_slots = stats[[STAT["kl_token_sum"], STAT["kl_tokens"]]].reshape(-1).to(objective.device, objective.dtype)
+    slots = stats.shape[1]  # GLOBAL_MEANS' sums and counts per micro-step, all-reduced slot by slot
+    slot_sums = stats[[STAT[n] for n in SLOT_ROWS]].reshape(-1).to(objective.device, objective.dtype)
     packed = torch.cat([
         objective, sums, counts, (ratio**2).sum().reshape(1),
-        torch.as_tensor(result.skipped_steps, dtype=torch.float32).to(objective.device).reshape(1), kl_slots,
+        torch.as_tensor(result.skipped_steps, dtype=torch.float32).to(objective.device).reshape(1), slot_sums,
     ])
     packed = all_reduce(packed).tolist()
     n_obj, n = objective.numel(), len(STAT_NAMES)
     kl_sum, entropy, nsr, scores, num_eos = packed[:n_obj]
     sums, counts = packed[n_obj : n_obj + n], packed[n_obj + n : n_obj + 2 * n]
     ratio_sq, skipped = packed[n_obj + 2 * n], packed[n_obj + 2 * n + 1]
-    kl_sums = packed[n_obj + 2 * n + 2: n_obj + 2 * n + 2 + slots]
-    kl_counts = packed[n_obj + 2 * n + 2 + slots: n_obj + 2 * n + 2 + 2 * slots]
+    first = n_obj + 2 * n + 2
+    by_slot = {name: packed[first + i * slots: first + (i + 1) * slots] for i, name in enumerate(SLOT_ROWS)}
     mean = {name: (s / c if c else float("nan")) for name, s, c in zip(STAT_NAMES, sums, counts)}
     c = counts[STAT["ratio"]]
     ratio_var = (ratio_sq - c * mean["ratio"] ** 2) / (c - 1) if c > 1 else 0.0
@@ -93,10 +102,8 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
         "objective/scores": scores / w,
         "policy/approxkl_avg": mean["approxkl"],
         "policy/clipfrac_avg": mean["pg_clipfrac"],
-        # TRL GRPO's per-side clip fractions (fastppo.kernels.clip_sides)
-        "clip_ratio/low_mean": mean["clip_low"],
-        "clip_ratio/high_mean": mean["clip_high"],
-        "clip_ratio/region_mean": mean["clip_region"],
+        # TRL GRPO's per-side clip fractions (fastppo.kernels.clip_sides), global means (GLOBAL_MEANS)
+        **{name: _global_mean(by_slot, name) for name in GLOBAL_MEANS if name.startswith("clip_ratio/")},
         "loss/policy_avg": mean["pg_loss"],
         "loss/value_avg": mean["vf_loss"],
         "val/clipfrac_avg": mean["vf_clipfrac"],
@@ -108,14 +115,49 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
         "train/ratio_skipped_microbatches": sums[STAT["ratio_skipped"]],
     }
     if kl_in_loss:  # TRL GRPO's: each micro-step's token mean over every process, averaged over the micro-steps
-        per_slot = [s / max(c, 1.0) for s, c in zip(kl_sums, kl_counts) if math.isfinite(s)]
-        metrics[KL_IN_LOSS_METRIC] = sum(per_slot) / len(per_slot) if per_slot else float("nan")
+        metrics[KL_IN_LOSS_METRIC] = _global_mean(by_slot, KL_IN_LOSS_METRIC)
+    if not critic:  # TRL GRPO's entropy (a critic-free run logs TRL GRPO's names)
+        metrics["entropy"] = _global_mean(by_slot, "entropy")
     for name, (mean_r, std_r) in zip(columns, reward_moments(list(columns.values()))):
         metrics[f"rewards/{name}/mean"] = mean_r
         metrics[f"rewards/{name}/std"] = std_r
     for name in (() if critic else VALUE_METRICS) + (() if kl else ("objective/kl",)):
         del metrics[name]
     return metrics
+
+
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor, scores: torch.Tensor, k: int,
+                       scale_rewards: str) -> dict[str, float]:
+    """TRL GRPO's metrics of the rollout, over every process: ``completions/{mean,min,max}_length``,
+    ``completions/clipped_ratio`` (the share that ran out of tokens before a stop token),
+    ``completions/{mean,min,max}_terminated_length`` (of those that stopped; 0 when none did), ``reward`` and
+    ``reward_std`` (the score's mean and unbiased std) and ``frac_reward_zero_std`` (the share of completions whose
+    group's std, or under ``scale_rewards="batch"`` the batch's, is 0; k > 1). Taken in float64 (a group of equal
+    float32 rewards has a std of exactly 0, which TRL's float32 std can miss)."""
+    local = torch.stack([lengths.double(), truncated.double(), scores.double()], 1)
+    if is_distributed():  # groups never span processes: the concatenation keeps them whole
+        local = torch.cat(all_gather([torch.empty_like(local) for _ in range(torch.distributed.get_world_size())],
+                                     local))
+    length, cut, reward = local.unbind(1)
+    stopped = length[cut == 0] if bool((cut == 0).any()) else torch.zeros(1, dtype=length.dtype)
+    metrics = {"completions/mean_length": length.mean(), "completions/min_length": length.min(),
+               "completions/max_length": length.max(), "completions/clipped_ratio": cut.mean(),
+               "completions/mean_terminated_length": stopped.mean(),
+               "completions/min_terminated_length": stopped.min(),
+               "completions/max_terminated_length": stopped.max(), "reward": reward.mean(),
+               "reward_std": reward.std() if reward.numel() > 1 else torch.tensor(float("nan"))}
+    if k > 1:
+        std = reward.std().expand(reward.shape) if scale_rewards == "batch" else reward.view(-1, k).std(1)
+        metrics["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).double().mean()
+    return {name: float(value) for name, value in metrics.items()}
+
+
+def _global_mean(by_slot: dict[str, list[float]], metric: str) -> float:
+    """A GLOBAL_MEANS metric: per micro-step its sum over every process / its count (at least 1, as TRL's), then
+    the mean over the micro-steps that ran (NaN: none did)."""
+    total, count = GLOBAL_MEANS[metric]
+    per_slot = [s / max(c, 1.0) for s, c in zip(by_slot[total], by_slot[count]) if math.isfinite(s)]
+    return sum(per_slot) / len(per_slot) if per_slot else float("nan")
 
 
 def reward_moments(columns: list[torch.Tensor]) -> list[tuple[float, float]]:

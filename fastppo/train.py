@@ -41,7 +41,7 @@ from fastppo.kernels import (clip_sides, clipped_surrogate, fused_full_kl, gae, 
                              masked_whiten, truncate_at_stop)
 from fastppo.kernels.stats import WHITEN_EPS
 from fastppo.batching import micro_batches, token_budget_batches
-from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, gather_metrics, objective_sums
+from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, completion_metrics, gather_metrics, objective_sums
 from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, policy_loss_weights, reads_whole_sequences,
                                   surrogate_options)
 from fastppo.layout import gathered, lm_head_of, make_layout
@@ -491,10 +491,23 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                 ("values_var", masked_var(old_values, mask, check=False)),
             ):
                 stats[STAT[name]] = value
-        if beta:  # the term as aggregated, and its token sum and count (TRL GRPO logs their global token mean)
+        # sums over the trained tokens (for the clip fractions under GSPO, over the rows: TRL's units), whose
+        # global means over every process TRL GRPO logs (gather_metrics)
+        real = mask != 0
+        stats[STAT["tokens"]] = real.sum()
+        stats[STAT["entropy_token_sum"]] = torch.where(real, entropy.detach(), 0.0).sum()
+        if sequence_level:  # one ratio per row: a row is clipped or not (rows without a trained token are not)
+            first = real.float().argmax(1, keepdim=True)
+            sides = [c.gather(1, first).squeeze(1) & real.any(1) for c in (clip_low, clip_high, clip_low | clip_high)]
+            stats[STAT["clip_units"]] = float(b)
+        else:
+            sides = [c & real for c in (clip_low, clip_high, clip_low | clip_high)]
+            stats[STAT["clip_units"]] = stats[STAT["tokens"]]
+        for name, side in zip(("clip_low_sum", "clip_high_sum", "clip_region_sum"), sides):
+            stats[STAT[name]] = side.sum()
+        if beta:  # the term as aggregated, and its token sum
             stats[STAT["kl_loss"]] = kl_loss
-            stats[STAT["kl_token_sum"]] = torch.where(mask != 0, kl_tokens.detach(), 0.0).sum()
-            stats[STAT["kl_tokens"]] = (mask != 0).sum()
+            stats[STAT["kl_token_sum"]] = torch.where(real, kl_tokens.detach(), 0.0).sum()
     return loss, stats
 
 
@@ -780,6 +793,9 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     metrics = gather_metrics(objective, update, sizes.world_size, critic=experience.values is not None,
                              kl=experience.ref_logprobs is not None, kl_in_loss=bool(config.beta),
                              reward_columns=batch.reward_columns)
+    if config.critic_free:  # TRL GRPO's completion and reward metrics
+        metrics.update(completion_metrics(rollout.lengths, ~rollout.has_stop, batch.scores, config.num_generations,
+                                          config.scale_rewards))
     if metrics["train/skipped_steps"]:
         learner.log(f"{metrics['train/skipped_steps']:g} optimizer step(s) skipped for a non-finite loss or gradient "
                     "(weights and optimizer state unchanged by them)")

@@ -56,11 +56,13 @@ def test_a_reward_that_judged_under_two_completions_has_no_std():
     assert mean == 2.5 and math.isnan(std) and math.isnan(none_mean) and math.isnan(none_std)
 
 
-def _moments_rank(rank: int, port: int, out: str, parts) -> None:
+def _moments_rank(rank: int, port: int, out: str, parts, batches) -> None:
+    from fastppo.metrics import completion_metrics
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        torch.save(reward_moments(parts[rank]), f"{out}.{rank}")
+        torch.save((reward_moments(parts[rank]), completion_metrics(*batches[rank], 2, "group")), f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -71,11 +73,21 @@ def test_reward_moments_are_over_every_process(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_moments_rank, args=(port, str(tmp_path / "m"), parts), nprocs=2, join=True)
+    from fastppo.metrics import completion_metrics
+
+    g = torch.Generator().manual_seed(5)
+    lengths, scores = torch.randint(1, 9, (8,), generator=g), torch.randn(8, generator=g)
+    scores[4:6] = 0.3  # a group of equal rewards on the second process
+    batches = [(lengths[:4], lengths[:4] == 8, scores[:4]), (lengths[4:], lengths[4:] == 8, scores[4:])]
+    mp.spawn(_moments_rank, args=(port, str(tmp_path / "m"), parts, batches), nprocs=2, join=True)
     together = reward_moments(whole)
+    batch = completion_metrics(lengths, lengths == 8, scores, 2, "group")
     for rank in (0, 1):
-        for got, want in zip(torch.load(f"{tmp_path / 'm'}.{rank}"), together):
+        moments, completions = torch.load(f"{tmp_path / 'm'}.{rank}")
+        for got, want in zip(moments, together):
             assert got == pytest.approx(want, rel=1e-12)
+        assert completions == pytest.approx(batch, rel=1e-12)
+    assert batch["frac_reward_zero_std"] >= 0.25
 
 
 def kl_case(seed: int, rows: int):
@@ -121,3 +133,71 @@ def test_the_logged_kl_is_the_token_mean_of_each_micro_step_for_every_loss_type(
     if loss_type in ("grpo", "dr_grpo", "luspo"):  # the loss's own aggregation is another number
         aggregated = stacked[STAT["kl_loss"]].mean().item()
         assert abs(aggregated - got) > 1e-3
+
+
+def test_entropy_and_clip_fractions_are_global_means_in_trls_units():
+    """TRL GRPO's entropy and clip_ratio/*_mean: per micro-step, over the trained tokens (rows, under GSPO's one
+    ratio per row) of every process, then averaged over the micro-steps."""
+    cases = [kl_case(seed, rows) for seed, rows in ((3, 5), (4, 2))]
+    for sequence_level in (False, True):
+        rows, want = [], {"entropy": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": []}
+        for new, old, ref, advantages, mask in cases:
+            entropy = torch.rand(new.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+            _, row = ppo_losses(new, None, entropy, old, None, advantages, None, mask, cliprange=0.02,
+                                cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=math.inf,
+                                cliprange_high=0.03, sequence_level=sequence_level)
+            rows.append(row)
+            want["entropy"].append((entropy[mask].sum() / mask.sum()).item())
+            if sequence_level:  # exp of each row's mean log-ratio over its trained tokens; every row counts
+                ratio = torch.exp(((new - old) * mask).sum(1) / mask.sum(1).clamp(min=1))[:, None]
+                a = advantages[:, :1]
+                want["clip_ratio/low_mean"].append((((ratio < 0.98) & (a < 0)).sum() / len(ratio)).item())
+                want["clip_ratio/high_mean"].append((((ratio > 1.03) & (a > 0)).sum() / len(ratio)).item())
+            else:
+                ratio = torch.exp(new - old)
+                want["clip_ratio/low_mean"].append((((ratio < 0.98) & (advantages < 0))[mask].sum() / mask.sum()).item())
+                want["clip_ratio/high_mean"].append((((ratio > 1.03) & (advantages > 0))[mask].sum()
+                                                     / mask.sum()).item())
+        stacked = torch.stack(rows, 1)[:, None, None, :]
+        logged = gather_metrics(torch.zeros(5), UpdateResult(stacked, 0.0, 1.0, 1), 1, critic=False, kl=False)
+        for name, values in want.items():
+            assert logged[name] == pytest.approx(sum(values) / len(values), rel=1e-6, abs=1e-7), (name, sequence_level)
+        assert 0 < logged["clip_ratio/low_mean"] + logged["clip_ratio/high_mean"] < 1
+
+
+def test_completion_and_reward_metrics_against_their_definitions():
+    """TRL GRPO's completions/* and reward metrics on a batch with truncated completions and a group of equal
+    float32 rewards (0.1: its float32 std is not 0, its float64 one is)."""
+    from fastppo.metrics import completion_metrics
+
+    lengths = torch.tensor([3, 8, 8, 1, 5, 8, 2, 7])
+    truncated = lengths == 8
+    scores = torch.tensor([0.1, 0.1, 0.1, 0.1, 1.0, -2.0, 0.5, 3.0])
+    got = completion_metrics(lengths, truncated, scores, 4, "group")
+    stopped = lengths[~truncated].double()
+    want = {"completions/mean_length": lengths.double().mean(), "completions/min_length": 1.0,
+            "completions/max_length": 8.0, "completions/clipped_ratio": 3 / 8,
+            "completions/mean_terminated_length": stopped.mean(), "completions/min_terminated_length": 1.0,
+            "completions/max_terminated_length": 7.0, "reward": scores.double().mean(),
+            "reward_std": scores.double().std(), "frac_reward_zero_std": 0.5}
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(float(value), rel=1e-12), name
+    assert completion_metrics(lengths, truncated, scores, 4, "batch")["frac_reward_zero_std"] == 0.0
+    none_stopped = completion_metrics(lengths, torch.ones(8, dtype=torch.bool), scores, 1, "group")
+    assert none_stopped["completions/mean_terminated_length"] == 0.0 and "frac_reward_zero_std" not in none_stopped
+
+
+def test_a_critic_free_run_logs_trl_grpos_names(tmp_path, model_dir):
+    from helpers import make_trainer, small_config
+
+    trainer = make_trainer(small_config(tmp_path, advantage_estimator="grpo", num_generations=4, beta=0.04,
+                                        total_episodes=16, num_sample_generations=0))
+    trainer.train()
+    names = {"reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio",
+             "completions/mean_terminated_length", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
+             "clip_ratio/region_mean"}
+    for row in trainer.state.log_history:
+        if "reward" in row:
+            assert names <= set(row)
+            assert row["reward"] == pytest.approx(row["objective/scores"], rel=1e-5, abs=1e-6)
