@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, TrainingArguments
 
 from fastppo.config import GRPO_NAMES
 from fastppo.config import ModelConfig, PPOConfig, ScriptArguments, as_list, user_path  # noqa: F401  (TRL's names, re-exported)
@@ -81,7 +81,32 @@ def build_parser() -> HfArgumentParser:
     # PPOConfig keeps TRL's pythia-160m for scripts that load these themselves; fastppo's command line names
     # no Hub model unless told (unset, the embedded default runs, or reward_fn scores)
     parser.set_defaults(sft_model_path=None, reward_model_path=None)
+    group_help(parser)
     return parser
+
+
+# --help's sections, in this order (transformers adds every dataclass's flags to one list; the three classes and
+# TrainingArguments' own fields are grouped here)
+HELP_GROUPS = (
+    (ScriptArguments, "the dataset (TRL's ScriptArguments)"),
+    (PPOConfig, "the algorithm (PPOConfig: TRL 0.26's PPO settings, TRL GRPO's names, fastppo's own)"),
+    (TrainingArguments, "training (transformers' TrainingArguments: optimizer, schedule, precision, logging, "
+                        "saving)"),
+    (ModelConfig, "the models (TRL's ModelConfig: loading, LoRA, quantization)"),
+)
+
+
+def group_help(parser: HfArgumentParser) -> None:
+    """Each flag under its section of ``--help`` (``HELP_GROUPS``): a field of PPOConfig's own under the
+    algorithm, one it inherits under TrainingArguments; parsing is unchanged."""
+    fields = {cls: set(cls.__dataclass_fields__) for cls, _ in HELP_GROUPS}
+    fields[PPOConfig] -= fields[TrainingArguments]
+    groups = {cls: parser.add_argument_group(title) for cls, title in HELP_GROUPS}
+    for action in list(parser._optionals._group_actions):
+        owner = next((cls for cls, names in fields.items() if action.dest in names), None)
+        if owner is not None:
+            parser._optionals._group_actions.remove(action)
+            groups[owner]._group_actions.append(action)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOConfig, ModelConfig, frozenset[str]]:

@@ -19,9 +19,11 @@ One iteration (numbers match the step comments below):
                   ρ = π_θ(y_t)/π_θ_old(y_t)
     6. logging    every metric TRL's PPOTrainer logs, masked to real response tokens
 
-Every per-token computation (log-probs, entropy, KL, GAE, masking, whitening) is a
-``fastppo.kernels`` call. The plumbing lives beside this file: ``config`` (flags, sizes), ``layout`` and
-``actor_critic`` (the forwards), ``batching`` (micro-batch cuts), ``data``, ``rewards``, ``generation``,
+The per-token math of steps 2-5 (log-probs, entropy, KL, GAE, masking, the surrogates, the masked statistics)
+is ``fastppo.kernels`` calls; REINFORCE++'s whitening over the batch and ``top_entropy_quantile``'s quantile
+are PyTorch here and in ``policy_terms``. The plumbing lives beside this file: ``config`` (flags, sizes),
+``policy_terms`` (what TRL GRPO's policy-loss settings make of each token), ``layout`` and ``actor_critic``
+(the forwards), ``batching`` (micro-batch cuts), ``data``, ``rewards`` and ``reward_scores``, ``generation``,
 ``metrics``, ``dist``; ``build`` makes a ``Learner``.
 """
 from __future__ import annotations

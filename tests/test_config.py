@@ -71,6 +71,33 @@ def test_cli_applies_the_embedded_preset_only_without_a_model_and_only_to_unset_
     assert model_args.model_name_or_path == "some/model"
 
 
+def test_help_lists_every_flag_once_under_its_section():
+    """--help in the sections of cli.HELP_GROUPS: the dataset, the algorithm (PPOConfig's own fields), training
+    (the TrainingArguments fields it inherits), the models; every flag once."""
+    import contextlib
+    import dataclasses
+    import io
+
+    from transformers import TrainingArguments
+
+    from fastppo.cli import HELP_GROUPS, ModelConfig, ScriptArguments, build_parser
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = out.getvalue()
+    starts = [text.index(f"\n{title}:\n") for _, title in HELP_GROUPS]
+    assert starts == sorted(starts)
+    section = {title: text[a:b] for (_, title), a, b in zip(HELP_GROUPS, starts, starts[1:] + [len(text)])}
+    titles = dict((cls, title) for cls, title in HELP_GROUPS)
+    own = {f.name for f in dataclasses.fields(PPOConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
+    for flag, cls in (("dataset_name", ScriptArguments), ("num_ppo_epochs", PPOConfig), ("loss_type", PPOConfig),
+                      ("learning_rate", TrainingArguments), ("seed", TrainingArguments), ("lora_r", ModelConfig)):
+        assert f"  --{flag} " in section[titles[cls]], flag
+    for name in own:
+        assert text.count(f"  --{name} ") == 1, name
+
+
 def test_cli_parses_exponent_notation_and_trls_older_names():
     # (an abbreviated flag is refused: test_bad_input.py)
     assert parse_args(["--max_grad_norm", "-1e-5"])[1].max_grad_norm == -1e-5  # exponent notation is a value
