@@ -128,30 +128,25 @@ def call_reward_fns(functions: list[tuple[str, Callable]], prompts: list, comple
     shared = dict(prompts=list(prompts), completions=list(completions),
                   **{k: list(v) if isinstance(v, list) else v for k, v in columns.items()})
     results: dict[int, object] = {}
-    waiting = []
-    for i, (name, fn) in enumerate(functions):
-        kwargs = _accepted_kwargs(fn, shared)
-        if is_async(fn):
-            waiting.append((i, name, fn, kwargs))
-            continue
-        out = _invoke(name, lambda: fn(**kwargs))
-        if inspect.isawaitable(out):  # a callable object whose __call__ returns a coroutine
-            waiting.append((i, name, out, None))
-        else:
-            results[i] = out
+    waiting = []  # (index, name, coroutine): an async function's call returns its coroutine, not yet run
+    try:
+        for i, (name, fn) in enumerate(functions):
+            kwargs = _accepted_kwargs(fn, shared)
+            out = _invoke(name, lambda: fn(**kwargs))
+            if inspect.isawaitable(out):
+                waiting.append((i, name, out))
+            else:
+                results[i] = out
+    except RewardFunctionError:  # a plain function failed: the coroutines made before it are never run
+        for _, _, coroutine in waiting:
+            getattr(coroutine, "close", lambda: None)()
+        raise
     if waiting:
-        outs = _run_concurrently([fn if kwargs is None else _call_async(name, fn, kwargs)
-                                  for _, name, fn, kwargs in waiting])
-        for (i, name, _, _), out in zip(waiting, outs):
+        for (i, name, _), out in zip(waiting, _run_concurrently([c for _, _, c in waiting])):
             if isinstance(out, BaseException):
                 raise _failure(name, out) from out
             results[i] = out
     return [_scores_of(results[i], name, completions, device) for i, (name, _) in enumerate(functions)]
-
-
-def is_async(fn: Callable) -> bool:
-    """An ``async def`` function, or an object whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def _invoke(name: str, call: Callable):
@@ -166,10 +161,6 @@ def _failure(name: str, e: BaseException) -> RewardFunctionError:
         return RewardFunctionError(f"reward_fn {name!r} called sys.exit({e.code!r}); a reward function must return "
                                    "scores")
     return RewardFunctionError(f"reward_fn {name!r} raised {type(e).__name__}: {e}")
-
-
-async def _call_async(name: str, fn: Callable, kwargs: dict):
-    return await fn(**kwargs)
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None
