@@ -154,7 +154,8 @@ class PPOConfig(TrainingArguments):
         default=10,
         metadata={"help": "Sample tables (generate_completions) shown during training; 0: never."},
     )
-    response_length: int = field(default=Untouched.of(53), metadata={"help": "Tokens generated per response (max_new_tokens)."})
+    response_length: int = field(default=Untouched.of(53),
+                                 metadata={"help": "Tokens generated per response (max_new_tokens)."})
     max_completion_length: int | None = field(
         default=None, metadata={"help": "TRL GRPO's name of response_length: one setting (one given fills the other; "
                                 "two different values are refused)."})
