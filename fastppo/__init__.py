@@ -1,13 +1,15 @@
 """fastppo: a fast, trustworthy PPO (RLHF) trainer for causal language models.
 
     from fastppo import PPOConfig, PPOTrainer                 # TRL 0.26's and legacy TRL's APIs
+    from fastppo import GRPOConfig, GRPOTrainer               # TRL 1.16's GRPO API
     from fastppo import AutoModelForCausalLMWithValueHead     # the policy with a value head on its trunk
     from fastppo.kernels import fused_token_logprobs, gae, ...  # the kernels, for other trainers
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoModelForCausalLMWithValueHead", "PPOConfig", "PPOTrainer", "create_reference_model"]
+__all__ = ["AutoModelForCausalLMWithValueHead", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer",
+           "create_reference_model"]
 
 
 def __getattr__(name: str):
@@ -20,6 +22,10 @@ def __getattr__(name: str):
         from fastppo.api import PPOTrainer
 
         return PPOTrainer
+    if name in ("GRPOConfig", "GRPOTrainer"):
+        from fastppo import grpo
+
+        return getattr(grpo, name)
     if name in ("AutoModelForCausalLMWithValueHead", "create_reference_model"):
         from fastppo import value_head
 

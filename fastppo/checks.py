@@ -10,7 +10,8 @@ import torch
 from transformers import TrainingArguments, get_scheduler
 
 from fastppo.config import (ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATOR_CHOICES,
-                            GRPO_NAMES, LOSS_TYPES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, PPOConfig, as_list)
+                            GRPO_NAMES, LOSS_TYPES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, PPOConfig, as_list,
+                            given_name)
 from fastppo.data import looks_local
 from fastppo.errors import SettingsError, MissingPathError, require
 from fastppo.kernels import check_temperature
@@ -105,7 +106,8 @@ REPORTERS = ("tensorboard", "wandb")
 
 def ignored_fields(config: PPOConfig) -> list[str]:
     """The TrainingArguments fields set to a non-default value that PPO has no use for."""
-    defaults = PPOConfig(output_dir=config.output_dir)  # not TrainingArguments(): that one sets up accelerate
+    # the config class's own defaults (GRPOConfig's are TRL GRPO's); not TrainingArguments(): it sets up accelerate
+    defaults = type(config)(output_dir=config.output_dir)
     out = []
     for name in TrainingArguments.__dataclass_fields__:
         if name in USED or name in UNSUPPORTED or not hasattr(defaults, name):
@@ -158,11 +160,6 @@ def _check_multi_objective(c: PPOConfig) -> None:
     require(not given, f"multi_objective_aggregation normalize_then_sum normalises each reward's own scores, and "
             f"{', '.join(given)} would change the summed score it does not read; drop "
             f"{'it' if len(given) == 1 else 'them'} (the KL belongs in the loss: beta)")
-
-
-def given_name(c: PPOConfig, name: str) -> str:
-    """The name the user gave a setting of two names by (``max_completion_length`` for ``response_length``)."""
-    return getattr(c, "given_as", {}).get(name, name)
 
 
 def _check_policy_loss(c: PPOConfig) -> None:
@@ -407,7 +404,7 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
     setting for anything that would crash later or silently train wrong. Returns notes to log.
 
     The sections run in this order, so that of several bad settings the same one is reported first."""
-    defaults = PPOConfig(output_dir=c.output_dir)
+    defaults = type(c)(output_dir=c.output_dir)  # the config class's own (GRPOConfig: TRL GRPO's)
     _check_unsupported(c, defaults)
     _check_sizes_and_saving(c)
     _check_optimisation(c)

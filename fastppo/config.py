@@ -92,6 +92,12 @@ class Untouched:
             else value
 
 
+def given_name(config, name: str) -> str:
+    """The name a setting of two names goes by in this config (``max_completion_length`` for ``response_length``
+    when the user, or GRPOConfig, gave that one): the one messages use."""
+    return getattr(config, "given_as", {}).get(name, name)
+
+
 def user_path(value):
     """``value``, or None where it is TRL's untouched default (:class:`TRLDefaultPath`)."""
     return None if isinstance(value, TRLDefaultPath) else value
@@ -486,11 +492,12 @@ class PPOConfig(TrainingArguments):
         # given_as); both given with two values are left for checks.check_settings to refuse, naming both
         self.given_as = {}
         for grpo_name, ppo_name in ALIASES.items():
-            if getattr(self, grpo_name) is None:
-                setattr(self, grpo_name, getattr(self, ppo_name))
-            elif Untouched.marked(getattr(self, ppo_name)):
-                setattr(self, ppo_name, getattr(self, grpo_name))
-                self.given_as[ppo_name] = grpo_name
+            grpo_value, ppo_value = getattr(self, grpo_name), getattr(self, ppo_name)
+            if grpo_value is None or (Untouched.marked(grpo_value) and not Untouched.marked(ppo_value)):
+                setattr(self, grpo_name, ppo_value)  # given by TRL PPO's name, or neither (a subclass's default)
+            elif Untouched.marked(ppo_value):
+                setattr(self, ppo_name, grpo_value)  # given by TRL GRPO's name (or GRPOConfig's default)
+                self.given_as[ppo_name] = grpo_name  # the name the messages use
             for name in (grpo_name, ppo_name):
                 setattr(self, name, Untouched.plain(getattr(self, name)))
         if self.epsilon_high is None:

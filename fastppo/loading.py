@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from fastppo.config import given_name
 from fastppo.errors import LoadError, SettingsError
 from fastppo.layout import (backbone_and_head, causal_lm_of, decoder_hidden, lm_head_of, lm_of, make_layout,
                             reads_last_token, token_logprobs_from_hidden)
@@ -506,9 +507,10 @@ def check_positions(model_or_path, config, model_args, longest_prompt: int, what
     if width + config.response_length > limit:
         room = limit - config.response_length
         hint = (f"set --max_prompt_length {room} (or less) to keep each prompt's last tokens"
-                if room > 0 else "lower --response_length")
+                if room > 0 else f"lower --{given_name(config, 'response_length')}")
         raise SettingsError(
-            f"the longest prompt ({width} tokens) + response_length ({config.response_length}) = "
+            f"the longest prompt ({width} tokens) + {given_name(config, 'response_length')} "
+            f"({config.response_length}) = "
             f"{width + config.response_length} exceeds the {what}'s {limit} positions: {hint}"
         )
 

@@ -1,0 +1,161 @@
+"""TRL 1.16's ``GRPOConfig`` and ``GRPOTrainer`` on fastppo's engine: a GRPO script written for TRL runs with its
+import changed (``from fastppo import GRPOConfig, GRPOTrainer``).
+
+``GRPOConfig`` is ``PPOConfig`` with TRL GRPO's defaults (``advantage_estimator`` grpo, ``learning_rate`` 1e-6,
+``num_generations`` 8, ``max_completion_length`` 512, ``num_iterations`` 1, ``temperature`` 1.0, ``logging_steps``
+10, ``gradient_checkpointing``, ``bf16``; ``beta`` 0, ``loss_type`` dapo, ``epsilon`` 0.2 and ``scale_rewards``
+group are PPOConfig's own for grpo) and the fields of TRL's that PPOConfig lacks (``TRL_ONLY``), each with TRL's
+default. ``GRPOTrainer`` is ``PPOTrainer`` under TRL GRPO's constructor: one loop and one copy of the math.
+
+TRL's batch arithmetic maps onto PPO's exactly when a generation batch is one optimizer step: each process samples
+``per_device_train_batch_size × gradient_accumulation_steps`` completions (``num_generations`` per prompt) and
+takes one optimizer step over them, so TRL's ``global_step``, ``max_steps``, ``logging_steps``, ``save_steps`` and
+learning-rate schedule, which count optimizer steps, count fastppo's iterations. ``steps_per_generation`` other
+than ``gradient_accumulation_steps`` and ``num_iterations`` > 1 (several optimizer steps per generation) are
+refused until the loop counts optimizer steps; ``PPOConfig(advantage_estimator="grpo", num_mini_batches=...,
+num_ppo_epochs=...)`` runs them with PPO's step counting. Every other TRL field fastppo cannot honour is refused
+by name when it is set, with the reason (``TRL_ONLY``'s notes), never silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import field
+from typing import Any
+
+from fastppo.config import ALIASES, ModelConfig, PPOConfig, Untouched
+from fastppo.errors import SettingsError, SettingsTypeError
+from fastppo.trainer import PPOTrainer
+
+# TRL 1.16 GRPOConfig's fields that PPOConfig lacks: name -> (type, TRL's default, what fastppo does with another
+# value). "" : honoured (read below); a sentence: refused when the value differs from TRL's default, with it.
+NOT_SAMPLED = "fastppo samples from softmax(logits / temperature) only (the old log-probs are that distribution's)"
+TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
+    "model_init_kwargs": (dict | str | None, None, "pass a loaded model instead (its own from_pretrained keywords)"),
+    "trust_remote_code": (bool, False, ""),
+    "router_aux_loss_coef": (float | None, None, "mixture-of-experts router losses are not implemented"),
+    "disable_dropout": (bool, False, ""),
+    "num_generations_eval": (int | None, None, "eval_dataset feeds the sample table; no eval loop generates groups"),
+    "shuffle_dataset": (bool, True, "the prompt sampler always draws a seeded random order"),
+    "generation_batch_size": (int | None, None, ""),
+    "steps_per_generation": (int | None, None, ""),
+    "top_p": (float, 1.0, NOT_SAMPLED),
+    "top_k": (int, 0, NOT_SAMPLED),
+    "min_p": (float | None, None, NOT_SAMPLED),
+    "repetition_penalty": (float, 1.0, NOT_SAMPLED),
+    "generation_kwargs": (dict | str | None, None, NOT_SAMPLED),
+    "chat_template_kwargs": (dict | str | None, None, "chat templates are applied with their defaults"),
+    "cache_implementation": (str | None, None, "compiled_decode picks the static cache itself"),
+    "use_vllm": (bool, False, "vLLM is not used; fastppo's compiled decode (compiled_decode) is its fast sampler"),
+    "sync_ref_model": (bool, False, "the reference model is never synced (TR-DPO's mixing is not implemented)"),
+    "use_adaptive_entropy": (bool, False, "the adaptive entropy coefficient is not implemented; set entropy_coef"),
+    "max_tool_calling_iterations": (int | None, None, "tools and multi-turn episodes are not implemented yet"),
+    "log_completions": (bool, False, "the sample table is num_sample_generations' (and samples.jsonl)"),
+    "log_completions_hub_repo": (str | None, None, "nothing is pushed to the Hub"),
+    "use_transformers_paged": (bool, False, "fastppo samples with its own decode loop"),
+    "use_transformers_continuous_batching": (bool, False, "fastppo samples with its own decode loop"),
+    "transformers_continuous_batching_config": (dict | str | None, None, "fastppo samples with its own decode loop"),
+    "cast_lm_head_to_fp32": (bool, False, "the fused LM head computes in fp32 already (its logits never exist)"),
+}
+# read by TRL only with a setting above on (vLLM, reference syncing, adaptive entropy, the completions log): kept
+# with TRL's defaults so that a script that sets them runs; they act when their switch does, which is refused
+INERT = {
+    "vllm_mode": (str, "colocate"), "vllm_model_impl": (str, "vllm"), "vllm_enable_sleep_mode": (bool, False),
+    "vllm_structured_outputs_regex": (str | None, None), "vllm_server_base_url": (str | None, None),
+    "vllm_server_host": (str, "0.0.0.0"), "vllm_server_port": (int, 8000), "vllm_server_timeout": (float, 240.0),
+    "vllm_group_port": (int, 51216), "vllm_gpu_memory_utilization": (float, 0.3),
+    "vllm_max_model_length": (int | None, None), "vllm_tensor_parallel_size": (int, 1),
+    "vllm_importance_sampling_correction": (bool, True), "vllm_importance_sampling_mode": (str, "sequence_mask"),
+    "vllm_importance_sampling_clip_max": (float | None, 3.0), "vllm_importance_sampling_clip_min": (float | None, None),
+    "vllm_importance_sampling_cap": (float | None, None), "ref_model_mixup_alpha": (float, 0.6),
+    "ref_model_sync_steps": (int, 512), "entropy_coef_min": (float, 0.0), "entropy_coef_max": (float, 1.0),
+    "entropy_coef_delta": (float, 0.005), "entropy_target": (float, 0.2), "log_multimodal": (bool, True),
+    "num_completions_to_print": (int | None, None), "log_unique_prompts": (bool, False),
+}
+# TRL 1.16 GRPOConfig's defaults where PPOConfig's differ
+GRPO_DEFAULTS = {
+    "advantage_estimator": (str, "grpo"), "learning_rate": (float, 1e-6), "num_generations": (int | None, 8),
+    "max_completion_length": (int | None, 512), "num_iterations": (int | None, 1), "temperature": (float, 1.0),
+    "logging_steps": (float, 10), "gradient_checkpointing": (bool, True), "bf16": (bool | None, True),
+    "remove_unused_columns": (bool | None, False), "num_sample_generations": (int, 0),
+}
+
+
+def _field(kind, default, note: str = ""):
+    return (kind, field(default=default, metadata={"help": f"TRL 1.16 GRPOConfig's (default {default!r})."
+                                                            + (f" Other values are refused: {note}." if note else "")}))
+
+
+GRPOConfig = dataclasses.make_dataclass(
+    "GRPOConfig",
+    # a setting of two names keeps its default marked: the other name given by the user still wins (PPOConfig)
+    [(name, *_field(kind, Untouched.of(default) if name in ALIASES else default))
+     for name, (kind, default) in GRPO_DEFAULTS.items()]
+    + [(name, *_field(kind, default, note)) for name, (kind, default, note) in TRL_ONLY.items()]
+    + [(name, *_field(kind, default)) for name, (kind, default) in INERT.items()],
+    bases=(PPOConfig,),
+    namespace={"__doc__": "TRL 1.16's GRPOConfig: PPOConfig with TRL GRPO's defaults and fields (fastppo.grpo)."},
+)
+GRPOConfig.__module__ = __name__
+
+
+def check_grpo_settings(args) -> None:
+    """TRL GRPO's settings fastppo cannot honour, refused by name with the reason; the batch arithmetic
+    (module docstring) checked against the processes that will run."""
+    for name, (_, default, note) in TRL_ONLY.items():
+        if note and getattr(args, name) != default:
+            raise SettingsError(f"{name}={getattr(args, name)!r}: not supported ({note})")
+    accumulation = args.gradient_accumulation_steps
+    if args.steps_per_generation is not None and args.steps_per_generation != accumulation:
+        raise SettingsError(f"steps_per_generation={args.steps_per_generation} with gradient_accumulation_steps="
+                            f"{accumulation}: GRPOTrainer takes one optimizer step per generation batch for now "
+                            "(steps_per_generation = gradient_accumulation_steps); for several, use PPOConfig("
+                            "advantage_estimator='grpo', gradient_accumulation_steps=steps_per_generation, "
+                            "num_mini_batches=steps_per_generation // gradient_accumulation_steps)")
+    if args.num_iterations != 1:
+        raise SettingsError(f"num_iterations={args.num_iterations}: GRPOTrainer counts one optimizer step per "
+                            "generation batch for now; for several passes over it use PPOConfig(advantage_estimator="
+                            "'grpo', num_iterations=...), whose global_step counts generation batches")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    batch = args.per_device_train_batch_size * accumulation * world
+    if args.generation_batch_size is not None and args.generation_batch_size != batch:
+        raise SettingsError(f"generation_batch_size={args.generation_batch_size}: one optimizer step per generation "
+                            f"batch makes it per_device_train_batch_size × gradient_accumulation_steps × processes "
+                            f"= {batch}; leave it unset")
+
+
+class GRPOTrainer(PPOTrainer):
+    """TRL 1.16's ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+    reward_processing_classes, callbacks, optimizers, peft_config)`` on fastppo's trainer.
+
+    ``model``: a Hub id, a directory or a model; ``reward_funcs``: a function (sync or ``async``), a reward model or
+    its path, or a list mixing them, called and weighted as TRL does (``reward_weights``); ``train_dataset``: a
+    ``prompt`` column, text or conversational, plus any columns the reward functions read. ``args`` unset:
+    ``GRPOConfig("<model name>-GRPO")``, as TRL names it."""
+
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None):
+        for name, value in (("tools", tools), ("rollout_func", rollout_func),
+                            ("environment_factory", environment_factory), ("quantization_config", quantization_config)):
+            if value is not None:
+                raise SettingsError(f"{name}: not supported yet by fastppo's GRPOTrainer")
+        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
+            raise SettingsError("reward_funcs is required: a function, a reward model (or its path), or a list of them")
+        if args is None:
+            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+            args = GRPOConfig(f"{(name or 'model').rstrip('/').split('/')[-1]}-GRPO")
+        if not isinstance(args, GRPOConfig):
+            raise SettingsTypeError(f"args must be a fastppo.GRPOConfig (TRL GRPO's fields and defaults), got "
+                                    f"{type(args).__name__}; a PPOConfig goes to PPOTrainer")
+        check_grpo_settings(args)
+        super().__init__(args=args, processing_class=processing_class, model=model, reward_model=reward_funcs,
+                         train_dataset=train_dataset, eval_dataset=eval_dataset, optimizers=optimizers,
+                         callbacks=callbacks, peft_config=peft_config,
+                         model_args=ModelConfig(trust_remote_code=args.trust_remote_code),
+                         reward_processing_classes=reward_processing_classes)
+        if not args.disable_dropout:
+            self.log("disable_dropout=False (TRL GRPO's default): fastppo disables dropout in every model anyway, so "
+                     "that the sampled and the trained forwards agree (the first ratio is exactly 1)")
+        self.reward_funcs = [r.fn if r.fn is not None else r.model for r in self.rewards]  # TRL's attribute

@@ -1,0 +1,154 @@
+"""fastppo.GRPOConfig and fastppo.GRPOTrainer: TRL 1.16's names, defaults and constructor on fastppo's trainer. A
+script written for TRL's GRPOTrainer (two reward functions, one async and one abstaining, extra dataset columns)
+runs with its import changed; every field of TRL's GRPOConfig exists with TRL's default; what fastppo cannot honour
+is refused by name."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastppo import GRPOConfig, GRPOTrainer, PPOConfig
+from fastppo.errors import SettingsError
+from test_trl1_integration import ROOT, trl1_dir
+
+pytestmark = pytest.mark.usefixtures("reference_path")
+
+
+def trl_grpo_config_defaults(tmp_path) -> dict:
+    """TRL 1.16's GRPOConfig field defaults, read in its own environment (JSON-able values, others as repr)."""
+    script = ("import dataclasses, json, sys\nfrom trl import GRPOConfig\n"
+              "c = GRPOConfig(output_dir=sys.argv[1], use_cpu=True)\n"
+              "def plain(v):\n    try:\n        json.dumps(v); return v\n    except TypeError:\n        return repr(v)\n"
+              "print(json.dumps({f.name: plain(getattr(c, f.name)) for f in dataclasses.fields(c)}))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trl1_dir()), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "trl")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# fields whose value TRL computes at construction from the machine (bf16 on a CPU with use_cpu) or that hold paths
+COMPUTED = {"output_dir", "logging_dir", "bf16", "use_cpu", "generation_batch_size", "steps_per_generation",
+            "activation_checkpointing", "gradient_checkpointing", "dataloader_pin_memory"}
+# the same meaning, another value: TRL reads epsilon_high None as epsilon's value, which fastppo's config holds
+SAME_MEANING = {"epsilon_high": (None, 0.2)}
+
+
+def test_every_field_of_trls_grpo_config_with_trls_default(tmp_path):
+    theirs = trl_grpo_config_defaults(tmp_path)
+    ours = GRPOConfig(output_dir=str(tmp_path / "ours"))
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    missing = sorted(set(theirs) - names)
+    assert not missing, missing
+    differ = {n: (v, getattr(ours, n)) for n, v in theirs.items() if n not in COMPUTED
+              and json.loads(json.dumps(getattr(ours, n), default=repr)) != v}
+    assert differ == SAME_MEANING
+    # the defaults fastppo's PPOConfig has otherwise
+    assert (ours.num_generations, ours.max_completion_length, ours.response_length, ours.learning_rate,
+            ours.num_iterations, ours.num_ppo_epochs, ours.temperature, ours.beta, ours.loss_type,
+            ours.advantage_estimator) == (8, 512, 512, 1e-6, 1, 1, 1.0, 0.0, "dapo", "grpo")
+
+
+def accuracy(prompts, completions, solution, **kwargs):
+    """Abstains (None) where the row has no solution, as TRL's documented accuracy reward does."""
+    return [None if s is None else float(s in c) for c, s in zip(completions, solution)]
+
+
+async def length_penalty(completions, trainer_state, **kwargs):
+    return [-0.01 * len(c.split()) * (1 + trainer_state.global_step) for c in completions]
+
+
+def tutorial_dataset():
+    import datasets
+
+    prompts = ["the movie was", "i think the plot is", "overall the cast", "the ending felt"] * 4
+    solutions = ["good", "great", None, "the"] * 4
+    return datasets.Dataset.from_dict({"prompt": prompts, "solution": solutions})
+
+
+def test_a_trl_grpo_script_runs_with_its_import_changed(tmp_path, model_dir):
+    """TRL's tutorial shape: GRPOTrainer(model=<path>, reward_funcs=[...], args=GRPOConfig(...), train_dataset)."""
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=6, max_steps=2, logging_steps=1, bf16=False, disable_tqdm=True,
+                      gradient_checkpointing=False, reward_weights=[1.0, 0.5], save_strategy="no")
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[accuracy, length_penalty], args=args,
+                          train_dataset=tutorial_dataset())
+    assert trainer.reward_funcs == [accuracy, length_penalty]
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.state.max_steps == 2
+    rows = [m for m in trainer.state.log_history if "reward" in m]
+    assert len(rows) == 2
+    for row in rows:
+        assert {"rewards/accuracy/mean", "rewards/length_penalty/mean", "reward_std", "frac_reward_zero_std",
+                "completions/mean_length", "entropy", "clip_ratio/region_mean"} <= set(row)
+        assert row["rewards/length_penalty/mean"] < 0 and math.isfinite(row["rewards/accuracy/mean"])
+
+
+def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model_dir, monkeypatch):
+    """TRL's default config: max_completion_length 512, past the tiny model's 256 positions, refused by TRL's
+    name; a model object that has the positions gets a run named <model>-GRPO, as TRL names it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SettingsError, match=r"\+ max_completion_length \(512\) = .* lower --max_completion_length"):
+        GRPOTrainer(model=model_dir, reward_funcs=accuracy, train_dataset=tutorial_dataset())
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.config.max_position_embeddings = 1024  # rotary positions: only the stated limit moves
+    model.config._name_or_path = "someone/tiny-llama"
+    trainer = GRPOTrainer(model=model, reward_funcs=accuracy, train_dataset=tutorial_dataset(),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir))
+    assert isinstance(trainer.args, GRPOConfig) and trainer.args.output_dir.endswith("tiny-llama-GRPO")
+    assert (trainer.config.num_generations, trainer.config.response_length, trainer.config.num_ppo_epochs) == (8, 512,
+                                                                                                                1)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(use_vllm=True), "use_vllm=True: not supported .*compiled decode"),
+    (dict(top_p=0.9), "top_p=0.9: not supported .*softmax\\(logits / temperature\\)"),
+    (dict(top_k=50), "top_k=50: not supported"),
+    (dict(repetition_penalty=1.1), "repetition_penalty=1.1: not supported"),
+    (dict(sync_ref_model=True), "sync_ref_model=True: not supported"),
+    (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: not supported"),
+    (dict(log_completions=True), "log_completions=True: not supported .*num_sample_generations"),
+    (dict(shuffle_dataset=False), "shuffle_dataset=False: not supported"),
+    (dict(num_iterations=2), "num_iterations=2: GRPOTrainer counts one optimizer step per generation batch"),
+    (dict(steps_per_generation=4, gradient_accumulation_steps=1), "steps_per_generation=4 with "
+                                                                  "gradient_accumulation_steps=1"),
+    (dict(generation_batch_size=16), "generation_batch_size=16: .* = 8; leave it unset"),
+])
+def test_what_fastppo_cannot_honour_is_refused_by_name(tmp_path, kwargs, message):
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), bf16=False, **kwargs)
+    with pytest.raises(SettingsError, match=message):
+        GRPOTrainer(model="unused", reward_funcs=accuracy, args=args, train_dataset=tutorial_dataset())
+
+
+def test_bad_input_names_what_to_change(tmp_path, model_dir):
+    import datasets
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=4, max_steps=1, bf16=False, gradient_checkpointing=False)
+    with pytest.raises(TypeError, match="args must be a fastppo.GRPOConfig"):
+        GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=PPOConfig(output_dir=str(tmp_path / "p")))
+    with pytest.raises(SettingsError, match="tools: not supported yet"):
+        GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, tools=[len])
+    with pytest.raises(SettingsError, match="reward_funcs is required"):
+        GRPOTrainer(model=model_dir, args=args, train_dataset=tutorial_dataset())
+    with pytest.raises(SettingsError, match="num_generations \\(3 completions per prompt\\) must divide"):
+        GRPOTrainer(model=model_dir, reward_funcs=accuracy, train_dataset=tutorial_dataset(),
+                    args=dataclasses.replace(args, num_generations=3))
+    with pytest.raises(SettingsError, match="prompt"):
+        GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args,
+                    train_dataset=datasets.Dataset.from_dict({"question": ["a b"] * 8}))
+
+    def wrong_length(completions, **kwargs):
+        return [1.0]
+
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=wrong_length, args=args, train_dataset=tutorial_dataset())
+    with pytest.raises(SettingsError, match="'.*wrong_length' returned \\(1,\\) scores for 8 completions"):
+        trainer.train()
