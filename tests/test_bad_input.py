@@ -231,7 +231,9 @@ def test_a_causal_lm_as_reward_model_is_refused(tmp_path, model_dir):
 
 @pytest.mark.parametrize("body, error, message", [
     ("raise RuntimeError('kaboom')", RuntimeError, "'bad_rewards:fn' raised RuntimeError: kaboom"),
-    ("return [float('nan')] * len(completions)", ValueError, "'bad_rewards:fn' returned non-finite"),
+    # NaN is "not judged" (TRL GRPO's); a completion no reward judged has no score
+    ("return [float('nan')] * len(completions)", ValueError, r"no reward judged completion\(s\) \[0, 1"),
+    ("return [float('inf')] * len(completions)", ValueError, "'bad_rewards:fn' returned infinite scores"),
     ("return [1.0]", ValueError, "'bad_rewards:fn' returned \\(1,\\) scores for 8 completions"),
     ("sys.exit(0)", RewardFunctionError, r"called sys\.exit\(0\)"),  # an error, not a successful exit
     ("sys.exit(3)", RewardFunctionError, r"called sys\.exit\(3\)"),
