@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import field
 from typing import Any
 
@@ -159,3 +160,25 @@ class GRPOTrainer(PPOTrainer):
             self.log("disable_dropout=False (TRL GRPO's default): fastppo disables dropout in every model anyway, so "
                      "that the sampled and the trained forwards agree (the first ratio is exactly 1)")
         self.reward_funcs = [r.fn if r.fn is not None else r.model for r in self.rewards]  # TRL's attribute
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """TRL's ``train()``: fastppo's loop (``resume_from_checkpoint`` a path, ``True`` or ``"latest"``), then
+        what transformers' Trainer logs at its end (``train_runtime``, ``train_samples_per_second``,
+        ``train_steps_per_second``, ``train_loss``: the mean of the steps' logged ``loss``) and returns, a
+        ``TrainOutput``."""
+        from transformers.trainer_utils import TrainOutput
+
+        if kwargs:
+            raise SettingsError(f"train() got unexpected keywords {sorted(kwargs)} (it takes resume_from_checkpoint)")
+        if resume_from_checkpoint is not None:
+            self.config.resume_from_checkpoint = "latest" if resume_from_checkpoint is True else resume_from_checkpoint
+        first, start = len(self.state.log_history), time.perf_counter()
+        episodes, steps = self.state.episode, self.state.global_step
+        super().train()
+        seconds = time.perf_counter() - start
+        losses = [row["loss"] for row in self.state.log_history[first:] if "loss" in row]
+        metrics = {"train_runtime": seconds, "train_samples_per_second": (self.state.episode - episodes) / seconds,
+                   "train_steps_per_second": (self.state.global_step - steps) / seconds, "total_flos": 0.0,
+                   "train_loss": sum(losses) / len(losses) if losses else float("nan")}
+        self._log_state(metrics)
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)

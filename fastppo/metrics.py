@@ -19,7 +19,7 @@ STAT_NAMES = (
     "approxkl", "policykl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio",
     "advantages_mean", "returns_mean", "returns_var", "vpred_mean", "vf_error", "values_mean", "values_var",
     "ratio_skipped", "kl_loss", "clip_low", "clip_high", "clip_region", "kl_token_sum", "entropy_token_sum",
-    "tokens", "clip_low_sum", "clip_high_sum", "clip_region_sum", "clip_units",
+    "tokens", "clip_low_sum", "clip_high_sum", "clip_region_sum", "clip_units", "loss",
 )
 # Per micro-step sums and their counts, all-reduced slot by slot: TRL GRPO's metrics are, for each micro-step, a mean
 # over every process's trained tokens (rows, for the clip fractions under GSPO), then averaged over the micro-steps
@@ -116,8 +116,9 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     }
     if kl_in_loss:  # TRL GRPO's: each micro-step's token mean over every process, averaged over the micro-steps
         metrics[KL_IN_LOSS_METRIC] = _global_mean(by_slot, KL_IN_LOSS_METRIC)
-    if not critic:  # TRL GRPO's entropy (a critic-free run logs TRL GRPO's names)
+    if not critic:  # TRL GRPO's entropy and loss (a critic-free run logs TRL GRPO's names)
         metrics["entropy"] = _global_mean(by_slot, "entropy")
+        metrics["loss"] = mean["loss"]  # each optimizer step's loss as minimised, averaged
     for name, (mean_r, std_r) in zip(columns, reward_moments(list(columns.values()))):
         metrics[f"rewards/{name}/mean"] = mean_r
         metrics[f"rewards/{name}/std"] = std_r

@@ -468,6 +468,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
         clip_low, clip_high = clip_sides(ratio, advantages, cliprange, cliprange_high, delta,
                                          surrogate.get("surrogate", "clip"))
         for name, value in (
+            ("loss", loss),  # this micro-step's share of its optimizer step's loss, as minimised
             ("approxkl", 0.5 * masked_mean(log_ratio**2, mask)),
             ("policykl", masked_mean(-log_ratio, mask)),
             ("pg_clipfrac", masked_mean(clipped.float(), mask)),
@@ -630,7 +631,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                     accumulation = sizes.micro_steps
                     if step_weights is not None:
                         accumulation = 1
-                        for name in ("pg_loss", "vf_loss", "kl_loss"):
+                        for name in ("pg_loss", "vf_loss", "kl_loss", "loss"):
                             stats[STAT[name], epoch, mb, k] *= len(micro)
                     finite = finite * torch.isfinite(loss.detach())
                     if zero is not None:

@@ -80,14 +80,19 @@ def test_a_trl_grpo_script_runs_with_its_import_changed(tmp_path, model_dir):
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[accuracy, length_penalty], args=args,
                           train_dataset=tutorial_dataset())
     assert trainer.reward_funcs == [accuracy, length_penalty]
-    trainer.train()
+    output = trainer.train()
     assert trainer.state.global_step == 2 and trainer.state.max_steps == 2
     rows = [m for m in trainer.state.log_history if "reward" in m]
     assert len(rows) == 2
     for row in rows:
         assert {"rewards/accuracy/mean", "rewards/length_penalty/mean", "reward_std", "frac_reward_zero_std",
-                "completions/mean_length", "entropy", "clip_ratio/region_mean"} <= set(row)
+                "completions/mean_length", "entropy", "clip_ratio/region_mean", "loss"} <= set(row)
         assert row["rewards/length_penalty/mean"] < 0 and math.isfinite(row["rewards/accuracy/mean"])
+    # what transformers' Trainer logs last and returns (TRL's tests read train_loss)
+    last = trainer.state.log_history[-1]
+    assert last["train_loss"] == pytest.approx(sum(r["loss"] for r in rows) / 2) and last["step"] == 2
+    assert output.global_step == 2 and output.training_loss == last["train_loss"]
+    assert output.metrics["train_runtime"] > 0
 
 
 def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model_dir, monkeypatch):

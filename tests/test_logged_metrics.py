@@ -107,10 +107,11 @@ def logged_kl(loss_type: str, cases) -> float:
     for new, old, ref, advantages, mask in cases:
         weights, normalizer = policy_loss_weights(loss_type, mask, 7, mask.sum().double() if loss_type in (
             "dapo", "cispo", "vespo") else None)
-        _, row = ppo_losses(new, None, torch.zeros_like(new), old, None, advantages, None, mask, cliprange=0.2,
-                            cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=math.inf,
-                            ref_logprobs=ref, beta=0.04, kl_loss_type="k3", token_weights=weights,
-                            normalizer=normalizer)
+        loss, row = ppo_losses(new, None, torch.zeros_like(new), old, None, advantages, None, mask, cliprange=0.2,
+                               cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=math.inf,
+                               ref_logprobs=ref, beta=0.04, kl_loss_type="k3", token_weights=weights,
+                               normalizer=normalizer)
+        assert row[STAT["loss"]].item() == pytest.approx(loss.item(), rel=1e-6)  # the logged loss is the minimised one
         stats.append(row)
     stacked = torch.stack(stats, 1)[:, None, None, :]  # [S, epochs 1, minibatches 1, micro-steps]
     metrics = gather_metrics(torch.zeros(5), UpdateResult(stacked, 0.0, 1.0, 1), 1, critic=False, kl=False,
