@@ -274,6 +274,10 @@ def check_reward_fn_columns(fn: Callable, name: str, dataset, what: str) -> None
         return
     required = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in PASSED_ALWAYS
                 and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    withheld = [c for c in required if c in NOT_PASSED]
+    if withheld:  # TRL GRPO's rule: the prompt and the completion come as ``prompts`` and ``completions``
+        raise SettingsError(f"reward_fn {name!r} requires {', '.join(map(repr, withheld))}, a column reward functions "
+                            "are not passed (as in TRL GRPO): read prompts= and completions= instead")
     missing = [c for c in required if c not in (dataset.column_names if dataset is not None else ())]
     if missing:
         columns = list(dataset.column_names) if dataset is not None else []

@@ -120,3 +120,18 @@ def test_a_conversational_dataset_gives_message_lists(tmp_path, model_dir):
     assert positive_words([], seen["completions"]) == positive_words([], batch.completions)
     assert completion_length([], seen["completions"]) == completion_length([], batch.completions)
     torch.testing.assert_close(batch.scores, torch.tensor([1.0 if c.strip() else 0.0 for c in batch.completions]))
+
+
+def test_a_function_that_requires_the_prompt_column_is_told_to_read_prompts(tmp_path, model_dir):
+    """TRL GRPO passes the prompt as prompts=, not its dataset column: asking for ``prompt`` is refused before any
+    model loads, saying so (it would fail mid-run)."""
+    import datasets
+
+    from fastppo.errors import SettingsError
+
+    def wants_prompt(prompt, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    dataset = datasets.Dataset.from_dict({"prompt": ["the movie was", "the plot is"] * 8})
+    with pytest.raises(SettingsError, match="requires 'prompt', a column reward functions are not passed"):
+        make_trainer(small(tmp_path), reward_model=wants_prompt, train_dataset=dataset)
