@@ -243,7 +243,9 @@ class Ctx:
 
 
 def length_reward(completions, **kw):
-    return [float(len(c.split())) for c in completions]
+    from fastppo.rewards import completion_text  # chat data: completions are message lists, as TRL passes them
+
+    return [float(len(completion_text(c).split())) for c in completions]
 
 
 def metrics(path: str) -> list[dict]:

@@ -315,7 +315,10 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, smoll
     assert [bool(ids) and ids[-1] == EOS for ids in seen["completion_ids"]] == stops.tolist()
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     assert all(p in prompts and p.count(EOS) >= 1 for p in seen["prompt_ids"])
-    assert all("<|im_end|>" not in c for c in seen["completions"]) and any(c.strip() for c in seen["completions"])
+    # a chat dataset: each completion an assistant message, as TRL GRPO passes it
+    texts = [c[0]["content"] for c in seen["completions"]]
+    assert all(c[0]["role"] == "assistant" for c in seen["completions"])
+    assert all("<|im_end|>" not in c for c in texts) and any(c.strip() for c in texts)
     assert batch.scores.tolist() == stops.float().tolist()
     assert r.score_index.tolist() == [length - 1 for length in lengths]  # the score goes on the eos token
 

@@ -1,8 +1,15 @@
 #!/usr/bin/env python
-"""Run TRL's own PPO tests and example scripts against fastppo, out of tree.
+"""Run TRL's own PPO and GRPO tests and PPO example scripts against fastppo, out of tree.
 
-    python tests/trl_acceptance.py --trl026 /path/to/trl-v0.26.2 --trl011 /path/to/trl-v0.11.4 \
-        [--workdir DIR] [--only NAME ...] [--timeout SECONDS]
+    python tests/trl_acceptance.py [--trl026 /path/to/trl-v0.26.2] [--trl011 /path/to/trl-v0.11.4] \
+        [--trl116 /path/to/trl-v1.16.0 [--trl116-env DIR]] [--workdir DIR] [--only NAME ...] [--timeout SECONDS]
+
+A target runs when its checkout is given (``--only`` narrows them further). TRL 1.16's
+``tests/test_grpo_trainer.py`` runs with ``GRPOConfig``/``GRPOTrainer`` from fastppo while its
+other ``trl`` imports (``trl.import_utils``) stay TRL 1.16's, from ``--trl116-env`` (default
+``.trl1``, as tests/test_grpo_bench.py) put first on PYTHONPATH. ``trl116-test_grpo_trainer-baseline``
+runs the same file unchanged against TRL 1.16's own GRPOTrainer, on the same stand-ins and
+exclusions, to tell a stand-in's limits from fastppo's; it runs only when ``--only`` names it.
 
 TRL's files are copied into the work dir at run time (never into this repository)
 and only their import lines change: TRL's PPO names come from fastppo, and the few
@@ -35,7 +42,8 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
-STANDIN_VERSION = 3  # bump when a stand-in's contents change, so cached work dirs rebuild
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STANDIN_VERSION = 4  # bump when a stand-in's contents change, so cached work dirs rebuild
 
 # --------------------------------------------------------------------------------------
 # The targets
@@ -79,11 +87,20 @@ REWRITES_011_SCRIPT = {
         "is_torch_xpu_available; from trl_standins import pipeline",
 }
 
+# TRL 1.16's GRPO test: only the two names under test change; its other trl imports (trl.import_utils) stay
+# TRL 1.16's, which the target has on its path (Target.trl_env), since they are TRL's helpers, not the API.
+REWRITES_116_TEST = {"from trl import GRPOConfig, GRPOTrainer": "from fastppo import GRPOConfig, GRPOTrainer"}
+ALLOW_TRL_116 = r"from trl\.(import_utils|rewards|data_utils|chat_template_utils) import "
+
 OUT_OF_SCOPE = "encoder-decoder (seq2seq) value-head models are out of fastppo's scope"
 # Tests that run, but whose assertions cannot hold on random stand-in weights.
 STANDIN_LIMITS = {
     "PPOTrainerTester::test_loss_trainer":
         "asserts loss constants (1.8226, 0.1260) computed from the real Hub checkpoint's weights",
+    # TRL 1.16's GRPO tests that mock generate() with the real Qwen vocabulary's token ids (151643 = pad,
+    # 151645 = <|im_end|>, ...): past the stand-ins' ~1.2k-token embeddings
+    "TestGRPOTrainer::test_train_with_mask_truncated_completions":
+        "its mocked generate() returns the real Qwen vocabulary's token ids (151645, ...)",
 }
 
 
@@ -98,6 +115,10 @@ class Target:
     out_of_scope: list = field(default_factory=list)   # regexes on "Class::test"
     args: list = field(default_factory=list)           # script flags ({out} = its output dir)
     saves_model: bool = True
+    trl_env: bool = False         # run with TRL 1.16 (--trl116-env) first on PYTHONPATH
+    allow_trl: str = ""           # regex: trl import lines that may stay (empty: none; the rest are shadowed)
+    expect: dict = field(default_factory=dict)         # test-module name -> package it must come from
+    baseline: bool = False        # TRL's own trainer under test: runs only when --only names it
 
 
 TARGETS = [
@@ -109,6 +130,14 @@ TARGETS = [
     Target("trl011-test_modeling_value_head", "trl011", "tests/test_modeling_value_head.py",
            "trl_tests/test_modeling_value_head.py", REWRITES_011_VHEAD,
            out_of_scope=[r"^Seq2Seq\w*::"]),
+    Target("trl116-test_grpo_trainer", "trl116", "tests/test_grpo_trainer.py", "trl_tests/test_grpo_trainer.py",
+           REWRITES_116_TEST, trl_env=True, allow_trl=ALLOW_TRL_116,
+           expect={"GRPOConfig": "fastppo", "GRPOTrainer": "fastppo"}),
+    # the same file unchanged, on TRL 1.16's own GRPOTrainer: what the stand-ins let pass (a fastppo failure
+    # that also fails here is the stand-in's, or the test's, not fastppo's)
+    Target("trl116-test_grpo_trainer-baseline", "trl116", "tests/test_grpo_trainer.py",
+           "trl_tests/test_grpo_trainer.py", {}, trl_env=True, allow_trl=".",
+           expect={"GRPOConfig": "trl", "GRPOTrainer": "trl"}, baseline=True),
     # The 0.26 scripts run their own docstring's command, with the sizes shrunk.
     Target("trl026-examples-ppo", "trl026", "examples/scripts/ppo/ppo.py", "ppo.py", REWRITES_026_SCRIPT,
            kind="script", args=[
@@ -229,15 +258,57 @@ class TrlTestCase:
 require_peft = pytest.mark.skipif(not is_peft_available(), reason="test requires peft")
 '''
 
+# Stand-in for TRL 1.16's tests/testing_utils.py: the names test_grpo_trainer.py imports, as skip marks on
+# what is installed (the availability checks are transformers' own, or a module lookup).
+TESTING_UTILS_116_PY = '''\
+"""Stand-in for TRL 1.16's tests/testing_utils.py (only what test_grpo_trainer.py imports)."""
+import importlib.util
+
+import pytest
+import torch
+from transformers.testing_utils import torch_device
+from transformers.utils import is_kernels_available, is_peft_available, is_vision_available
+
+
+def _has(module):
+    return importlib.util.find_spec(module) is not None
+
+
+class TrlTestCase:
+    @pytest.fixture(autouse=True)
+    def _trl_tmp_dir(self, tmp_path):
+        self.tmp_dir = str(tmp_path)
+        yield
+
+
+def is_ampere_or_newer(device_index=0):
+    return torch.cuda.is_available() and torch.version.hip is None and \\
+        torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+require_bitsandbytes = pytest.mark.skipif(not _has("bitsandbytes"), reason="test requires bitsandbytes")
+require_jmespath = pytest.mark.skipif(not _has("jmespath"), reason="test requires jmespath")
+require_kernels = pytest.mark.skipif(not is_kernels_available(), reason="test requires kernels")
+require_liger_kernel = pytest.mark.skipif(not _has("liger_kernel"), reason="test requires liger-kernel")
+require_peft = pytest.mark.skipif(not is_peft_available(), reason="test requires peft")
+require_torch_accelerator = pytest.mark.skipif(torch_device in (None, "cpu"), reason="test requires accelerator")
+require_vision = pytest.mark.skipif(not is_vision_available(), reason="test requires vision")
+require_vllm = pytest.mark.skipif(not _has("vllm"), reason="test requires vllm")
+'''
+
 # The Hub endpoint is never reached: push tests are deselected and delete_repo is a no-op.
 TESTING_CONSTANTS_PY = 'CI_HUB_USER = "offline-user"\nCI_HUB_USER_FULL_NAME = "Offline User"\n' \
                        'CI_HUB_ENDPOINT = "http://hub.invalid"\n'
 
 CONFTEST_PY = '''\
-"""Deselects the tests deselect.json names (recording them) and stubs the one Hub call."""
+"""Deselects the tests deselect.json names (recording them) and stubs the one Hub call; optionally keeps one
+shard of the rest and bounds each test's time (trl_acceptance's --shard and --test-timeout)."""
 import json
 import os
 import re
+import signal
+
+import pytest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(_HERE, "deselect.json")) as f:
@@ -250,6 +321,7 @@ except ImportError:
     pass
 
 
+@pytest.hookimpl(trylast=True)  # after -k, so that only the tests it kept are recorded as excluded
 def pytest_collection_modifyitems(config, items):
     keep, dropped, record = [], [], []
     for item in items:
@@ -260,11 +332,76 @@ def pytest_collection_modifyitems(config, items):
         else:
             dropped.append(item)
             record.append({"test": key, "category": rule["category"], "reason": rule["reason"]})
+    shard = os.environ.get("TRL_ACCEPTANCE_SHARD")  # "i/n": every n-th remaining test from the i-th (1-based)
+    if shard:
+        i, n = map(int, shard.split("/"))
+        dropped += [t for k, t in enumerate(keep) if k % n != i - 1]  # not recorded: another shard runs them
+        keep = [t for k, t in enumerate(keep) if k % n == i - 1]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
     with open(os.path.join(_HERE, "deselected.json"), "w") as f:
         json.dump(record, f, indent=1)
+
+
+_TEST_TIMEOUT = float(os.environ.get("TRL_ACCEPTANCE_TEST_TIMEOUT") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A test over the limit fails with TimeoutError (raised in the main thread, where the training loop runs),
+    so that one slow test cannot use up the whole target's time."""
+    if not _TEST_TIMEOUT:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"over the per-test limit of {_TEST_TIMEOUT:.0f}s (trl_acceptance --test-timeout)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, _TEST_TIMEOUT)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+'''
+
+# Appended to CONFTEST_PY for the TRL 1.16 targets.
+CONFTEST_116_PY = '''
+
+# What TRL 1.16's own tests/conftest.py does on a machine without an accelerator: TRL's configs default bf16=True,
+# which transformers refuses on a CPU unless use_cpu is set. Only TRL's configs (the baseline run); fastppo's
+# GRPOConfig runs bf16 autocast on a CPU by itself.
+import sys
+
+
+@pytest.fixture(autouse=True)
+def _trl_configs_use_cpu(monkeypatch):
+    base = sys.modules.get("trl.trainer.base_config")
+    from transformers.testing_utils import torch_device
+
+    if base is None or torch_device not in (None, "cpu"):
+        return
+    original = base._BaseConfig.__post_init__
+
+    def post_init(self):
+        self.use_cpu = True
+        original(self)
+
+    monkeypatch.setattr(base._BaseConfig, "__post_init__", post_init)
+
+
+def pytest_collection_finish(session):
+    """The names under test come from the package this run is for (TRL stays importable here, so a missed
+    rewrite would otherwise test TRL silently)."""
+    with open(os.path.join(_HERE, "expect.json")) as f:
+        expect = json.load(f)
+    for module in {item.module for item in session.items if getattr(item, "module", None)}:
+        for name, package in expect.items():
+            got = getattr(getattr(module, name, None), "__module__", "")
+            if got.split(".")[0] != package:
+                raise RuntimeError(f"{module.__name__}.{name} comes from {got!r}, not {package}")
 '''
 
 # Shadows the installed TRL (the venv has one) so that an import line the rewrite missed
@@ -304,6 +441,64 @@ def exclusion_rules(source: str) -> list[dict]:
     return rules
 
 
+def _private_uses(fn) -> list[str]:
+    """Private names a test reaches on another object: `trainer._x` (read or called) or patch.object(obj, "_x"),
+    where obj is a plain name other than self/cls (the test's own helper classes use self._x: not TRL's)."""
+    found = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id not in ("self", "cls"):
+            found.add(n.attr)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "object" \
+                and len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str):
+            found.add(n.args[1].value)
+    return sorted(a for a in found if a.startswith("_") and not a.startswith("__"))
+
+
+def exclusion_rules_116(source: str) -> list[dict]:
+    """TRL 1.16's GRPO tests to deselect, found by reading the file: what needs a GPU, vLLM, liger-kernel (Triton
+    GPU kernels) or a vision-language model and its images; what reaches TRL's trainer internals (private
+    attributes, a trainer built with object.__new__); and what never uses GRPOTrainer or GRPOConfig (transformers'
+    own API contracts). The same rules serve the fastppo run and the TRL baseline, so their counts compare."""
+    rules = []
+
+    def add(pattern, reason):
+        rules.append({"pattern": pattern, "category": "excluded", "reason": reason})
+
+    for cls in ast.parse(source).body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        class_marks = " ".join(ast.unparse(d) for d in cls.decorator_list)
+        class_text = ast.unparse(cls)
+        class_names = {n.id for n in ast.walk(cls) if isinstance(n, ast.Name)}  # code, not docstrings
+        if "require_torch_accelerator" in class_marks or "mark.slow" in class_marks:
+            add(rf"^{cls.name}::", "needs a GPU (TRL marks the class slow and require_torch_accelerator)")
+            continue
+        if "require_vision" in class_marks:
+            add(rf"^{cls.name}::", "vision-language models with a processor and image datasets")
+            continue
+        if not class_names & {"GRPOTrainer", "GRPOConfig"}:
+            add(rf"^{cls.name}::", "never uses GRPOTrainer or GRPOConfig (tests transformers' API)")
+            continue
+        for fn in cls.body:
+            if not (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test")):
+                continue
+            marks = [ast.unparse(d) for d in fn.decorator_list]
+            body = ast.unparse(fn)
+            name = rf"^{cls.name}::{fn.name}"
+            if "require_vllm" in marks or "use_vllm=True" in body:  # the bare decorators
+                add(rf"{name}(\[.*\])?$", "needs vLLM")
+            elif "require_liger_kernel" in marks or "use_liger_kernel=True" in body:
+                add(rf"{name}(\[.*\])?$", "needs liger-kernel (Triton GPU kernels)")
+            elif "object.__new__(GRPOTrainer)" in class_text:
+                add(rf"{name}(\[.*\])?$", "builds TRL's trainer with object.__new__ and sets its private state")
+            elif _private_uses(fn):
+                add(rf"{name}(\[.*\])?$", f"reaches TRL's trainer internals ({', '.join(_private_uses(fn))})")
+            elif any("'use_liger_kernel'" in m or '"use_liger_kernel"' in m for m in marks):
+                # parametrized over it: only its liger case (pytest ids join the values with -)
+                add(rf"{name}\[(.+-)?True(-.+)?\]$", "needs liger-kernel (Triton GPU kernels)")
+    return rules
+
+
 # --------------------------------------------------------------------------------------
 # Tiny local stand-ins for the Hub ids
 # --------------------------------------------------------------------------------------
@@ -311,6 +506,9 @@ def exclusion_rules(source: str) -> list[dict]:
 # Per architecture: a tiny config (a few KB of weights) in that config class's own names.
 _LLAMA_LIKE = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=512)
+# TRL 1.16's GRPO tests: rotary positions as long as the real checkpoints' (32k), since GRPOConfig's default
+# 512-token completions must fit after a prompt; they cost no weights
+_LLAMA_32K = dict(_LLAMA_LIKE, max_position_embeddings=32768)
 ARCH = {
     "gpt2": dict(n_embd=16, n_layer=2, n_head=4, n_positions=512),
     "gptj": dict(n_embd=16, n_layer=2, n_head=4, n_positions=512, rotary_dim=4),
@@ -327,6 +525,18 @@ ARCH = {
     "t5": dict(d_model=16, d_ff=32, d_kv=4, num_layers=2, num_decoder_layers=2, num_heads=4),
     "distilbert": dict(dim=16, hidden_dim=32, n_layers=2, n_heads=4, max_position_embeddings=512,
                        id2label={0: "NEGATIVE", 1: "POSITIVE"}, label2id={"NEGATIVE": 0, "POSITIVE": 1}),
+    # TRL 1.16's GRPO tests (the MoE ones with 4 experts, 2 per token; the hybrid one with a layer of each kind)
+    "qwen3": dict(_LLAMA_32K, head_dim=4, tie_word_embeddings=False),
+    "qwen3_moe": dict(_LLAMA_32K, head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "gemma2": dict(_LLAMA_32K, head_dim=4),  # ties its embeddings (TRL's cast_lm_head_to_fp32 test relies on it)
+    "cohere2": dict(_LLAMA_32K, head_dim=4, layer_types=["sliding_attention", "full_attention"], sliding_window=64),
+    "glm4_moe": dict(_LLAMA_32K, head_dim=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     first_k_dense_replace=1, n_group=1, topk_group=1, n_shared_experts=1),
+    "gpt_oss": dict(_LLAMA_32K, head_dim=4, num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention"], sliding_window=64),
+    "nemotron_h": dict(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                       max_position_embeddings=32768, layers_block_type=["mamba", "attention", "mlp"],
+                       mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1, chunk_size=16, expand=2),
 }
 # Special tokens per tokenizer family, mimicking the real ones' roles (which exist, which is eos,
 # whether there is a pad: GPT-2 and Pythia have none, so tests that add one still work).
@@ -334,7 +544,11 @@ TOKENIZERS = {
     "gpt2": dict(specials=["<|endoftext|>"], bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                  unk_token="<|endoftext|>"),
     "qwen": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>",
-                 pad_token="<|endoftext|>"),
+                 pad_token="<|endoftext|>", chat_template="chatml", model_max_length=131072),
+    # Llama 3.2: TRL's reward-model test sets pad_token = "<|finetune_right_pad_id|>", which must exist
+    "llama3": dict(specials=["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
+                             "<|finetune_right_pad_id|>"], bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                   chat_template="llama3", model_max_length=131072),
     "bloom": dict(specials=["<unk>", "<s>", "</s>", "<pad>"], bos_token="<s>", eos_token="</s>",
                   unk_token="<unk>", pad_token="<pad>", padding_side="left"),
     "llama": dict(specials=["<unk>", "<s>", "</s>"], bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
@@ -346,6 +560,15 @@ TOKENIZERS = {
                  cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
                  model_input_names=["input_ids", "attention_mask"]),
 }
+# Chat templates in the real tokenizers' formats (conversational datasets need one; TRL's tests read no more of
+# them than that): ChatML for Qwen, the header format for Llama 3.
+CHAT_TEMPLATES = {
+    "chatml": "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "llama3": "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+              " + m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+              "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
+}
 _T = "trl-internal-testing/"
 # hub id -> (model_type, head, tokenizer family, extra config). Heads: causal, seqcls (1 label), cls
 # (the config's labels), base, seq2seq. Embedding rows follow the real checkpoints: TRL's
@@ -353,9 +576,11 @@ _T = "trl-internal-testing/"
 # test that adds "[PAD]" gets an id past the embedding (TRL never embeds pad ids); "pad_vocab"
 # gives spare rows instead, as the full-size configs behind TRL's tiny reward models and Pythia have.
 MODELS = {
-    # TRL 0.26 tests/experimental/test_ppo_trainer.py
-    _T + "tiny-Qwen2ForCausalLM-2.5": ("qwen2", "causal", "qwen", {}),
-    _T + "tiny-Qwen2ForSequenceClassification-2.5": ("qwen2", "seqcls", "qwen", {"pad_vocab": True}),
+    # TRL 0.26 tests/experimental/test_ppo_trainer.py and TRL 1.16 tests/test_grpo_trainer.py (32k positions, as
+    # the real ones: GRPOConfig's default 512-token completions must fit after a prompt)
+    _T + "tiny-Qwen2ForCausalLM-2.5": ("qwen2", "causal", "qwen", {"max_position_embeddings": 32768}),
+    _T + "tiny-Qwen2ForSequenceClassification-2.5": ("qwen2", "seqcls", "qwen", {"pad_vocab": True,
+                                                                                 "max_position_embeddings": 32768}),
     # TRL 0.11 tests/test_ppo_trainer.py (dummy-GPT2 gets a pad id: its adapter test runs it as a
     # batched sequence classifier, which needs one)
     _T + "dummy-GPT2-correct-vocab": ("gpt2", "causal", "gpt2", {"pad_token_id": 0}),
@@ -383,6 +608,20 @@ MODELS = {
     "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": ("gpt_neox", "seqcls", "gpt2", {"pad_vocab": True}),
     # TRL 0.11 example script: PPOConfig's default reward pipeline
     "lvwerra/distilbert-imdb": ("distilbert", "cls", "bert", {}),
+    # TRL 1.16 tests/test_grpo_trainer.py (its text-only tests; the VLM, GPU and vLLM ones are excluded). The
+    # tokenizer matters through its special tokens and chat template only, so the chat models share Qwen's.
+    _T + "tiny-Qwen3ForCausalLM": ("qwen3", "causal", "qwen", {}),
+    _T + "tiny-Qwen3ForSequenceClassification": ("qwen3", "seqcls", "qwen", {"pad_vocab": True}),
+    _T + "tiny-Qwen3MoeForCausalLM": ("qwen3_moe", "causal", "qwen", {}),
+    _T + "tiny-Gemma2ForCausalLM": ("gemma2", "causal", "qwen", {}),
+    _T + "tiny-Cohere2ForCausalLM": ("cohere2", "causal", "qwen", {}),
+    _T + "tiny-Glm4MoeForCausalLM": ("glm4_moe", "causal", "qwen", {}),
+    _T + "tiny-GptOssForCausalLM": ("gpt_oss", "causal", "qwen", {}),
+    _T + "tiny-NemotronHForCausalLM-nano": ("nemotron_h", "causal", "qwen", {}),
+    _T + "tiny-LlamaForSequenceClassification-3.2": ("llama", "seqcls", "llama3", {"pad_vocab": True,
+                                                                                  "max_position_embeddings": 32768}),
+    # a model whose class lives in the checkpoint's own code (see REMOTE_CODE_PY): TRL's trust_remote_code test
+    _T + "tiny-RemoteForCausalLM": ("qwen2", "causal", "qwen", {"remote_code": True, "max_position_embeddings": 32768}),
 }
 DATASETS = ["trl-internal-testing/zen", "trl-internal-testing/descriptiveness-sentiment-trl-style",
             "trl-lib/tldr", "stanfordnlp/imdb"]
@@ -432,13 +671,15 @@ def build_tokenizer(family: str, texts):
 
     spec = dict(TOKENIZERS[family])
     specials = spec.pop("specials")
+    if "chat_template" in spec:
+        spec["chat_template"] = CHAT_TEMPLATES[spec["chat_template"]]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     core.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=1200, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
-    return PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=512, **spec)
+    return PreTrainedTokenizerFast(tokenizer_object=core, **{"model_max_length": 512, **spec})
 
 
 def build_model(model_type, head, tokenizer, extra, seed):
@@ -446,7 +687,7 @@ def build_model(model_type, head, tokenizer, extra, seed):
     import transformers as tf
 
     extra = dict(extra)
-    kwargs = {**ARCH[model_type], **{k: v for k, v in extra.items() if k not in ("shard", "pad_vocab")}}
+    kwargs = {**ARCH[model_type], **{k: v for k, v in extra.items() if k not in ("shard", "pad_vocab", "remote_code")}}
     vocab = len(tokenizer)
     if extra.get("pad_vocab"):
         vocab = -(-(vocab + 1) // 128) * 128
@@ -464,23 +705,65 @@ def build_model(model_type, head, tokenizer, extra, seed):
     return auto.from_config(config)
 
 
-def _write_dataset(path, splits: dict, config="default"):
-    """A local dataset dir whose README declares the config, as Hub datasets do."""
-    files = []
-    for split, rows in splits.items():
-        rel = f"{config}/{split}.jsonl"
-        os.makedirs(os.path.join(path, config), exist_ok=True)
-        with open(os.path.join(path, rel), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        files.append(f"  - split: {split}\n    path: {rel}\n")
+# A model class shipped in the checkpoint's own code (auto_map), loadable only with trust_remote_code=True:
+# Qwen2 under another name, so the weights saved from a Qwen2ForCausalLM load into it.
+REMOTE_CODE_PY = '''\
+"""A custom-code causal LM (written by fastppo's tests/trl_acceptance.py): Qwen2 under another name."""
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+class RemoteConfig(Qwen2Config):
+    model_type = "remote"
+
+
+class RemoteForCausalLM(Qwen2ForCausalLM):
+    config_class = RemoteConfig
+'''
+
+
+def make_remote_code(path):
+    """Turn a saved Qwen2 checkpoint into a custom-code one: the module beside it, the config naming it."""
+    with open(os.path.join(path, "modeling_remote.py"), "w") as f:
+        f.write(REMOTE_CODE_PY)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.update(model_type="remote", architectures=["RemoteForCausalLM"],
+                  auto_map={"AutoConfig": "modeling_remote.RemoteConfig",
+                            "AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _write_dataset(path, splits: dict, config="default", more: dict | None = None):
+    """A local dataset dir whose README declares the config (and `more` configs: name -> splits), as Hub
+    datasets do."""
+    entries = []
+    for name, name_splits in {config: splits, **(more or {})}.items():
+        files = []
+        for split, rows in name_splits.items():
+            rel = f"{name}/{split}.jsonl"
+            os.makedirs(os.path.join(path, name), exist_ok=True)
+            with open(os.path.join(path, rel), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            files.append(f"  - split: {split}\n    path: {rel}\n")
+        entries.append(f"- config_name: {name}\n  data_files:\n{''.join(files)}")
     with open(os.path.join(path, "README.md"), "w") as f:
-        f.write(f"---\nconfigs:\n- config_name: {config}\n  data_files:\n{''.join(files)}---\n")
+        f.write(f"---\nconfigs:\n{''.join(entries)}---\n")
+
+
+# Where the real zen dataset cuts each aphorism into prompt and completion, in words: a test of TRL 1.16
+# (test_prepare_input_called_with_correct_data) asserts the first prompts verbatim.
+ZEN_PROMPT_WORDS = [4, 2, 3, 1, 4, 3, 1, 4, 3, 3, 2, 6, 6, 11, 2, 4, 7, 5, 5]
 
 
 def build_datasets(workdir, rng):
-    zen = [{"prompt": ln.rsplit(" ", 1)[0]} for ln in _zen_lines()]  # the aphorism minus its last word
+    prompts = [" ".join(ln.split()[:n]) for ln, n in zip(_zen_lines(), ZEN_PROMPT_WORDS, strict=True)]
+    zen = [{"prompt": p} for p in prompts]
+    chat = [{"prompt": [{"role": "user", "content": f"How does the aphorism that starts '{p}' end?"}]}
+            for p in prompts]
+    # the real dataset's split: train_test_split(test_size=0.1, shuffle=False), so 17 train and 2 test rows
     _write_dataset(os.path.join(workdir, DATASETS[0]), {"train": zen[:-2], "test": zen[-2:]},
-                   "standard_prompt_only")
+                   "standard_prompt_only", more={"conversational_prompt_only": {"train": chat[:-2], "test": chat[-2:]}})
     # ppo.py holds out the last 100 rows for eval
     _write_dataset(os.path.join(workdir, DATASETS[1]),
                    {"descriptiveness": [{"prompt": _sentence(rng)} for _ in range(132)]})
@@ -516,6 +799,8 @@ def build_standins(workdir, rebuild=False):
         model = build_model(model_type, head, tokenizers[fam], extra, seed=i)
         model.save_pretrained(path, **({"max_shard_size": "20KB"} if extra.get("shard") else {}))
         tokenizers[fam].save_pretrained(path)
+        if extra.get("remote_code"):
+            make_remote_code(path)
     with contextlib.redirect_stdout(io.StringIO()):
         build_datasets(workdir, rng)
     with open(marker, "w") as f:
@@ -527,7 +812,7 @@ def build_standins(workdir, rebuild=False):
 # Preparing and running a target
 # --------------------------------------------------------------------------------------
 
-def rewrite_imports(text: str, rewrites: dict, origin: str) -> str:
+def rewrite_imports(text: str, rewrites: dict, origin: str, allow_trl: str = "") -> str:
     lines, used = text.splitlines(keepends=True), set()
     for i, line in enumerate(lines):
         key = line.strip()
@@ -539,6 +824,7 @@ def rewrite_imports(text: str, rewrites: dict, origin: str) -> str:
         raise SystemExit(f"{origin}: expected import line(s) not found: {sorted(missing)}")
     out = "".join(lines)
     left = re.findall(r"^\s*(?:from|import)\s+trl\b.*$", out, re.MULTILINE)
+    left = [ln for ln in left if not (allow_trl and re.match(allow_trl, ln.strip()))]
     if left:
         raise SystemExit(f"{origin}: TRL import(s) left after rewriting: {left}")
     return out
@@ -552,27 +838,31 @@ def prepare(target: Target, trl_dirs: dict, workdir: str) -> str:
     src = os.path.join(trl_dirs[target.trl], target.src)
     with open(src) as f:
         source = f.read()
-    # Hub ids the file or the flags name that have no stand-in here (today: only the 0.11 seq2seq
-    # models, used by out-of-scope tests alone); printed so that a changed TRL file shows up plainly.
-    named = set(re.findall(r'"((?:trl-internal-testing|trl-lib|EleutherAI|cleanrl|lvwerra|stanfordnlp|Qwen)/'
-                           r'[\w.-]+|gpt2)"', source + json.dumps(target.args)))
+    # Hub ids the file or the flags name that have no stand-in here (today: the 0.11 seq2seq models, used by
+    # out-of-scope tests alone, and 1.16's VLM, GPU and vLLM models and image datasets, used by excluded tests
+    # alone); printed so that a changed TRL file shows up plainly.
+    named = set(re.findall(r'"((?:trl-internal-testing|trl-lib|EleutherAI|cleanrl|lvwerra|stanfordnlp|Qwen|'
+                           r'HuggingFaceTB)/[\w.-]+|gpt2)"', source + json.dumps(target.args)))
     missing = sorted(i for i in named if not os.path.isdir(os.path.join(workdir, i)))
     if missing:
         more = f", ... ({len(missing)} in all)" if len(missing) > 4 else ""
         print(f"    no stand-in for Hub id(s) named there: {', '.join(missing[:4])}{more}")
-    files = {target.dest: rewrite_imports(source, target.rewrites, src), "trl_standins.py": STANDINS_PY,
-             "trl/__init__.py": NO_TRL_PY}
+    files = {target.dest: rewrite_imports(source, target.rewrites, src, target.allow_trl),
+             "trl_standins.py": STANDINS_PY}
+    if not target.trl_env:  # with TRL 1.16 on the path, expect.json's check stands in for the shadow
+        files["trl/__init__.py"] = NO_TRL_PY
     if target.kind == "pytest":
         rules = [{"pattern": p, "category": "out of scope", "reason": OUT_OF_SCOPE} for p in target.out_of_scope]
-        rules += exclusion_rules(source)
+        rules += exclusion_rules_116(source) if target.trl == "trl116" else exclusion_rules(source)
         pkg = target.dest.split("/")[0]
         # every directory on the way down is a package, so TRL's relative imports resolve
         for d in range(1, target.dest.count("/") + 1):
             files["/".join(target.dest.split("/")[:d]) + "/__init__.py"] = ""
-        files[f"{pkg}/testing_utils.py"] = TESTING_UTILS_PY
+        files[f"{pkg}/testing_utils.py"] = TESTING_UTILS_116_PY if target.trl == "trl116" else TESTING_UTILS_PY
         files[f"{pkg}/testing_constants.py"] = TESTING_CONSTANTS_PY
-        files["conftest.py"] = CONFTEST_PY
+        files["conftest.py"] = CONFTEST_PY + (CONFTEST_116_PY if target.trl == "trl116" else "")
         files["deselect.json"] = json.dumps(rules, indent=1)
+        files["expect.json"] = json.dumps(target.expect)
         files["pytest.ini"] = "[pytest]\n"
     for rel, content in files.items():
         os.makedirs(os.path.dirname(os.path.join(tdir, rel)), exist_ok=True)
@@ -603,15 +893,32 @@ def _first_error_line(element) -> str:
     if not msg or msg in ("collection failure",) or msg.startswith("failed on setup"):
         e_lines = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
         msg = e_lines[0] if e_lines else (msg or text.strip())
-    return msg.splitlines()[0][:220] if msg else ""
+    lines = msg.splitlines()
+    if lines and lines[0].endswith("Regex pattern did not match."):  # pytest.raises(match=): the message it got
+        return " ".join(ln.strip() for ln in lines)[:400]
+    return lines[0][:220] if lines else ""
 
 
-def run_pytest(target, tdir, env, workdir, timeout) -> dict:
-    junit = os.path.join(workdir, "logs", f"{target.name}.xml")
-    log = os.path.join(workdir, "logs", f"{target.name}.log")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-c",
+def _outcomes_so_far(out: str) -> dict:
+    """From a killed pytest -v log: the counts of the outcomes logged, the failures (their messages never got
+    printed) and the test that was running."""
+    done = re.findall(r"::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", out)
+    counts = {key: sum(1 for _, o in done if o == key.upper()) for key in ("passed", "failed", "skipped", "error")}
+    running = re.findall(r"::(\S+) *$", out.rstrip("\n").splitlines()[-1] if out.strip() else "")
+    return {**counts, "last_line": f"killed at the target's time limit after {len(done)} test(s)"
+                                   + (f"; running {running[0]}" if running else ""),
+            "failures": [{"test": t, "outcome": o.lower(), "message": "(killed before pytest reported it; see the log)"}
+                         for t, o in done if o in ("FAILED", "ERROR")]}
+
+
+def run_pytest(target, tdir, env, workdir, timeout, keyword=None, tag="") -> dict:
+    junit = os.path.join(workdir, "logs", f"{target.name}{tag}.xml")
+    log = os.path.join(workdir, "logs", f"{target.name}{tag}.log")
+    # -v: each outcome is logged as it happens, so a target killed at its time limit still tells what ran
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--tb=short", "-c",
            os.path.join(tdir, "pytest.ini"), "--rootdir", tdir, f"--basetemp={os.path.join(tdir, '.tmp')}",
-           f"--junitxml={junit}", "-o", "faulthandler_timeout=600", os.path.join(tdir, target.dest)]
+           f"--junitxml={junit}", "-o", "faulthandler_timeout=600", os.path.join(tdir, target.dest),
+           *(["-k", keyword] if keyword else [])]
     rc, out, secs = run_bounded(cmd, workdir, env, timeout, log)
     res = {"kind": "pytest", "seconds": round(secs), "log": log, "exit_code": rc, "failures": []}
     tail = [ln for ln in out.splitlines() if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b|"
@@ -620,6 +927,8 @@ def run_pytest(target, tdir, env, workdir, timeout) -> dict:
     for key in ("passed", "failed", "skipped", "error"):
         m = re.search(rf"(\d+) {key}", res["last_line"])
         res[key] = int(m.group(1)) if m else 0
+    if rc is None:  # killed: no summary line and no junit file; count the outcomes -v logged
+        res.update(_outcomes_so_far(out))
     if os.path.exists(junit) and rc is not None:
         for case in ET.parse(junit).getroot().iter("testcase"):
             for tag in ("failure", "error"):
@@ -683,41 +992,67 @@ def report(name, res):
 def main(argv=None) -> int:
     names = [t.name for t in TARGETS]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--trl026", required=True, help="a TRL v0.26.2 checkout")
-    p.add_argument("--trl011", required=True, help="a TRL v0.11.4 checkout")
+    p.add_argument("--trl026", help="a TRL v0.26.2 checkout")
+    p.add_argument("--trl011", help="a TRL v0.11.4 checkout")
+    p.add_argument("--trl116", help="a TRL v1.16.0 checkout (its tests/ is what is read)")
+    p.add_argument("--trl116-env", default=os.environ.get("FASTPPO_TRL1", os.path.join(ROOT, ".trl1")),
+                   help="where TRL 1.16 itself is installed (pip install --target; default $FASTPPO_TRL1 or .trl1)")
     p.add_argument("--workdir", help="where stand-ins, copies, logs and outputs go (default: a fresh temp dir); "
                                      "reusing one reuses its stand-ins")
     p.add_argument("--only", action="append", choices=names, metavar="NAME",
                    help="run only this target (repeatable): " + ", ".join(names))
     p.add_argument("--timeout", type=int, default=900, help="seconds per target (default 900)")
     p.add_argument("--rebuild-standins", action="store_true")
+    p.add_argument("-k", dest="keyword", help="pytest -k expression for the pytest targets (a sample of tests)")
+    p.add_argument("--shard", metavar="I/N", help="run only every N-th test a pytest target keeps, from the I-th "
+                                                   "(1-based): a target too slow for one --timeout runs in N calls")
+    p.add_argument("--test-timeout", type=float, default=0,
+                   help="seconds one test may take before it fails with TimeoutError (default: no limit)")
     args = p.parse_args(argv)
+    trl_dirs = {k: os.path.abspath(v) for k in ("trl026", "trl011", "trl116") if (v := getattr(args, k))}
+    chosen = [t for t in TARGETS if (t.name in args.only if args.only else not t.baseline)]
+    lacking = sorted({t.trl for t in chosen if t.trl not in trl_dirs})
+    if args.only and lacking:
+        p.error(f"--only names a target whose checkout is not given: --{', --'.join(lacking)}")
+    chosen = [t for t in chosen if t.trl in trl_dirs]
+    if not chosen:
+        p.error("no target to run: give --trl026, --trl011 and/or --trl116")
+    shard = re.fullmatch(r"(\d+)/(\d+)", args.shard or "1/1")
+    if not shard or not 0 < int(shard[1]) <= int(shard[2]):
+        p.error(f"--shard {args.shard}: expected I/N with 1 <= I <= N")
+    tag = f"-shard{shard[1]}of{shard[2]}" if args.shard else ""  # shards keep their own logs and summaries
+    trl1_env = os.path.abspath(args.trl116_env)
+    if any(t.trl_env for t in chosen) and not os.path.isfile(os.path.join(trl1_env, "trl", "__init__.py")):
+        p.error(f"TRL 1.16 is not installed at {trl1_env}: pip install --no-deps --target {trl1_env} trl==1.16.0")
 
     workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="trl_acceptance-"))
     os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
     print(f"work dir: {workdir}")
-    trl_dirs = {"trl026": os.path.abspath(args.trl026), "trl011": os.path.abspath(args.trl011)}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HOME": os.path.join(workdir, ".hf_home"), "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+           "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+           "TRL_ACCEPTANCE_SHARD": args.shard or "", "TRL_ACCEPTANCE_TEST_TIMEOUT": str(args.test_timeout or "")}
     os.environ.update({k: env[k] for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME")})
     build_standins(workdir, args.rebuild_standins)
 
     results = {}
-    for target in TARGETS:
-        if args.only and target.name not in args.only:
-            continue
+    for target in chosen:
         print(f"\n--- running {target.name} ({target.trl}/{target.src})", flush=True)
         tdir = prepare(target, trl_dirs, workdir)
+        # TRL 1.16 first: the target's remaining trl imports (and the baseline's trainer) are 1.16's, not the
+        # venv's TRL 0.26
+        target_env = {**env, "PYTHONPATH": os.pathsep.join([trl1_env, *filter(None, [env.get("PYTHONPATH")])])} \
+            if target.trl_env else env
         if target.kind == "pytest":
-            results[target.name] = run_pytest(target, tdir, env, workdir, args.timeout)
+            results[target.name] = run_pytest(target, tdir, target_env, workdir, args.timeout, args.keyword, tag)
         else:
-            results[target.name] = run_script(target, tdir, env, workdir, args.timeout)
+            results[target.name] = run_script(target, tdir, target_env, workdir, args.timeout)
         report(target.name, results[target.name])
 
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
+    summary = os.path.join(workdir, f"summary{tag}.json")
+    with open(summary, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"\nsummary (also {os.path.join(workdir, 'summary.json')}):")
+    print(f"\nsummary (also {summary}):")
     print(f"{'target':34} {'status':8} {'passed':>6} {'failed':>6} {'skipped':>7} {'error':>5} "
           f"{'excluded':>8} {'out-of-scope':>12} {'secs':>5}")
     for name, r in results.items():
