@@ -33,9 +33,10 @@ def trl_grpo_config_defaults(tmp_path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# fields whose value TRL computes at construction from the machine (bf16 on a CPU with use_cpu) or that hold paths
+# fields whose value TRL computes at construction from the machine (bf16 on a CPU with use_cpu), from the process
+# (disable_tqdm: transformers' logging level, which other tests move) or that hold paths
 COMPUTED = {"output_dir", "logging_dir", "bf16", "use_cpu", "generation_batch_size", "steps_per_generation",
-            "activation_checkpointing", "gradient_checkpointing", "dataloader_pin_memory"}
+            "activation_checkpointing", "gradient_checkpointing", "dataloader_pin_memory", "disable_tqdm"}
 # the same meaning, another value: TRL reads epsilon_high None as epsilon's value, which fastppo's config holds
 SAME_MEANING = {"epsilon_high": (None, 0.2)}
 
