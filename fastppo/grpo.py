@@ -143,7 +143,8 @@ class GRPOTrainer(PPOTrainer):
             if value is not None:
                 raise SettingsError(f"{name}: not supported yet by fastppo's GRPOTrainer")
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
-            raise SettingsError("reward_funcs is required: a function, a reward model (or its path), or a list of them")
+            raise SettingsError("No reward source provided: reward_funcs is required (a function, a reward model or its "
+                                "path, or a list of them)")
         if args is None:
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
             args = GRPOConfig(f"{(name or 'model').rstrip('/').split('/')[-1]}-GRPO")
@@ -159,7 +160,12 @@ class GRPOTrainer(PPOTrainer):
         if not args.disable_dropout:
             self.log("disable_dropout=False (TRL GRPO's default): fastppo disables dropout in every model anyway, so "
                      "that the sampled and the trained forwards agree (the first ratio is exactly 1)")
-        self.reward_funcs = [r.fn if r.fn is not None else r.model for r in self.rewards]  # TRL's attribute
+        # TRL's attributes, as its GRPOTrainer holds them
+        self.reward_funcs = [r.fn if r.fn is not None else r.model for r in self.rewards]
+        self.reward_processing_classes = [r.tokenizer for r in self.rewards]
+        self.reward_func_names = [r.name for r in self.rewards]
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.aux_loss_enabled = False  # no router auxiliary loss (router_aux_loss_coef is refused)
 
     def train(self, resume_from_checkpoint=None, **kwargs):
         """TRL's ``train()``: fastppo's loop (``resume_from_checkpoint`` a path, ``True`` or ``"latest"``), then

@@ -99,8 +99,9 @@ def processing_classes_by_name(classes, rewards) -> dict:
     if not isinstance(classes, (list, tuple)):
         classes = [classes]
     if len(classes) != len(rewards):
-        raise SettingsError(f"reward_processing_classes has {len(classes)} entries for {len(rewards)} reward(s) "
-                            f"({', '.join(r.name for r in rewards)}); give one per reward (None where not needed)")
+        raise SettingsError(f"reward_processing_classes has {len(classes)} entries, which must match the "
+                            f"{len(rewards)} reward(s) ({', '.join(r.name for r in rewards)}); give one per reward "
+                            "(None where not needed)")
     return {r.name: c for r, c in zip(rewards, classes) if c is not None}
 
 

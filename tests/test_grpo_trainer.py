@@ -143,7 +143,7 @@ def test_bad_input_names_what_to_change(tmp_path, model_dir):
         GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=PPOConfig(output_dir=str(tmp_path / "p")))
     with pytest.raises(SettingsError, match="tools: not supported yet"):
         GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, tools=[len])
-    with pytest.raises(SettingsError, match="reward_funcs is required"):
+    with pytest.raises(SettingsError, match="No reward source provided: reward_funcs is required"):
         GRPOTrainer(model=model_dir, args=args, train_dataset=tutorial_dataset())
     with pytest.raises(SettingsError, match="num_generations \\(3 completions per prompt\\) must divide"):
         GRPOTrainer(model=model_dir, reward_funcs=accuracy, train_dataset=tutorial_dataset(),
