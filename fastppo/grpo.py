@@ -80,6 +80,10 @@ GRPO_DEFAULTS = {
     "logging_steps": (float, 10), "gradient_checkpointing": (bool, True), "bf16": (bool | None, True),
     "remove_unused_columns": (bool | None, False), "num_sample_generations": (int, 0),
 }
+# PPOConfig's fields that GRPO sets otherwise without a field of TRL's for it: TRL GRPO's completions end at the
+# tokenizer's eos (TRL PPO's run to their length unless stop_token is set)
+STOP_AT_EOS = ("stop_token", str | None, field(default="eos", metadata={
+    "help": "Stop token: 'eos' (TRL GRPO's completions end at the tokenizer's eos), or unset."}))
 
 
 def _field(kind, default, note: str = ""):
@@ -93,7 +97,7 @@ GRPOConfig = dataclasses.make_dataclass(
     [(name, *_field(kind, Untouched.of(default) if name in ALIASES else default))
      for name, (kind, default) in GRPO_DEFAULTS.items()]
     + [(name, *_field(kind, default, note)) for name, (kind, default, note) in TRL_ONLY.items()]
-    + [(name, *_field(kind, default)) for name, (kind, default) in INERT.items()],
+    + [(name, *_field(kind, default)) for name, (kind, default) in INERT.items()] + [STOP_AT_EOS],
     bases=(PPOConfig,),
     namespace={"__doc__": "TRL 1.16's GRPOConfig: PPOConfig with TRL GRPO's defaults and fields (fastppo.grpo)."},
 )
@@ -162,7 +166,11 @@ class GRPOTrainer(PPOTrainer):
                      "that the sampled and the trained forwards agree (the first ratio is exactly 1)")
         # TRL's attributes, as its GRPOTrainer holds them
         self.reward_funcs = [r.fn if r.fn is not None else r.model for r in self.rewards]
-        self.reward_processing_classes = [r.tokenizer for r in self.rewards]
+        given = reward_processing_classes if isinstance(reward_processing_classes, (list, tuple)) else \
+            [reward_processing_classes] * len(self.rewards)
+        self.reward_processing_classes = [  # as TRL holds them: the given one, else a model's own tokenizer
+            given[i] if given[i] is not None else (None if r.fn is not None else r.tokenizer or self.tokenizer)
+            for i, r in enumerate(self.rewards)]
         self.reward_func_names = [r.name for r in self.rewards]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.aux_loss_enabled = False  # no router auxiliary loss (router_aux_loss_coef is refused)
@@ -182,8 +190,10 @@ class GRPOTrainer(PPOTrainer):
         episodes, steps = self.state.episode, self.state.global_step
         super().train()
         seconds = time.perf_counter() - start
-        losses = [row["loss"] for row in self.state.log_history[first:] if "loss" in row]
-        metrics = {"train_runtime": seconds, "train_samples_per_second": (self.state.episode - episodes) / seconds,
+        rows = [row for row in self.state.log_history[first:] if "loss" in row]
+        losses = [row["loss"] for row in rows]
+        # TRL's last log entry carries the step metrics beside the summary (its log() merges them in)
+        metrics = {**({k: v for k, v in rows[-1].items() if k != "step"} if rows else {}), "train_runtime": seconds, "train_samples_per_second": (self.state.episode - episodes) / seconds,
                    "train_steps_per_second": (self.state.global_step - steps) / seconds, "total_flos": 0.0,
                    "train_loss": sum(losses) / len(losses) if losses else float("nan")}
         self._log_state(metrics)
