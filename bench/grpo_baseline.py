@@ -9,8 +9,9 @@ peak memory.
         --prompts_per_step 8 --num_generations 8 --max_completion_length 64      # a GPU lease's case
 
 Per round, for each case (beta 0.0: no reference model on either side; beta 0.04: both load one) and each side
-(``fastppo``: padded rows, the like-for-like row; ``fastppo-padfree``: ``padding_free=True``; ``fastppo-eager``,
-asked for by ``--sides``: the eager decode loop on a GPU too; ``trl``), this
+(``fastppo``: padded rows, the like-for-like row, on a GPU its decode step replayed as a CUDA graph;
+``fastppo-padfree``: ``padding_free=True``; asked for by ``--sides``, ``fastppo-eager``: the eager decode loop on a
+GPU too, and ``fastppo-inductor``: the decode step ``torch.compile``d; ``trl``), this
 script starts ``python bench/grpo_baseline.py --child SIDE --case JSON``, which builds the trainer, trains
 ``--iterations`` iterations (one generation batch and one optimizer step each) and exits. Measured:
 
@@ -71,12 +72,15 @@ if HERE not in sys.path:
 from e2e_common import CHAT_PROMPTS, REPO, smollm2_dir  # noqa: E402
 from e2e_measure import PeakMemory, _preimport  # noqa: E402
 
-SIDES = ("fastppo", "fastppo-padfree", "fastppo-eager", "trl")
-DEFAULT_SIDES = ("fastppo", "fastppo-padfree", "trl")  # fastppo-eager differs from fastppo on a GPU only
-# each side's settings over the device's defaults (build_fastppo): fastppo-eager samples with the eager decode loop
-# on a GPU too, sparing the compiled decode's first-rollout compile
+SIDES = ("fastppo", "fastppo-padfree", "fastppo-eager", "fastppo-inductor", "trl")
+# fastppo-eager and fastppo-inductor differ from fastppo on a GPU only
+DEFAULT_SIDES = ("fastppo", "fastppo-padfree", "trl")
+# each side's settings over the device's defaults (build_fastppo): on a GPU fastppo samples through the decode step
+# captured as a CUDA graph (compiled_decode_backend="auto"), fastppo-inductor through the step torch.compile'd
+# (its compile paid in the first rollout), fastppo-eager with the eager decode loop
 FASTPPO_VARIANTS = {"fastppo": {"padding_free": False}, "fastppo-padfree": {"padding_free": True},
-                    "fastppo-eager": {"padding_free": False, "compiled_decode": False}}
+                    "fastppo-eager": {"padding_free": False, "compiled_decode": False},
+                    "fastppo-inductor": {"padding_free": False, "compiled_decode_backend": "inductor"}}
 
 
 # ============================================================================ the case both sides train
@@ -236,7 +240,9 @@ def build_fastppo(case: GRPOCase, output_dir: str, side: str, clock: Clock):
     trainer = PPOTrainer(args=config, model=model_path(case), reward_model=minus_word_count,
                          train_dataset=_dataset(case), callbacks=[_callback(clock)])
     settings = {
-        "generation": ("fastppo's own sampler, the decode step compiled over a static KV cache (CUDA graphs)"
+        "generation": (f"fastppo's own sampler, the decode step over a static KV cache "
+                       f"({config.compiled_decode_backend} backend: "
+                       f"{'a CUDA graph on CUDA' if config.compiled_decode_backend != 'inductor' else 'torch.compile'})"
                        if config.compiled_decode else "fastppo's own sampler (eager decode loop over the KV cache)"),
         "padding_free": config.padding_free,
         "old log-prob forward": ("yes (a no-grad scoring forward every iteration)" if not old_logprobs_in_update(config)
@@ -314,8 +320,7 @@ def build_trl(case: GRPOCase, output_dir: str, side: str, clock: Clock):
     return trainer, settings
 
 
-BUILDERS = {"fastppo": build_fastppo, "fastppo-padfree": build_fastppo, "fastppo-eager": build_fastppo,
-            "trl": build_trl}
+BUILDERS = {**{side: build_fastppo for side in FASTPPO_VARIANTS}, "trl": build_trl}
 
 
 def _timed(obj, name: str, seconds: dict, key: str):
@@ -363,6 +368,9 @@ def child(side: str, case: GRPOCase) -> dict:
             _timed(trainer, "save_model", extra_s, "final save")
         trainer.train()
         t2 = time.perf_counter()
+        decoder = getattr(trainer, "_static_decoder", None)  # the decode step's compile or capture, per bucket
+        settings["decode setup s"] = (None if decoder is None else
+                                      {f"{r}x{c}": round(s, 2) for (r, c), s in decoder.compile_seconds.items()})
         policy = trainer.policy if kind == "fastppo" else trainer.model
         param = next(policy.parameters())
         settings.update(dtype=str(param.dtype),

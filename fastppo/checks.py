@@ -16,6 +16,7 @@ from fastppo.data import looks_local
 from fastppo.errors import SettingsError, MissingPathError, require
 from fastppo.kernels import check_temperature
 from fastppo.zero import check_deepspeed
+from fastppo.static_decode import BACKENDS as DECODE_BACKENDS
 
 # PPO's per-token quantities are log-probs of softmax(logits / T): the log-ratio ρ and the KL scale as 1/T, and
 # fp32 rounding of logits / T as |logits| / T. TRL's own near-greedy sample table samples at 0.01; below that the
@@ -286,6 +287,8 @@ def _check_generation(c: PPOConfig) -> None:
             "log-ratio and the KL grow as 1/temperature (at 1e-6 a logit drift of 1e-6 is a log-ratio of 1, and KL "
             "reaches 1e6), so clipping and the KL penalty stop meaning anything; for near-greedy samples use "
             f"{MIN_TRAINING_TEMPERATURE:g} or more")
+    require(c.compiled_decode_backend in DECODE_BACKENDS, f"compiled_decode_backend must be one of "
+            f"{', '.join(DECODE_BACKENDS)}, got {c.compiled_decode_backend!r}")
     require(c.stop_token in (None, "eos"), f"stop_token must be 'eos' or unset, got {c.stop_token!r}")
     require(not (c.stop_token is not None and c.stop_token_id), "stop_token and stop_token_id are mutually "
             "exclusive; set one")

@@ -321,10 +321,17 @@ class PPOConfig(TrainingArguments):
     )
     compiled_decode: bool | None = field(
         default=None,
-        metadata={"help": "fastppo: sample with the decode step torch.compile'd over a static KV cache (CUDA graphs "
-                  "on a GPU; the same tokens as the eager loop for the same seed). Unset: on for a CUDA GPU in a run of "
-                  "20 iterations or more, off for shorter runs and on a CPU, where it does not pay (bench/RESULTS.md)."
-                  " Compiling takes tens of seconds, once per process."},
+        metadata={"help": "fastppo: sample with the decode step over a static KV cache, replayed as a CUDA graph or "
+                  "torch.compile'd (compiled_decode_backend; the same tokens as the eager loop for the same seed). "
+                  "Unset: on for a CUDA GPU (with the inductor backend only in runs of 20 iterations or more, which "
+                  "win back its compile), off on a CPU, where it does not pay (bench/RESULTS.md)."},
+    )
+    compiled_decode_backend: Literal["auto", "cuda_graph", "inductor"] = field(
+        default="auto",
+        metadata={"help": "fastppo: how compiled_decode runs its step. cuda_graph: the model's eager step captured "
+                  "once per batch and cache bucket as a CUDA graph and replayed (milliseconds to set up; CUDA "
+                  "only); inductor: torch.compile (CUDA graphs of fused kernels on a GPU; tens of seconds to "
+                  "compile in each new process); auto: cuda_graph on CUDA, inductor elsewhere."},
     )
     fused_policy_loss: bool = field(
         default=False,

@@ -121,7 +121,7 @@ def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, respon
         inputs[:b, 0] = torch.where(done, 0, tokens[:, t])
         mask[:, width + t] = 1
         positions = positions[:, -1:] + 1
-        logits = decoder.step_logits(inputs, mask, positions, cache, key)
+        logits = decoder.step_logits(inputs, mask, positions, cache, key, cache_position=width + t)
     return tokens
 
 

@@ -1,10 +1,23 @@
-"""The compiled decode: the rollout's sampler with its per-token forward ``torch.compile``d over a static KV cache.
+"""The compiled decode: the rollout's sampler with its per-token forward replayed as a CUDA graph, or
+``torch.compile``d, over a static KV cache.
 
 Why: one decode step of a small model is hundreds of small kernels (or, on a CPU, hundreds of Python-level
 module calls) around a few GEMMs that read every weight once. On a GPU the step is launch-bound and CUDA
-graphs over static buffers are the lever (``mode="reduce-overhead"``); on a CPU inductor fuses the
-element-wise work between the GEMMs. Either needs every tensor the step touches to keep its shape from one
-token to the next and from one rollout to the next, hence:
+graphs over static buffers are the lever; on a CPU inductor fuses the element-wise work between the GEMMs.
+Two backends (``compiled_decode_backend``):
+
+* ``"cuda_graph"`` (the CUDA default): the model's own eager step is run once and captured once per bucket as
+  a ``torch.cuda.CUDAGraph``, then replayed. Nothing is compiled, so a new process pays milliseconds, not
+  inductor's tens of seconds (37-48 s at SmolLM2-135M's shape on an H200: ``bench/RESULTS.md``). The step takes
+  a 4-D attention mask (transformers passes a 4-D mask through as given, so no mask is built on the host) and
+  an explicit cache position where the model's forward takes one; it is captured with autocast's weight cache
+  off, so the graph casts the weights it reads itself instead of reading casts that autocast frees when the
+  rollout ends. A capture that fails is reported once and that bucket runs the same step uncaptured.
+* ``"inductor"``: ``torch.compile`` (``mode="reduce-overhead"``, CUDA graphs of inductor's fused kernels, on a
+  GPU; the default inductor mode elsewhere, the only backend on a CPU).
+
+Either needs every tensor the step touches to keep its shape from one token to the next and from one rollout
+to the next, hence:
 
 * ``transformers``' ``StaticCache``: keys and values preallocated at ``[batch, heads, cache_len, dim]`` and
   written in place; its fill level is a tensor, so the position a token goes to is data, not a shape;
@@ -13,7 +26,9 @@ token to the next and from one rollout to the next, hence:
   rollout whose chunk and prompt width fall in the buckets already seen reuses the compiled step: no
   recompilation in a steady run (``tests/test_static_decode.py`` sets dynamo's ``error_on_recompile``);
 * one ``StaticCache`` per bucket, kept and ``reset()`` between chunks: fresh buffers would be fresh
-  static addresses, hence a re-recorded CUDA graph each time.
+  static addresses, hence a re-recorded CUDA graph each time. A captured graph also reads the weights at the
+  addresses they had: the optimizer updates them in place, and a weight moved elsewhere (a checkpoint loaded
+  with ``assign``, a re-wrapped model) drops every graph, to be captured again.
 
 What stays eager, on purpose: the prompt's forward (the prefill: one call per chunk, its width changes
 with every batch) and the token choice. The choice is ``generation.draw_tokens``, the eager sampler's own
@@ -25,6 +40,7 @@ cumulative-probability boundary.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -73,24 +89,146 @@ def _decode_step(lm, input_ids, attention_mask, position_ids, cache, keyword: st
               use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
-class StaticDecoder:
-    """The decode step of one model, compiled once per (batch bucket, cache length) and reused across rollouts.
+BACKENDS = ("auto", "cuda_graph", "inductor")
 
-    ``mode``: ``torch.compile``'s mode; ``None`` picks ``"reduce-overhead"`` (CUDA graphs) on CUDA and the
-    default inductor mode elsewhere. ``compile_seconds`` holds the time each bucket's first step took
-    (compilation included), and the first is reported once through ``log`` (the trainer's console; this
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``compiled_decode_backend`` on ``device``: ``"auto"`` is ``"cuda_graph"`` on CUDA, ``"inductor"`` elsewhere;
+    ``"cuda_graph"`` off CUDA is refused (there is no graph to capture)."""
+    if backend not in BACKENDS:
+        raise SettingsError(f"compiled_decode_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "cuda_graph" if device.type == "cuda" else "inductor"
+    if backend == "cuda_graph" and device.type != "cuda":
+        raise SettingsError(f"compiled_decode_backend='cuda_graph' needs a CUDA device, and the policy is on "
+                            f"{device.type}; use 'inductor' (or 'auto')")
+    return backend
+
+
+def _weight_addresses(lm) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in (*lm.parameters(), *lm.buffers()))
+
+
+class GraphedStep:
+    """One bucket's decode step over static buffers: its inputs are copied into them, and the step is run (the
+    bucket's first call, and every call where ``capture`` is off or failed) or replayed as the CUDA graph captured
+    right after that first run. The replayed logits live in the graph's memory, valid until the next step."""
+
+    def __init__(self, lm, cache, keyword: str, input_ids, attention_mask, *, capture: bool, log):
+        self.lm, self.cache, self.keyword, self.log = lm, cache, keyword, log
+        self.input_ids = input_ids.clone()
+        self.position_ids = torch.zeros_like(input_ids)
+        # transformers passes a 4-D mask through as given, so none is built (and no padding check synced) inside
+        # the graph: sdpa reads a boolean one (True: attend), eager attention adds a float one (0 or the dtype's
+        # lowest), as transformers builds each; the one query attends to every column the 2-D mask keeps (later
+        # columns are still 0 there). Other attention implementations get the 2-D mask.
+        self._mask_kind = {"sdpa": "bool", "eager": "additive"}.get(
+            getattr(lm.config, "_attn_implementation", None), "2d")
+        self.mask = self._shaped(attention_mask).clone()
+        self.cache_position = (torch.zeros(1, dtype=torch.long, device=input_ids.device)
+                               if "cache_position" in _forward_parameters(lm) else None)
+        self.capture = capture
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_logits: torch.Tensor | None = None
+        self.capture_error: str | None = None
+
+    def _shaped(self, mask2d: torch.Tensor) -> torch.Tensor:
+        if self._mask_kind == "bool":
+            return mask2d.bool()[:, None, None, :]
+        if self._mask_kind == "additive":
+            dtype = next(self.lm.parameters()).dtype
+            return torch.where(mask2d.bool(), 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]
+        return mask2d
+
+    def _load(self, input_ids, attention_mask, position_ids, cache_position: int) -> None:
+        self.input_ids.copy_(input_ids)
+        self.position_ids.copy_(position_ids)
+        self.mask.copy_(self._shaped(attention_mask))
+        if self.cache_position is not None:
+            self.cache_position.fill_(cache_position)
+
+    def _run(self) -> torch.Tensor:
+        extra = {} if self.cache_position is None else {"cache_position": self.cache_position}
+        return self.lm(input_ids=self.input_ids, attention_mask=self.mask, position_ids=self.position_ids,
+                       **{self.keyword: self.cache}, use_cache=True, logits_to_keep=1, **extra).logits[:, -1]
+
+    def __call__(self, input_ids, attention_mask, position_ids, cache_position: int) -> torch.Tensor:
+        self._load(input_ids, attention_mask, position_ids, cache_position)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.graph_logits
+        if not self.capture or self.capture_error is not None:
+            return self._run()
+        return self._run_and_capture()
+
+    def _run_and_capture(self) -> torch.Tensor:
+        device = self.input_ids.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # the real step, eagerly: it also makes the stream's library handles
+            logits = self._run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        # Capturing records the step's kernels without running them, so the cache is left as the real step wrote
+        # it. Autocast's weight cache is off inside: the graph casts the weights itself, where a cached cast would
+        # be freed when the rollout's autocast region ends and then read as garbage by the next replay.
+        autocast = (torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+                    if torch.is_autocast_enabled("cuda") else contextlib.nullcontext())
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=side), autocast:
+                graph_logits = self._run()
+        except Exception as err:  # noqa: BLE001 - any failure to capture leaves the uncaptured step, said once
+            self.capture_error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            self.log(f"compiled decode: the decode step could not be captured as a CUDA graph "
+                     f"({self.capture_error}); this bucket decodes over the static cache without a graph")
+            return logits
+        self.graph, self.graph_logits = graph, graph_logits
+        return logits
+
+
+def _forward_parameters(lm) -> set[str]:
+    try:
+        return set(inspect.signature(causal_lm_of(lm).forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+class StaticDecoder:
+    """The decode step of one model over a static KV cache, captured (``backend="cuda_graph"``) or compiled
+    (``"inductor"``) once per (batch bucket, cache length), and reused across rollouts.
+
+    ``backend``: ``compiled_decode_backend`` (``"auto"``: a CUDA graph on CUDA, inductor elsewhere); ``mode``:
+    ``torch.compile``'s mode for inductor; ``None`` picks ``"reduce-overhead"`` (CUDA graphs) on CUDA and the
+    default inductor mode elsewhere. ``compile_seconds`` holds the time each bucket's first step took (its
+    compile or capture included), and the first is reported once through ``log`` (the trainer's console; this
     module's logger at INFO when unset)."""
 
-    def __init__(self, lm, *, mode: str | None = None, cache_bucket: int = DEFAULT_CACHE_BUCKET, log=None):
+    def __init__(self, lm, *, backend: str = "auto", mode: str | None = None,
+                 cache_bucket: int = DEFAULT_CACHE_BUCKET, log=None, capture: bool | None = None):
         if cache_bucket < 1:
             raise SettingsError(f"cache_bucket must be a positive number of positions, got {cache_bucket}")
+        if backend not in BACKENDS:
+            raise SettingsError(f"compiled_decode_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.lm = lm
         self.log = log or logger.info
+        self.backend = backend
         self.mode = mode
         self.cache_bucket = cache_bucket
+        # capture=False runs the cuda_graph backend's static step uncaptured (any device): the tests check its
+        # tokens where no GPU is
+        self._capture = capture
         self._step = None
         self._caches: dict[tuple[int, int], StaticCache] = {}
+        self._graphed: dict[tuple[int, int], GraphedStep] = {}
+        self._addresses: tuple[int, ...] | None = None
         self.compile_seconds: dict[tuple[int, int], float] = {}
+
+    def backend_on(self, device: torch.device) -> str:
+        """The backend this decoder runs on ``device`` (``"auto"`` resolved; an uncaptured decoder runs the graph
+        backend's step anywhere)."""
+        if self.backend == "cuda_graph" and self._capture is False:
+            return "cuda_graph"
+        return resolve_backend(self.backend, device)
 
     def _compiled_step(self, device: torch.device):
         if self._step is None:
@@ -117,27 +255,50 @@ class StaticDecoder:
         """The static cache length for prompts ``width`` wide and ``response_length`` new tokens."""
         return _round_up(width + response_length, self.cache_bucket)
 
-    def step_logits(self, input_ids, attention_mask, position_ids, cache, key) -> torch.Tensor:
-        """One decode step's last-position logits, through the compiled step (timed on a bucket's first call)."""
-        step = self._compiled_step(input_ids.device)
-        if input_ids.device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        keyword = cache_keyword(self.lm)
-        if key in self.compile_seconds:
-            return step(self.lm, input_ids, attention_mask, position_ids, cache, keyword)
+    def step_logits(self, input_ids, attention_mask, position_ids, cache, key, cache_position: int) -> torch.Tensor:
+        """One decode step's last-position logits (timed on a bucket's first call). ``cache_position``: the cache
+        column this token is written to (the graph backend passes it where the model's forward takes one)."""
+        device = input_ids.device
+        first = key not in self.compile_seconds
         start = time.perf_counter()
-        logits = step(self.lm, input_ids, attention_mask, position_ids, cache, keyword)
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)
-        self.compile_seconds[key] = time.perf_counter() - start
-        if len(self.compile_seconds) == 1:
-            self.log(f"compiled the decode step (batch {key[0]}, cache {key[1]} positions) in "
-                     f"{self.compile_seconds[key]:.1f} s; later rollouts reuse it")
+        if self.backend_on(device) == "cuda_graph":
+            step = self._graphed.get(key)
+            if step is None:
+                step = self._graphed[key] = GraphedStep(
+                    self.lm, cache, cache_keyword(self.lm), input_ids, attention_mask, log=self.log,
+                    capture=device.type == "cuda" if self._capture is None else self._capture)
+            logits = step(input_ids, attention_mask, position_ids, cache_position)
+        else:
+            step = self._compiled_step(device)
+            if device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+            logits = step(self.lm, input_ids, attention_mask, position_ids, cache, cache_keyword(self.lm))
+        if first:
+            if logits.device.type == "cuda":
+                torch.cuda.synchronize(logits.device)
+            self.compile_seconds[key] = time.perf_counter() - start
+            if len(self.compile_seconds) == 1:
+                verb = "captured" if self.backend_on(device) == "cuda_graph" else "compiled"
+                self.log(f"{verb} the decode step (batch {key[0]}, cache {key[1]} positions) in "
+                         f"{self.compile_seconds[key]:.1f} s; later rollouts reuse it")
         return logits
+
+    def _check_weights(self) -> None:
+        """Drops the captured graphs when a weight or buffer no longer lives where they read it."""
+        if self.backend == "inductor":
+            return  # dynamo's guards see moved weights themselves
+        addresses = _weight_addresses(self.lm)
+        if self._addresses is not None and addresses != self._addresses and self._graphed:
+            self.log("compiled decode: the policy's weights moved since the decode step was captured; capturing "
+                     "it again")
+            self._graphed.clear()
+            self.compile_seconds.clear()
+        self._addresses = addresses
 
     def prepare(self, queries, query_mask, response_length: int):
         """The chunk padded to its buckets: (input ids [R, W], the static attention mask [R, L] with the prompt's
         columns filled, position ids [R, W], the reset cache, the bucket key), R = ``batch_bucket(B)``."""
+        self._check_weights()
         b, width = queries.shape
         rows, cache_len = batch_bucket(b), self.cache_length(width, response_length)
         extra = rows - b
@@ -170,35 +331,40 @@ def why_not_static(lm) -> str | None:
     return None
 
 
-# Unset, the compiled decode is on for runs of at least this many rollouts: its compile (37-48 s in a new process
-# on an H200) is won back by its faster steps after about 15-20 GRPO iterations at SmolLM2-135M's shape (k 8,
-# 64-token completions; bench/RESULTS.md, issue 51); a shorter run samples eagerly.
+# Unset, the inductor backend's compiled decode is on for runs of at least this many rollouts: its compile (37-48 s
+# in a new process on an H200) is won back by its faster steps after about 15-20 GRPO iterations at SmolLM2-135M's
+# shape (k 8, 64-token completions; bench/RESULTS.md, issue 51); a shorter run samples eagerly. The CUDA graph
+# backend is captured in milliseconds and has no such floor.
 COMPILED_DECODE_MIN_ITERATIONS = 20
 
 
 def compiled_decode_enabled(requested: bool | None, device: torch.device, zero_stage: int | None = None,
-                            lm=None, log=None, iterations: int | None = None) -> bool:
+                            lm=None, log=None, iterations: int | None = None, backend: str = "auto") -> bool:
     """Whether the rollout samples through a ``StaticDecoder``: ``requested`` (the ``compiled_decode`` setting),
-    or, unset, on for CUDA only, and there only for a run of ``iterations`` >= ``COMPILED_DECODE_MIN_ITERATIONS``
-    rollouts (a shorter one would not win its compile back; it says so). Under ZeRO-3 the policy's weights are
-    gathered into fresh storage for every rollout, so each would recompile: refused when asked for, off when
-    unset. A model ``lm`` that cannot run over a compiled static cache is refused when asked for, and decodes
-    eagerly when unset."""
+    or, unset, on for CUDA only, and there, with the inductor ``backend``, only for a run of ``iterations`` >=
+    ``COMPILED_DECODE_MIN_ITERATIONS`` rollouts (a shorter one would not win its compile back; it says so). Under
+    ZeRO-3 the policy's weights are gathered into fresh storage for every rollout, so each would recompile (or
+    recapture): refused when asked for, off when unset. A model ``lm`` that cannot run over a static cache is
+    refused when asked for, and decodes eagerly when unset. ``backend`` is checked against ``device``."""
     if zero_stage == 3:
         if requested:
             raise SettingsError("compiled_decode: not with DeepSpeed ZeRO-3, whose policy weights are re-gathered "
                                 "into new storage for every rollout (each would compile the decode step again)")
         return False
     enabled = device.type == "cuda" if requested is None else bool(requested)
-    if enabled and requested is None and iterations is not None and iterations < COMPILED_DECODE_MIN_ITERATIONS:
-        (log or logger.info)(f"compiled decode off: {iterations} iterations are too few to win back its compile "
-                             f"(tens of seconds; it pays from about {COMPILED_DECODE_MIN_ITERATIONS}); sampling "
-                             "eagerly (compiled_decode=True compiles anyway)")
+    if not enabled:
         return False
-    reason = why_not_static(lm) if enabled and lm is not None else None
+    resolved = resolve_backend(backend, device)
+    if (requested is None and resolved == "inductor" and iterations is not None
+            and iterations < COMPILED_DECODE_MIN_ITERATIONS):
+        (log or logger.info)(f"compiled decode off: {iterations} iterations are too few to win back inductor's "
+                             f"compile (tens of seconds; it pays from about {COMPILED_DECODE_MIN_ITERATIONS}); "
+                             "sampling eagerly (compiled_decode=True compiles anyway)")
+        return False
+    reason = why_not_static(lm) if lm is not None else None
     if reason is not None:
         if requested:
             raise SettingsError(f"compiled_decode: {reason}; set compiled_decode to false to sample eagerly")
         (log or logger.info)(f"compiled decode off: {reason}; sampling eagerly")
         return False
-    return enabled
+    return True

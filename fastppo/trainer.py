@@ -157,7 +157,8 @@ class PPOTrainer:
                                      learner.zero)
         self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
                                                         None if self.zero is None else self.zero.stage, self._lm(),
-                                                        self.log, iterations=self.sizes.num_total_batches)
+                                                        self.log, iterations=self.sizes.num_total_batches,
+                                                        backend=config.compiled_decode_backend)
         self._static_decoder: StaticDecoder | None = None
         self._batches = prompt_batches(len(self.prompts), self.sizes.local_prompts, self.dist.rank,
                                        self.dist.world_size, config.seed)
@@ -226,7 +227,8 @@ class PPOTrainer:
         if not self._compiled_decode:
             return None
         if self._static_decoder is None:
-            self._static_decoder = StaticDecoder(self._lm(), log=self.log)
+            self._static_decoder = StaticDecoder(self._lm(), backend=self.config.compiled_decode_backend,
+                                                 log=self.log)
         return self._static_decoder
 
     # TRL's sample table decodes near-greedily (its generate_completions' temperature)
