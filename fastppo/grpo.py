@@ -175,6 +175,10 @@ class GRPOTrainer(PPOTrainer):
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.aux_loss_enabled = False  # no router auxiliary loss (router_aux_loss_coef is refused)
 
+    def _public_model(self):
+        """What ``trainer.model`` holds: as TRL's GRPOTrainer, the policy (a ``PeftModel`` with ``peft_config``)."""
+        return self.policy
+
     def train(self, resume_from_checkpoint=None, **kwargs):
         """TRL's ``train()``: fastppo's loop (``resume_from_checkpoint`` a path, ``True`` or ``"latest"``), then
         what transformers' Trainer logs at its end (``train_runtime``, ``train_samples_per_second``,

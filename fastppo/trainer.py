@@ -151,10 +151,11 @@ class PPOTrainer:
         if lr_scheduler is None:  # TRL 0.26 builds the schedule when none is given (Trainer.create_scheduler)
             learner = dataclasses.replace(learner, lr_scheduler=default_scheduler(config, self.sizes,
                                                                                  learner.optimizer))
-        (self.actor_critic, self.model, self.reference, self.optimizer, self.lr_scheduler, self.kl_ctl, self.moments,
+        (self.actor_critic, self._trained, self.reference, self.optimizer, self.lr_scheduler, self.kl_ctl, self.moments,
          self.shuffle, self.zero) = (learner.actor_critic, learner.model, learner.reference, learner.optimizer,
                                      learner.lr_scheduler, learner.kl_ctl, learner.moments, learner.shuffle,
                                      learner.zero)
+        self.model = self._public_model()
         self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
                                                         None if self.zero is None else self.zero.stage, self._lm(),
                                                         self.log, iterations=self.sizes.num_total_batches,
@@ -179,6 +180,11 @@ class PPOTrainer:
         self._run_lock = None
         self._training = False  # inside train(): the output_dir is this run's to write
         self.reward_logs = RewardLogs(self.log)  # what reward functions log (log_metric, log_extra)
+
+    def _public_model(self):
+        """What ``trainer.model`` holds: as TRL 0.26's PPOTrainer, the policy-and-value module being trained (wrapped
+        for DDP while training)."""
+        return self._trained
 
     # ------------------------------------------------------------------ 1. rollout
 
@@ -275,7 +281,7 @@ class PPOTrainer:
 
     @property
     def learner(self) -> Learner:
-        return Learner(self.actor_critic, self.model, self.reference, self.optimizer, self.lr_scheduler, self.kl_ctl,
+        return Learner(self.actor_critic, self._trained, self.reference, self.optimizer, self.lr_scheduler, self.kl_ctl,
                        self.moments, self.shuffle, self.autocast, self.log, self.zero)
 
     def iteration(self, collect: Callable[[], ScoredRollout] | None = None, skip_masked: bool = False
@@ -420,7 +426,8 @@ class PPOTrainer:
         self.control = self.callback_handler.on_train_end(config, state, self.control)
         # DDP's reducer holds the process group: release it here, while every rank is alive, rather than
         # when the trainer is collected after destroy_process_group (a rank once hung in that late teardown).
-        self.model = self.actor_critic
+        self._trained = self.actor_critic
+        self.model = self._public_model()
         fdist.barrier()
         if self.dist.initialized_here:
             if self.zero is not None:  # DeepSpeed's hooks and buffers, while every rank is alive

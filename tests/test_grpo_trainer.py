@@ -98,6 +98,33 @@ def test_a_trl_grpo_script_runs_with_its_import_changed(tmp_path, model_dir):
     assert output.metrics["train_runtime"] > 0
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_trainer_model_is_the_policy_as_trl_holds_it(tmp_path, model_dir, lora):
+    """TRL's tests read the trained weights from ``trainer.model`` (``named_parameters``, ``get_parameter``,
+    ``peft_config``): for GRPO it is the policy itself (PPOTrainer's stays TRL 0.26's policy-and-value module)."""
+    import torch
+
+    peft = None
+    if lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=6, max_steps=1, learning_rate=1e-2, bf16=False, disable_tqdm=True,
+                      gradient_checkpointing=False, save_strategy="no", report_to="none")
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=length_penalty, args=args, train_dataset=tutorial_dataset(),
+                          peft_config=peft)
+    assert trainer.model is trainer.policy
+    assert type(trainer.model).__name__ == ("PeftModelForCausalLM" if lora else "LlamaForCausalLM")
+    if lora:
+        assert "default" in trainer.model.peft_config
+    before = {n: p.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert trainer.model is trainer.policy  # also after train(), which unwraps the trained module
+    moved = [n for n, p in before.items() if not torch.equal(p, trainer.model.get_parameter(n))]
+    assert moved and (not lora or all("lora" in n for n in moved))
+
+
 def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model_dir, monkeypatch):
     """TRL's default config: max_completion_length 512, past the tiny model's 256 positions, refused by TRL's
     name; a model object that has the positions gets a run named <model>-GRPO, as TRL names it."""
