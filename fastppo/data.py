@@ -1,6 +1,8 @@
 """Prompts: loading a dataset (Hub, local file, in-memory), tokenizing it, and drawing batches."""
 from __future__ import annotations
 
+import itertools
+
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -83,10 +85,16 @@ def check_json_file(path: str) -> None:
                 raise SettingsError(f"{path}, line {number}: expected a JSON object per line, got {type(row).__name__}")
 
 
-def as_dataset(data, what: str = "train_dataset"):
-    """A ``datasets.Dataset`` from a Dataset or a list of dicts."""
+def as_dataset(data, what: str = "train_dataset", rows_needed: int | None = None):
+    """A ``datasets.Dataset`` from a Dataset, a list of dicts, or an ``IterableDataset`` (a streamed one included):
+    its first ``rows_needed`` rows, all of them when that is unset (then it must end)."""
     if isinstance(data, datasets.Dataset):
         return data
+    if isinstance(data, datasets.IterableDataset):
+        rows = list(itertools.islice(data, rows_needed))
+        if not rows:
+            raise SettingsError(f"{what} is empty")
+        return datasets.Dataset.from_list(rows)
     if isinstance(data, (list, tuple)) and all(isinstance(row, dict) for row in data):
         if not data:
             raise SettingsError(f"{what} is empty")
@@ -94,6 +102,23 @@ def as_dataset(data, what: str = "train_dataset"):
     if isinstance(data, torch.utils.data.Dataset) and hasattr(data, "__len__"):
         return datasets.Dataset.from_list([dict(data[i]) for i in range(len(data))])
     raise SettingsTypeError(f"{what} must be a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
+
+
+def iterable_rows_needed(dataset, config, what: str) -> int | None:
+    """How many rows of an ``IterableDataset`` train set a run reads: at most one per completion of its
+    ``max_steps`` steps on every process (a stream has no length, so, as transformers' Trainer, the run needs
+    ``max_steps``); the trainer then draws its prompts from those rows as from a map-style dataset. None for
+    anything else (an eval set is read whole)."""
+    if not isinstance(dataset, datasets.IterableDataset) or what != "train_dataset":
+        return None  # an eval set is read whole, as an evaluation reads it
+    steps = getattr(config, "max_steps", -1)
+    if steps is None or steps <= 0:
+        raise SettingsError(f"{what} is an IterableDataset, which has no length: set max_steps (as transformers' "
+                            "Trainer asks), and the run reads the rows its steps use")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * \
+        max(getattr(config, "num_mini_batches", 1), 1)
+    return steps * per_step * world
 
 
 def prompt_column(dataset, text_field: str, name: str) -> str:
@@ -234,7 +259,7 @@ def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=pr
         dataset = load_prompt_dataset(name, "train")
     else:
         name = what
-        dataset = as_dataset(dataset, what)
+        dataset = as_dataset(dataset, what, iterable_rows_needed(dataset, config, what))
     column = prompt_column(dataset, config.dataset_text_field, name)
     if len(dataset) == 0:
         raise SettingsError(f"no prompts in dataset {name!r} (it is empty)")

@@ -156,8 +156,15 @@ class GRPOTrainer(PPOTrainer):
             raise SettingsTypeError(f"args must be a fastppo.GRPOConfig (TRL GRPO's fields and defaults), got "
                                     f"{type(args).__name__}; a PPOConfig goes to PPOTrainer")
         check_grpo_settings(args)
+        # TRL takes several eval sets as a dict (a DatasetDict too); fastppo's sample table draws from one
+        sample_table_set = eval_dataset
+        if isinstance(eval_dataset, dict) and eval_dataset:
+            first = next(iter(eval_dataset))
+            sample_table_set = eval_dataset[first]
+        elif isinstance(eval_dataset, dict):
+            raise SettingsError("eval_dataset is an empty dict: give one dataset, or a dict of named datasets")
         super().__init__(args=args, processing_class=processing_class, model=model, reward_model=reward_funcs,
-                         train_dataset=train_dataset, eval_dataset=eval_dataset, optimizers=optimizers,
+                         train_dataset=train_dataset, eval_dataset=sample_table_set, optimizers=optimizers,
                          callbacks=callbacks, peft_config=peft_config,
                          model_args=ModelConfig(trust_remote_code=args.trust_remote_code),
                          reward_processing_classes=reward_processing_classes)
@@ -173,6 +180,9 @@ class GRPOTrainer(PPOTrainer):
             for i, r in enumerate(self.rewards)]
         self.reward_func_names = [r.name for r in self.rewards]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        if sample_table_set is not eval_dataset:
+            self.log(f"eval_dataset holds {len(eval_dataset)} datasets ({', '.join(map(str, eval_dataset))}); the "
+                     f"sample table draws from the first, {first!r}")
         self.aux_loss_enabled = False  # no router auxiliary loss (router_aux_loss_coef is refused)
 
     def _public_model(self):

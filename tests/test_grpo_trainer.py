@@ -125,6 +125,53 @@ def test_trainer_model_is_the_policy_as_trl_holds_it(tmp_path, model_dir, lora):
     assert moved and (not lora or all("lora" in n for n in moved))
 
 
+def endless_prompts():
+    import itertools
+
+    for i in itertools.count():
+        yield {"prompt": f"the movie number {i} was", "solution": "good"}
+
+
+def test_an_iterable_train_set_even_an_endless_one_reads_the_rows_its_steps_use(tmp_path, model_dir):
+    import datasets
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=4, max_steps=2, bf16=False, disable_tqdm=True,
+                      gradient_checkpointing=False, save_strategy="no", report_to="none")
+    stream = datasets.IterableDataset.from_generator(endless_prompts)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, train_dataset=stream)
+    assert trainer.train_dataset is stream
+    assert len(trainer.prompts) == 2 * 8  # one row per completion of the 2 steps, at most: the stream is endless
+    trainer.train()
+    assert trainer.state.global_step == 2
+    with pytest.raises(SettingsError, match="train_dataset is an IterableDataset, which has no length: set max_steps"):
+        GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=dataclasses.replace(args, max_steps=-1),
+                    train_dataset=stream)
+
+
+@pytest.mark.parametrize("kind", ["dataset_dict", "iterable_dataset_dict", "dict_of_iterable"])
+def test_several_eval_sets_as_trl_takes_them(tmp_path, model_dir, kind, capsys):
+    import datasets
+
+    split = tutorial_dataset()
+    if kind == "dataset_dict":
+        evals = datasets.DatasetDict({"data1": split, "data2": split})
+    elif kind == "iterable_dataset_dict":
+        evals = datasets.IterableDatasetDict({"data1": split.to_iterable_dataset(), "data2": split})
+    else:
+        evals = {"data1": split.to_iterable_dataset(), "data2": split.to_iterable_dataset()}
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=4, max_steps=1, bf16=False, disable_tqdm=True,
+                      gradient_checkpointing=False, save_strategy="no", report_to="none")
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, train_dataset=split,
+                          eval_dataset=evals)
+    assert trainer.eval_dataset is evals and set(trainer.eval_dataset) == {"data1", "data2"}
+    assert len(trainer.eval_prompts) == len(split)  # an iterable eval set is read whole
+    assert "the sample table draws from the first, 'data1'" in capsys.readouterr().out
+    with pytest.raises(SettingsError, match="eval_dataset is an empty dict"):
+        GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, train_dataset=split, eval_dataset={})
+
+
 def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model_dir, monkeypatch):
     """TRL's default config: max_completion_length 512, past the tiny model's 256 positions, refused by TRL's
     name; a model object that has the positions gets a run named <model>-GRPO, as TRL names it."""
