@@ -111,7 +111,8 @@ def ignored_fields(config: PPOConfig) -> list[str]:
     defaults = type(config)(output_dir=config.output_dir)
     out = []
     for name in TrainingArguments.__dataclass_fields__:
-        if name in USED or name in UNSUPPORTED or not hasattr(defaults, name):
+        if name in USED or name in UNSUPPORTED or name in getattr(config, "HONOURED_TRAINING_ARGS", ()) or \
+                not hasattr(defaults, name):
             continue
         if getattr(config, name) != getattr(defaults, name):
             out.append(name)

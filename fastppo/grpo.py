@@ -18,14 +18,20 @@ by name when it is set, with the reason (``TRL_ONLY``'s notes), never silently i
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 import os
 import time
 from dataclasses import field
 from typing import Any
 
-from fastppo.config import ALIASES, ModelConfig, PPOConfig, Untouched
+import torch
+
+from fastppo.config import ALIASES, ModelConfig, PPOConfig, Sizes, Untouched
+from fastppo.data import load_prompts
 from fastppo.errors import SettingsError, SettingsTypeError
+from fastppo.train import ppo_iteration
 from fastppo.trainer import PPOTrainer
 
 # TRL 1.16 GRPOConfig's fields that PPOConfig lacks: name -> (type, TRL's default, what fastppo does with another
@@ -36,7 +42,7 @@ TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
     "trust_remote_code": (bool, False, ""),
     "router_aux_loss_coef": (float | None, None, "mixture-of-experts router losses are not implemented"),
     "disable_dropout": (bool, False, ""),
-    "num_generations_eval": (int | None, None, "eval_dataset feeds the sample table; no eval loop generates groups"),
+    "num_generations_eval": (int | None, None, ""),
     "shuffle_dataset": (bool, True, "the prompt sampler always draws a seeded random order"),
     "generation_batch_size": (int | None, None, ""),
     "steps_per_generation": (int | None, None, ""),
@@ -99,7 +105,10 @@ GRPOConfig = dataclasses.make_dataclass(
     + [(name, *_field(kind, default, note)) for name, (kind, default, note) in TRL_ONLY.items()]
     + [(name, *_field(kind, default)) for name, (kind, default) in INERT.items()] + [STOP_AT_EOS],
     bases=(PPOConfig,),
-    namespace={"__doc__": "TRL 1.16's GRPOConfig: PPOConfig with TRL GRPO's defaults and fields (fastppo.grpo)."},
+    namespace={"__doc__": "TRL 1.16's GRPOConfig: PPOConfig with TRL GRPO's defaults and fields (fastppo.grpo).",
+               # transformers' evaluation settings, which GRPOTrainer.evaluate honours (PPO reports them as unused)
+               "HONOURED_TRAINING_ARGS": ("eval_strategy", "eval_steps", "eval_on_start", "eval_delay",
+                                          "per_device_eval_batch_size")},
 )
 GRPOConfig.__module__ = __name__
 
@@ -121,6 +130,9 @@ def check_grpo_settings(args) -> None:
         raise SettingsError(f"num_iterations={args.num_iterations}: GRPOTrainer counts one optimizer step per "
                             "generation batch for now; for several passes over it use PPOConfig(advantage_estimator="
                             "'grpo', num_iterations=...), whose global_step counts generation batches")
+    if args.num_generations_eval is not None and (not isinstance(args.num_generations_eval, int)
+                                                  or args.num_generations_eval < 1):
+        raise SettingsError(f"num_generations_eval must be an integer >= 1, got {args.num_generations_eval!r}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     batch = args.per_device_train_batch_size * accumulation * world
     if args.generation_batch_size is not None and args.generation_batch_size != batch:
@@ -184,6 +196,70 @@ class GRPOTrainer(PPOTrainer):
             self.log(f"eval_dataset holds {len(eval_dataset)} datasets ({', '.join(map(str, eval_dataset))}); the "
                      f"sample table draws from the first, {first!r}")
         self.aux_loss_enabled = False  # no router auxiliary loss (router_aux_loss_coef is refused)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """TRL's ``evaluate()``: the eval prompts in a seeded random order, each ``num_generations_eval`` times (unset:
+        ``num_generations``), in batches of ``per_device_eval_batch_size`` completions; each batch sampled, scored,
+        its advantages taken within its groups, and its loss computed at θ_old (ratio 1) without a gradient or step.
+        Returns and logs ``<prefix>_loss`` (the batches' loss, weighted by their completions), ``_runtime``,
+        ``_samples_per_second``, ``_steps_per_second``, and every training metric of the batches as
+        ``eval_<name>`` (their mean over the batches, NaNs left out), as TRL's ``log()`` names them.
+        ``eval_dataset``: a dataset, a dict of them (each evaluated with the prefix ``<prefix>_<name>``), a name in
+        the trainer's dict of eval sets, or unset (the trainer's own)."""
+        sets = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(sets, str):
+            if not isinstance(self.eval_dataset, dict) or sets not in self.eval_dataset:
+                raise SettingsError(f"evaluate(eval_dataset={sets!r}): the trainer holds no eval set of that name")
+            sets = self.eval_dataset[sets]
+        if isinstance(sets, dict):
+            metrics = {}
+            for name, data in sets.items():
+                metrics.update(self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if sets is None:
+            raise SettingsError("evaluate() needs an eval_dataset: pass one, or give GRPOTrainer(eval_dataset=...)")
+        if self.dist.world_size > 1:
+            raise SettingsError("evaluate() runs on one process for now; call it from a single-process run")
+        config = copy.copy(self.config)  # the eval groups' size, nothing else changed
+        config.num_generations = self.config.num_generations_eval or self.config.num_generations
+        k, rows_per_batch = config.num_generations, self.config.per_device_eval_batch_size
+        if rows_per_batch % k:
+            raise SettingsError(f"per_device_eval_batch_size ({rows_per_batch}) must be divisible by "
+                                f"num_generations_eval ({k}): an eval batch holds whole groups")
+        ids, rows = load_prompts(sets, self.config, self.tokenizer, "eval_dataset", self.log)
+        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(self.config.seed)).tolist()
+        start, batches = time.perf_counter(), []
+        for first in range(0, len(order), rows_per_batch // k):
+            drawn = [i for i in order[first:first + rows_per_batch // k] for _ in range(k)]
+            n = len(drawn)
+            sizes = Sizes(world_size=1, local_batch_size=n, batch_size=n, local_mini_batch_size=n, mini_batch_size=n,
+                          micro_batch_size=n, micro_steps=1, num_mini_batches=1, num_total_batches=1,
+                          sample_generations_freq=0, num_generations=k, local_prompts=n // k)
+            result = ppo_iteration(self.learner, config, sizes, lambda: self.rollout(
+                prompt_ids=[ids[i] for i in drawn], rows=rows.select(drawn)), train=False)
+            self.reward_logs.take_extra(n)
+            batches.append((n, {**result.metrics, **self.reward_logs.take_metrics(self.device)}))
+        seconds = time.perf_counter() - start
+        completions = sum(n for n, _ in batches)
+        metrics = {f"{metric_key_prefix}_loss": sum(n * m["loss"] for n, m in batches) / completions,
+                   f"{metric_key_prefix}_runtime": seconds,
+                   f"{metric_key_prefix}_samples_per_second": completions / seconds,
+                   f"{metric_key_prefix}_steps_per_second": len(batches) / seconds}
+        for name in dict.fromkeys(name for _, m in batches for name in m):
+            if name in (ignore_keys or ()) or name == "loss":
+                continue
+            values = [m[name] for _, m in batches if name in m and not math.isnan(m[name])]
+            metrics[f"eval_{name}"] = sum(values) / len(values) if values else None
+        if self.state.epoch is not None:
+            metrics["epoch"] = self.state.epoch
+        self._log_state(metrics)
+        self.control = self.callback_handler.on_evaluate(self.config, self.state, self.control, metrics=metrics)
+        return metrics
+
+    def _scheduled_evaluation(self) -> None:
+        """transformers' eval_strategy (eval_steps, eval_on_start): TRL's evaluation, when there is an eval set."""
+        if self.eval_dataset is not None:
+            self.evaluate()
 
     def _public_model(self):
         """What ``trainer.model`` holds: as TRL's GRPOTrainer, the policy (a ``PeftModel`` with ``peft_config``)."""

@@ -29,6 +29,7 @@ are PyTorch here and in ``policy_terms``. The plumbing lives beside this file: `
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -304,13 +305,16 @@ GRPO_STD_EPS = 1e-4  # TRL GRPO's: a group of equal rewards gets advantage 0, no
 def grpo_advantages(sequence_rewards: torch.Tensor, k: int, scale_rewards: str) -> torch.Tensor:
     """[B] A_i = (r_i − mean_group) / (std + 1e-4) (GRPO; TRL's GRPOTrainer), the std (unbiased) of i's group
     (``scale_rewards="group"``), of the whole batch over every process (``"batch"``), or no division
-    (``"none"``: Dr. GRPO)."""
+    (``"none"``: Dr. GRPO). A group of one (an evaluation's ``num_generations_eval=1``) has a std of 0, as in TRL,
+    hence advantage 0."""
     r = sequence_rewards.view(-1, k).double()
     centred = (r - r.mean(1, keepdim=True)).view(-1)
     if scale_rewards == "none":
         return centred.to(sequence_rewards.dtype)
     if scale_rewards == "group":
-        std = r.std(1, keepdim=True).expand(-1, k).reshape(-1)
+        std = (r.std(1, keepdim=True) if k > 1 else torch.zeros_like(r)).expand(-1, k).reshape(-1)
+    elif r.numel() == 1:
+        std = torch.zeros_like(centred)
     else:
         _, var = batch_moments(r.view(-1), torch.ones_like(sequence_rewards, dtype=torch.bool))
         std = var.sqrt()
@@ -535,8 +539,12 @@ def step_token_weights(micro: list[list[int]], loss_mask: torch.Tensor, loss_typ
 
 def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targets: Targets, config: PPOConfig,
                sizes: Sizes, generator: torch.Generator, autocast: Callable = contextlib.nullcontext,
-               log: Callable[[str], None] = print, zero=None) -> UpdateResult:
+               log: Callable[[str], None] = print, zero=None, train: bool = True) -> UpdateResult:
     """Step 5: num_ppo_epochs × num_mini_batches optimizer steps, each over micro_steps micro-batches.
+
+    ``train=False`` (an evaluation, under the caller's ``torch.no_grad``): one epoch of the same forwards and
+    losses with the model in eval mode, and no backward or step: the stats are the loss and metrics at θ_old
+    (ratio 1), as TRL's ``prediction_step`` computes them.
 
     A step whose loss or gradient is not finite (on any process) is skipped: the weights and the
     optimizer state never see it. With fused AdamW the skip happens on the device (its ``found_inf``),
@@ -573,9 +581,9 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     sequence_level = config.importance_sampling_level == "sequence"
     whole_sequences = reads_whole_sequences(config)  # the fused loss then takes the completions' lengths
     clip = surrogate_options(config)
-    epochs_run = config.num_ppo_epochs
-    model.train()
-    for epoch in range(config.num_ppo_epochs):
+    epochs_run = config.num_ppo_epochs if train else 1
+    model.train(train)
+    for epoch in range(epochs_run):
         order = torch.randperm(sizes.local_batch_size, generator=generator).tolist()
         for mb, micro in enumerate(micro_batches(order, sizes, total_lengths, config.group_by_length)):
             step_weights = None
@@ -633,11 +641,15 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         accumulation = 1
                         for name in ("pg_loss", "vf_loss", "kl_loss", "loss"):
                             stats[STAT[name], epoch, mb, k] *= len(micro)
+                    if not train:
+                        continue
                     finite = finite * torch.isfinite(loss.detach())
                     if zero is not None:
                         zero.backward(loss, finite if sync else None, accumulation)
                     else:
                         (loss / accumulation).backward()
+            if not train:
+                continue
             if zero is not None:
                 if zero.step():
                     skipped += 1.0
@@ -661,7 +673,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 log(f"non-finite loss or gradient at PPO epoch {epoch}, minibatch {mb}: "
                     "step skipped, weights unchanged")
             optimizer.zero_grad()  # torch frees the gradients (set_to_none); a caller may have rebound it
-        if config.early_stopping:
+        if config.early_stopping and train:
             # legacy TRL: after each epoch, the policy KL of its last minibatch against 1.5 × target_kl
             kl_now = torch.nanmean(stats[STAT["policykl"], epoch, sizes.num_mini_batches - 1]).reshape(1)
             fdist.all_reduce(kl_now)
@@ -670,7 +682,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 break
     if on_device_skip:
         optimizer.found_inf = None
-    steps = epochs_run * sizes.num_mini_batches - skipped
+    steps = epochs_run * sizes.num_mini_batches - skipped if train else skipped
     return UpdateResult(stats, skipped, steps, epochs_run, seen)
 
 
@@ -752,9 +764,11 @@ class IterationResult:
 
 
 def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Callable[[], ScoredRollout],
-                  skip_masked: bool = False) -> IterationResult:
+                  skip_masked: bool = False, train: bool = True) -> IterationResult:
     """One PPO iteration. ``collect`` is step 1 (the trainer samples and scores; the legacy ``step()`` hands
-    over the caller's samples). ``skip_masked``: GAE bootstraps across positions a caller masked out."""
+    over the caller's samples). ``skip_masked``: GAE bootstraps across positions a caller masked out.
+    ``train=False``: an evaluation of the same steps, which changes nothing: no gradient or optimizer step, and
+    the score moments, β and the learning rate stay where they are."""
     # 1. rollout: prompts, responses y ~ π_θ_old, cut at the stop token, scored r(x, y)
     batch = collect()
     rollout = batch.rollout
@@ -769,8 +783,9 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
                                    scoring_seconds, policy=not in_update)
     t_forward = time.perf_counter()
     # 3. rewards: R_t = −β·KL_t, + the (transformed) score on the last trained token
+    moments = learner.moments if train else copy.deepcopy(learner.moments)  # an evaluation moves no moment
     scores = transform_scores(batch.scores, config.use_score_scaling, config.use_score_norm, config.score_clip,
-                              learner.moments)
+                              moments)
     kl_coef = learner.kl_ctl.value
     rewards, non_score_reward = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index,
                                                   kl_coef)
@@ -785,8 +800,11 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     t1 = time.perf_counter()
     # 5. PPO update, at this iteration's learning rate
     lr = learner.optimizer.param_groups[0]["lr"]
-    update = ppo_update(learner.model, learner.optimizer, rollout, experience, targets, config, sizes,
-                        learner.shuffle, learner.autocast, learner.log, zero=learner.zero)
+    with contextlib.nullcontext() if train else torch.no_grad():
+        # an evaluation leaves the minibatch order's generator alone (its order does not change a loss without steps)
+        order = learner.shuffle if train else torch.Generator().manual_seed(0)
+        update = ppo_update(learner.model, learner.optimizer, rollout, experience, targets, config, sizes, order,
+                            learner.autocast, learner.log, zero=learner.zero, train=train)
     t2 = time.perf_counter()
     if in_update:  # π_θ_old's log-probs, and the KL they make with π_ref, as step 2 would have measured them
         experience = with_old_logprobs(experience, update.logprobs, rollout.response_mask, config.kl_estimator)
@@ -802,9 +820,9 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     if metrics["train/skipped_steps"]:
         learner.log(f"{metrics['train/skipped_steps']:g} optimizer step(s) skipped for a non-finite loss or gradient "
                     "(weights and optimizer state unchanged by them)")
-    if "objective/kl" in metrics:  # the adaptive controller reads the KL; a run without a reference has none
+    if "objective/kl" in metrics and train:  # the adaptive controller reads the KL; a run without a reference has none
         learner.kl_ctl.update(metrics["objective/kl"], sizes.batch_size)
-    if learner.lr_scheduler is not None:
+    if learner.lr_scheduler is not None and train:
         learner.lr_scheduler.step()
     seconds = {**batch.seconds, "scoring": t1 - t0, "update": t2 - t1, "scoring/forwards": t_forward - t0,
                "scoring/advantages": t1 - t_forward, **{f"scoring/{k}": v for k, v in scoring_seconds.items()}}

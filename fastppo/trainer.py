@@ -181,6 +181,10 @@ class PPOTrainer:
         self._training = False  # inside train(): the output_dir is this run's to write
         self.reward_logs = RewardLogs(self.log)  # what reward functions log (log_metric, log_extra)
 
+    def _scheduled_evaluation(self) -> None:
+        """An evaluation transformers' eval_strategy asks for: none in PPO (TRL 0.26's PPOTrainer has no eval loop;
+        its eval_dataset feeds the sample table, and eval_strategy is reported as having no effect)."""
+
     def _public_model(self):
         """What ``trainer.model`` holds: as TRL 0.26's PPOTrainer, the policy-and-value module being trained (wrapped
         for DDP while training)."""
@@ -358,6 +362,8 @@ class PPOTrainer:
             progress.start()
             stack.callback(progress.stop)
         self.control = self.callback_handler.on_train_begin(config, state, self.control)
+        if config.eval_on_start and first == 1:
+            self._scheduled_evaluation()
         start, start_episode = time.perf_counter(), state.episode
         preempted = False
         with stack:
@@ -398,6 +404,9 @@ class PPOTrainer:
                                       columns={k: v.tolist() for k, v in batch.reward_columns.items()},
                                       extra=logged_columns)
                 self.control = self.callback_handler.on_step_end(config, state, self.control)
+                if self.control.should_evaluate:  # transformers' flow, at eval_steps under eval_strategy="steps"
+                    self._scheduled_evaluation()
+                    self.control.should_evaluate = False
                 preempted = stop.requested_anywhere()
                 # transformers' flow asks for a checkpoint at save_steps and after the last iteration (as TRL's
                 # loop saves it): a finished run can be continued with a larger max_steps

@@ -172,6 +172,92 @@ def test_several_eval_sets_as_trl_takes_them(tmp_path, model_dir, kind, capsys):
         GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, train_dataset=split, eval_dataset={})
 
 
+class LengthReward:
+    """Rewards a completion by its length in tokens, and records what it returned: the eval loss is checked against
+    the advantages those rewards make."""
+
+    __name__ = "length_reward"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, completions, completion_ids, **kwargs):
+        rewards = [float(len(ids)) for ids in completion_ids]
+        self.calls.append(rewards)
+        return rewards
+
+
+def eval_args(tmp_path, **kwargs):
+    return GRPOConfig(**{**dict(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                                per_device_eval_batch_size=8, max_completion_length=8, max_steps=1, bf16=False,
+                                disable_tqdm=True, gradient_checkpointing=False, save_strategy="no",
+                                report_to="none", temperature=1.5, stop_token_id=[5, 6, 7], stop_token=None),
+                         **kwargs})
+
+
+def test_evaluate_is_trls_loss_at_theta_old_and_changes_nothing(tmp_path, model_dir):
+    import torch
+
+    reward = LengthReward()
+    evals = tutorial_dataset().select(range(6))  # 6 prompts × k 4 in batches of 8: 3 batches of 2 prompts
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=eval_args(tmp_path), train_dataset=evals,
+                          eval_dataset=evals)
+    weights = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    shuffle, lr = trainer.shuffle.get_state(), trainer.optimizer.param_groups[0]["lr"]
+    metrics = trainer.evaluate()
+    # TRL's dapo loss at ratio 1, batch by batch: -Σ_i A_i·|y_i| / Σ_i |y_i|, A the group-normalised reward
+    losses = []
+    for rewards in reward.calls:
+        r = torch.tensor(rewards, dtype=torch.float64).view(-1, 4)
+        adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
+        lengths = torch.tensor(rewards, dtype=torch.float64)
+        losses.append(float(-(adv * lengths).sum() / lengths.sum()))
+    assert len(reward.calls) == 3 and all(len(c) == 8 for c in reward.calls)
+    assert metrics["eval_loss"] == pytest.approx(sum(losses) / 3, rel=1e-5, abs=1e-7)
+    assert metrics["eval_loss"] != 0  # the lengths differ, so the loss is not trivially 0
+    assert metrics["eval_reward"] == pytest.approx(sum(sum(c) / 8 for c in reward.calls) / 3)
+    assert {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_reward_std",
+            "eval_completions/mean_length", "eval_entropy", "eval_rewards/length_reward/mean"} <= set(metrics)
+    assert trainer.state.log_history[-1]["eval_loss"] == metrics["eval_loss"]
+    # nothing moved: weights, the minibatch order's generator, the schedule, the step
+    assert all(torch.equal(p, weights[n]) for n, p in trainer.model.named_parameters())
+    assert torch.equal(trainer.shuffle.get_state(), shuffle) and trainer.optimizer.param_groups[0]["lr"] == lr
+    assert trainer.state.global_step == 0 and not trainer.optimizer.state
+
+
+def test_evaluate_of_groups_of_one_has_advantage_and_loss_zero(tmp_path, model_dir):
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=LengthReward(), args=eval_args(
+        tmp_path, num_generations_eval=1), train_dataset=tutorial_dataset())
+    metrics = trainer.evaluate(tutorial_dataset().select(range(3)))
+    assert metrics["eval_loss"] == 0.0  # TRL: a group of one has std 0, hence advantage 0 (not NaN)
+
+
+def test_evaluate_several_sets_and_bad_batch(tmp_path, model_dir):
+    split = tutorial_dataset().select(range(2))
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=LengthReward(), args=eval_args(tmp_path),
+                          train_dataset=split, eval_dataset={"data1": split, "data2": split.to_iterable_dataset()})
+    metrics = trainer.evaluate()
+    assert {"eval_data1_loss", "eval_data2_loss", "eval_data1_runtime"} <= set(metrics)
+    assert "eval_loss" in trainer.evaluate("data1")  # a name: that set, under the prefix given (transformers)
+    with pytest.raises(SettingsError, match="per_device_eval_batch_size \\(6\\) must be divisible by "
+                                            "num_generations_eval \\(4\\)"):
+        GRPOTrainer(model=model_dir, reward_funcs=LengthReward(), args=eval_args(
+            tmp_path, per_device_eval_batch_size=6), train_dataset=split).evaluate(split)
+    with pytest.raises(SettingsError, match="evaluate\\(\\) needs an eval_dataset"):
+        GRPOTrainer(model=model_dir, reward_funcs=LengthReward(), args=eval_args(tmp_path),
+                    train_dataset=split).evaluate()
+
+
+def test_eval_strategy_steps_and_eval_on_start_evaluate_during_training(tmp_path, model_dir):
+    split = tutorial_dataset()
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=LengthReward(), args=eval_args(
+        tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, eval_on_start=True),
+        train_dataset=split, eval_dataset=split.select(range(2)))
+    trainer.train()
+    evals = [row for row in trainer.state.log_history if "eval_loss" in row]
+    assert [row["step"] for row in evals] == [0, 1, 2]
+
+
 def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model_dir, monkeypatch):
     """TRL's default config: max_completion_length 512, past the tiny model's 256 positions, refused by TRL's
     name; a model object that has the positions gets a run named <model>-GRPO, as TRL names it."""
