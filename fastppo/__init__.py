@@ -2,6 +2,7 @@
 
     from fastppo import PPOConfig, PPOTrainer                 # TRL 0.26's and legacy TRL's APIs
     from fastppo import GRPOConfig, GRPOTrainer               # TRL 1.16's GRPO API
+    from fastppo import RLOOConfig, RLOOTrainer               # TRL 1.16's RLOO API
     from fastppo import AutoModelForCausalLMWithValueHead     # the policy with a value head on its trunk
     from fastppo.kernels import fused_token_logprobs, gae, ...  # the kernels, for other trainers
 """
@@ -9,7 +10,7 @@
 __version__ = "0.1.0"
 
 __all__ = ["AutoModelForCausalLMWithValueHead", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer",
-           "create_reference_model"]
+           "RLOOConfig", "RLOOTrainer", "create_reference_model"]
 
 
 def __getattr__(name: str):
@@ -26,6 +27,10 @@ def __getattr__(name: str):
         from fastppo import grpo
 
         return getattr(grpo, name)
+    if name in ("RLOOConfig", "RLOOTrainer"):
+        from fastppo import rloo
+
+        return getattr(rloo, name)
     if name in ("AutoModelForCausalLMWithValueHead", "create_reference_model"):
         from fastppo import value_head
 

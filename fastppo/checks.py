@@ -202,6 +202,9 @@ def _check_policy_loss(c: PPOConfig) -> None:
         require(_is_finite(value) and value > 0, f"{name} must be > 0 (it scales sapo's gate), got {value!r}")
     require(c.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, f"importance_sampling_level must be one of "
             f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}, got {c.importance_sampling_level!r}")
+    require(not (c.importance_sampling_level == "sequence_sum" and c.fused_policy_loss),
+            "importance_sampling_level sequence_sum (RLOO's summed log-ratio) is computed by the PyTorch loss; the "
+            "fused policy loss has the token and sequence (mean) levels: set fused_policy_loss to false")
     require(not c.mask_truncated_completions or c.stop_token is not None or bool(c.stop_token_id),
             "mask_truncated_completions drops the completions that end without a stop token, and no stop token is "
             "set (stop_token or stop_token_id): every completion would leave the loss")
@@ -299,6 +302,13 @@ def _check_generation(c: PPOConfig) -> None:
 
 def _check_rewards_and_kl(c: PPOConfig) -> None:
     """The KL penalty and its controller, γ and λ, the score's penalties and clip, the reward functions."""
+    r = c.reward_clip_range
+    if r is not None:
+        require(isinstance(r, (list, tuple)) and len(r) == 2 and all(_is_finite(x) for x in r) and r[0] < r[1],
+                f"reward_clip_range must be (min, max) with min < max, got {r!r}")
+        require(c.score_clip is None, "reward_clip_range and score_clip both clip the score; set one")
+    require(not c.normalize_advantages or c.advantage_estimator == "rloo", f"normalize_advantages standardises "
+            f"RLOO's advantages (TRL RLOOConfig's); advantage_estimator is {c.advantage_estimator!r}")
     require(c.kl_estimator in KL_ESTIMATOR_CHOICES,
             f"unknown kl_estimator {c.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATOR_CHOICES)}")
     require(_is_finite(c.kl_coef) and c.kl_coef >= 0, f"kl_coef must be >= 0 (β multiplies a penalty), got "

@@ -39,7 +39,7 @@ MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # T
 # TRL GRPO's loss_type: how the token losses of an optimizer step are aggregated (policy_terms.policy_loss_weights)
 # and, for cispo, sapo and vespo, the per-token loss too (policy_terms.surrogate_options)
 LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
 CLIPRANGE_DEFAULT = 0.2  # TRL 0.26 PPO's cliprange, TRL GRPO's epsilon
 GRPO_NAMES = {"max_completion_length": "response_length", "num_iterations": "num_ppo_epochs"}  # TRL GRPO's: TRL PPO's
 ALIASES = {"epsilon": "cliprange", **GRPO_NAMES}  # every setting with two names: TRL GRPO's name -> TRL PPO's
@@ -364,6 +364,16 @@ class PPOConfig(TrainingArguments):
         default=False, metadata={"help": "fastppo (legacy TRL): with use_score_scaling, also subtract the mean."}
     )
     score_clip: float | None = field(default=None, metadata={"help": "fastppo: clip scores to [−score_clip, score_clip]."})
+    reward_clip_range: list[float] | None = field(
+        default=None,
+        metadata={"help": "(min, max) the score is clamped to, before any KL penalty (TRL 1.16 RLOOConfig's name; "
+                  "exclusive with score_clip).", "nargs": 2},
+    )
+    normalize_advantages: bool = field(
+        default=False,
+        metadata={"help": "advantage_estimator rloo: the advantages standardised over the whole batch of every "
+                  "process, (A − mean) / (std + 1e-4) (TRL 1.16 RLOOConfig's name)."},
+    )
     entropy_coef: float = field(
         default=0.0, metadata={"help": "Entropy bonus (TRL GRPO's entropy_coef): the loss subtracts this times the mean "
                                "entropy of each micro-batch's trained tokens, whatever loss_type (0: none)."})
@@ -471,7 +481,8 @@ class PPOConfig(TrainingArguments):
     importance_sampling_level: str = field(
         default="token",
         metadata={"help": "token: one ratio per token; sequence: one per completion, exp of the mean log-ratio of "
-                  "its trained tokens (GSPO; TRL GRPO's name)."},
+                  "its trained tokens (GSPO; TRL GRPO's name); sequence_sum (fastppo): exp of their summed log-ratio, "
+                  "TRL 1.16 RLOOTrainer's ratio (RLOOConfig sets it)."},
     )
     mask_truncated_completions: bool = field(
         default=False,

@@ -150,6 +150,9 @@ class GRPOTrainer(PPOTrainer):
     ``prompt`` column, text or conversational, plus any columns the reward functions read. ``args`` unset:
     ``GRPOConfig("<model name>-GRPO")``, as TRL names it."""
 
+    config_class = GRPOConfig
+    run_suffix = "GRPO"  # TRL names an unset args' output_dir "<model>-GRPO"
+
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
@@ -163,10 +166,10 @@ class GRPOTrainer(PPOTrainer):
                                 "path, or a list of them)")
         if args is None:
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
-            args = GRPOConfig(f"{(name or 'model').rstrip('/').split('/')[-1]}-GRPO")
-        if not isinstance(args, GRPOConfig):
-            raise SettingsTypeError(f"args must be a fastppo.GRPOConfig (TRL GRPO's fields and defaults), got "
-                                    f"{type(args).__name__}; a PPOConfig goes to PPOTrainer")
+            args = self.config_class(f"{(name or 'model').rstrip('/').split('/')[-1]}-{self.run_suffix}")
+        if not isinstance(args, self.config_class):
+            raise SettingsTypeError(f"args must be a fastppo.{self.config_class.__name__} (TRL {self.run_suffix}'s "
+                                    f"fields and defaults), got {type(args).__name__}; a PPOConfig goes to PPOTrainer")
         check_grpo_settings(args)
         # TRL takes several eval sets as a dict (a DatasetDict too); fastppo's sample table draws from one
         sample_table_set = eval_dataset
@@ -175,7 +178,8 @@ class GRPOTrainer(PPOTrainer):
             sample_table_set = eval_dataset[first]
         elif isinstance(eval_dataset, dict):
             raise SettingsError("eval_dataset is an empty dict: give one dataset, or a dict of named datasets")
-        super().__init__(args=args, processing_class=processing_class, model=model, reward_model=reward_funcs,
+        super().__init__(args=self._engine_config(args), processing_class=processing_class, model=model,
+                         reward_model=reward_funcs,
                          train_dataset=train_dataset, eval_dataset=sample_table_set, optimizers=optimizers,
                          callbacks=callbacks, peft_config=peft_config,
                          model_args=ModelConfig(trust_remote_code=args.trust_remote_code),
@@ -183,6 +187,7 @@ class GRPOTrainer(PPOTrainer):
         if not args.disable_dropout:
             self.log("disable_dropout=False (TRL GRPO's default): fastppo disables dropout in every model anyway, so "
                      "that the sampled and the trained forwards agree (the first ratio is exactly 1)")
+        self.args = args  # the user's, as given (the engine reads self.config)
         # TRL's attributes, as its GRPOTrainer holds them
         self.reward_funcs = [r.fn if r.fn is not None else r.model for r in self.rewards]
         given = reward_processing_classes if isinstance(reward_processing_classes, (list, tuple)) else \
@@ -196,6 +201,11 @@ class GRPOTrainer(PPOTrainer):
             self.log(f"eval_dataset holds {len(eval_dataset)} datasets ({', '.join(map(str, eval_dataset))}); the "
                      f"sample table draws from the first, {first!r}")
         self.aux_loss_enabled = False  # no router auxiliary loss (router_aux_loss_coef is refused)
+
+    @staticmethod
+    def _engine_config(args):
+        """The config fastppo's trainer runs: GRPO's fields mean what PPOConfig's do."""
+        return args
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """TRL's ``evaluate()``: the eval prompts in a seeded random order, each ``num_generations_eval`` times (unset:

@@ -41,8 +41,13 @@ class UpdateResult:
     logprobs: torch.Tensor | None = None  # [B, T] π_θ_old's log-probs where the update measured them (no step 2)
 
 
+# objective_sums' entries, in order
+OBJECTIVE_ROWS = ("kl", "entropy", "non_score_reward", "scores", "num_eos", "kl_token_sum", "tokens")
+
+
 def objective_sums(kl, logprobs, non_score_reward, response_mask, raw_scores, eos_count) -> torch.Tensor:
-    """Per-process values of TRL's objective/* metrics: per-sequence sums over real tokens, batch means."""
+    """Per-process values of TRL's objective/* metrics: per-sequence sums over real tokens, batch means; then the
+    KL's sum over the tokens and their count (TRL RLOO's ``kl``, a token mean over every process)."""
     mask = response_mask
     return torch.stack([
         (kl * mask).sum(1).mean(),
@@ -50,6 +55,8 @@ def objective_sums(kl, logprobs, non_score_reward, response_mask, raw_scores, eo
         (non_score_reward * mask).sum(1).mean(),
         raw_scores.mean(),
         eos_count.float(),
+        (kl * mask).sum(),
+        mask.sum(),
     ]).float()
 
 
@@ -61,7 +68,8 @@ KL_IN_LOSS_METRIC = "kl"
 
 def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int, critic: bool = True,
                    kl: bool = True, kl_in_loss: bool = False,
-                   reward_columns: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+                   reward_columns: dict[str, torch.Tensor] | None = None, kl_in_reward: bool = False
+                   ) -> dict[str, float]:
     """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration (two more
     for the rewards' moments).
 
@@ -69,7 +77,9 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     + TRL GRPO's ``kl``, the in-loss per-token KL (ρ-weighted under ``use_bias_correction_kl``) as a token mean
     over every process for each micro-step, averaged over the micro-steps, whatever ``loss_type`` aggregates
     the loss by. ``reward_columns``: each reward's scores (NaN where it did not judge), logged as TRL GRPO's
-    ``rewards/<name>/mean`` and ``/std`` over the completions it judged on every process (``reward_moments``)."""
+    ``rewards/<name>/mean`` and ``/std`` over the completions it judged on every process (``reward_moments``).
+    ``kl_in_reward``: + TRL RLOO's ``kl``, the reward's per-token KL (π_θ_old against π_ref) as a token mean over
+    every process."""
     stats = result.stats.flatten(1)  # [S, n]
     ran = torch.isfinite(stats)
     counts = ran.sum(1).float()
@@ -85,7 +95,7 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     ])
     packed = all_reduce(packed).tolist()
     n_obj, n = objective.numel(), len(STAT_NAMES)
-    kl_sum, entropy, nsr, scores, num_eos = packed[:n_obj]
+    kl_sum, entropy, nsr, scores, num_eos, kl_tokens, tokens = packed[:n_obj]
     sums, counts = packed[n_obj : n_obj + n], packed[n_obj + n : n_obj + 2 * n]
     ratio_sq, skipped = packed[n_obj + 2 * n], packed[n_obj + 2 * n + 1]
     first = n_obj + 2 * n + 2
@@ -116,6 +126,8 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     }
     if kl_in_loss:  # TRL GRPO's: each micro-step's token mean over every process, averaged over the micro-steps
         metrics[KL_IN_LOSS_METRIC] = _global_mean(by_slot, KL_IN_LOSS_METRIC)
+    elif kl_in_reward:  # TRL RLOO's: the reward's KL, a token mean over the batch of every process
+        metrics[KL_IN_LOSS_METRIC] = kl_tokens / max(tokens, 1.0)
     if not critic:  # TRL GRPO's entropy and loss (a critic-free run logs TRL GRPO's names)
         metrics["entropy"] = _global_mean(by_slot, "entropy")
         metrics["loss"] = mean["loss"]  # each optimizer step's loss as minimised, averaged

@@ -68,7 +68,7 @@ def surrogate_options(config: PPOConfig) -> dict:
 def reads_whole_sequences(config: PPOConfig) -> bool:
     """Whether a token's policy term needs its whole completion: the sequence level (GSPO), vespo's weight, the
     off-policy mask. The fused loss then takes the completions' lengths."""
-    return (config.importance_sampling_level == "sequence" or config.loss_type == "vespo"
+    return (config.importance_sampling_level != "token" or config.loss_type == "vespo"
             or config.off_policy_mask_threshold is not None)
 
 

@@ -334,12 +334,15 @@ class RunningMoments:
 
 
 def transform_scores(scores, use_score_scaling: bool, use_score_norm: bool, score_clip: float | None,
-                     moments: RunningMoments | None) -> torch.Tensor:
-    """Legacy TRL score scaling / normalisation (running moments, this batch included) and clipping."""
+                     moments: RunningMoments | None, clip_range=None) -> torch.Tensor:
+    """Legacy TRL score scaling / normalisation (running moments, this batch included) and clipping, to
+    [−score_clip, score_clip] or to ``clip_range`` (min, max: TRL RLOO's reward_clip_range)."""
     if use_score_scaling:
         moments.update(scores)
         scale = moments.std + torch.finfo(scores.dtype).eps
         scores = (scores - moments.mean) / scale if use_score_norm else scores / scale
     if score_clip is not None:
         scores = scores.clamp(-score_clip, score_clip)
+    if clip_range is not None:
+        scores = scores.clamp(float(clip_range[0]), float(clip_range[1]))
     return scores

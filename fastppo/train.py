@@ -375,6 +375,9 @@ def estimate_advantages(estimator: str, rewards, values, response_mask, config: 
     sequence_rewards = rewards.sum(1)  # the score plus the row's −kl_coef·KL_t (0 off its trained tokens)
     if estimator == "rloo":
         advantage = rloo_advantages(sequence_rewards, config.num_generations)
+        if config.normalize_advantages:  # TRL RLOO's: over the whole batch of every process
+            mean, var = batch_moments(advantage, torch.ones_like(advantage, dtype=torch.bool))
+            advantage = (advantage - mean) / (var.sqrt().nan_to_num(0.0) + GRPO_STD_EPS)
     elif estimator == "grpo" and config.multi_objective_aggregation == "normalize_then_sum":
         if reward_columns is None:
             raise ValueError("multi_objective_aggregation normalize_then_sum needs each reward's scores "
@@ -415,7 +418,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                cliprange: float, cliprange_value: float, vf_coef: float, entropy_coef: float,
                ratio_threshold: float, fused_policy_loss=None, ref_logprobs=None, beta: float = 0.0,
                kl_loss_type: str = "k3", bias_correction_kl: bool = True, cliprange_high: float | None = None,
-               delta: float | None = None, sequence_level: bool = False, token_weights=None, normalizer=None,
+               delta: float | None = None, importance_sampling_level: str = "token", token_weights=None, normalizer=None,
                mean_weights=None, top_entropy_quantile: float = 1.0, **surrogate):
     """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]); the statistics are means over trained
     tokens.
@@ -425,7 +428,8 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     per-token values laid out as grids, for the statistics. ``new_values=None``: no critic, no value loss.
     ``beta``: + β·KL_t(π‖π_ref) by ``kl_loss_type`` in each token's loss (TRL GRPO's in-loss KL), weighted by ρ_t
     when ``bias_correction_kl`` (TRL's default: the samples came from π_θ_old, not π_θ).
-    ``cliprange_high``, ``delta``, ``sequence_level`` (one ratio per row: GSPO) and ``surrogate``'s keywords
+    ``cliprange_high``, ``delta``, ``importance_sampling_level`` (not "token": one ratio per row, GSPO's or RLOO's)
+    and ``surrogate``'s keywords
     (``surrogate_options``: the surrogate, its settings, the off-policy mask): ``clipped_surrogate``'s options,
     each row one sequence. ``top_entropy_quantile`` < 1: only the tokens of ``high_entropy_mask`` take the policy
     term and the entropy bonus (TRL GRPO's).
@@ -447,7 +451,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     # masked: what a caller left in old_logprobs / advantages off the trained tokens reaches no gradient
     pg_losses, ratio, clipped = clipped_surrogate(
         new_logprobs, old_logprobs, advantages, cliprange, mask=mask, cliprange_high=cliprange_high, delta=delta,
-        sequence_ids=rows, num_sequences=b, importance_sampling_level="sequence" if sequence_level else "token",
+        sequence_ids=rows, num_sequences=b, importance_sampling_level=importance_sampling_level,
         **surrogate)
     policy_mask = mask  # the tokens the policy term and the entropy bonus read
     if top_entropy_quantile < 1:
@@ -503,7 +507,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
         real = mask != 0
         stats[STAT["tokens"]] = real.sum()
         stats[STAT["entropy_token_sum"]] = torch.where(real, entropy.detach(), 0.0).sum()
-        if sequence_level:  # one ratio per row: a row is clipped or not (rows without a trained token are not)
+        if importance_sampling_level != "token":  # one ratio per row: a row is clipped or not (none without a token)
             first = real.float().argmax(1, keepdim=True)
             sides = [c.gather(1, first).squeeze(1) & real.any(1) for c in (clip_low, clip_high, clip_low | clip_high)]
             stats[STAT["clip_units"]] = float(b)
@@ -578,7 +582,6 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
         # at least 1, as TRL's num_items_in_batch: a batch with every token masked (every completion truncated under
         # mask_truncated_completions) has a loss of 0, not 0/0
         dapo_tokens = dapo_tokens.clamp(min=1) / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)
-    sequence_level = config.importance_sampling_level == "sequence"
     whole_sequences = reads_whole_sequences(config)  # the fused loss then takes the completions' lengths
     clip = surrogate_options(config)
     epochs_run = config.num_ppo_epochs if train else 1
@@ -631,7 +634,8 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         entropy_coef=config.entropy_coef, ratio_threshold=config.ratio_threshold,
                         fused_policy_loss=out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
                         kl_loss_type=config.kl_loss_type, bias_correction_kl=config.use_bias_correction_kl,
-                        sequence_level=sequence_level, token_weights=token_weights, normalizer=normalizer,
+                        importance_sampling_level=config.importance_sampling_level, token_weights=token_weights,
+                        normalizer=normalizer,
                         mean_weights=mean_weights, top_entropy_quantile=config.top_entropy_quantile, **clip,
                     )
                     # each micro-batch's loss is on the step's scale and the step is their mean; with step weights
@@ -785,7 +789,7 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     # 3. rewards: R_t = −β·KL_t, + the (transformed) score on the last trained token
     moments = learner.moments if train else copy.deepcopy(learner.moments)  # an evaluation moves no moment
     scores = transform_scores(batch.scores, config.use_score_scaling, config.use_score_norm, config.score_clip,
-                              moments)
+                              moments, config.reward_clip_range)
     kl_coef = learner.kl_ctl.value
     rewards, non_score_reward = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index,
                                                   kl_coef)
@@ -813,7 +817,8 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
                                batch.scores, batch.eos_count)
     metrics = gather_metrics(objective, update, sizes.world_size, critic=experience.values is not None,
                              kl=experience.ref_logprobs is not None, kl_in_loss=bool(config.beta),
-                             reward_columns=batch.reward_columns)
+                             reward_columns=batch.reward_columns,
+                             kl_in_reward=config.advantage_estimator == "rloo" and bool(kl_coef))
     if config.critic_free:  # TRL GRPO's completion and reward metrics
         metrics.update(completion_metrics(rollout.lengths, ~rollout.has_stop, batch.scores, config.num_generations,
                                           config.scale_rewards))

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastppo.metrics import STAT, UpdateResult, gather_metrics, reward_moments
+from fastppo.metrics import OBJECTIVE_ROWS, STAT, UpdateResult, gather_metrics, reward_moments
 from fastppo.policy_terms import policy_loss_weights
 from fastppo.train import ppo_losses
 
@@ -40,7 +40,7 @@ def test_reward_mean_and_std_are_the_float64_ones(centre, spread):
     0.0245)."""
     columns = {"a": judged_rewards(1, 40, centre, spread), "b": judged_rewards(2, 40, centre, spread)}
     stats = torch.full((len(STAT), 1, 1, 1), math.nan)
-    logged = gather_metrics(torch.zeros(5), UpdateResult(stats, 0.0, 1.0, 1), 1, critic=False, kl=False,
+    logged = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stats, 0.0, 1.0, 1), 1, critic=False, kl=False,
                             reward_columns=columns)
     for name, column in columns.items():
         mean, std = logged[f"rewards/{name}/mean"], logged[f"rewards/{name}/std"]
@@ -114,7 +114,7 @@ def logged_kl(loss_type: str, cases) -> float:
         assert row[STAT["loss"]].item() == pytest.approx(loss.item(), rel=1e-6)  # the logged loss is the minimised one
         stats.append(row)
     stacked = torch.stack(stats, 1)[:, None, None, :]  # [S, epochs 1, minibatches 1, micro-steps]
-    metrics = gather_metrics(torch.zeros(5), UpdateResult(stacked, 0.0, 1.0, 1), 1, critic=False, kl=False,
+    metrics = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stacked, 0.0, 1.0, 1), 1, critic=False, kl=False,
                              kl_in_loss=True)
     return metrics["kl"], stacked
 
@@ -146,7 +146,8 @@ def test_entropy_and_clip_fractions_are_global_means_in_trls_units():
             entropy = torch.rand(new.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
             _, row = ppo_losses(new, None, entropy, old, None, advantages, None, mask, cliprange=0.02,
                                 cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=math.inf,
-                                cliprange_high=0.03, sequence_level=sequence_level)
+                                cliprange_high=0.03,
+                                importance_sampling_level="sequence" if sequence_level else "token")
             rows.append(row)
             want["entropy"].append((entropy[mask].sum() / mask.sum()).item())
             if sequence_level:  # exp of each row's mean log-ratio over its trained tokens; every row counts
@@ -160,7 +161,7 @@ def test_entropy_and_clip_fractions_are_global_means_in_trls_units():
                 want["clip_ratio/high_mean"].append((((ratio > 1.03) & (advantages > 0))[mask].sum()
                                                      / mask.sum()).item())
         stacked = torch.stack(rows, 1)[:, None, None, :]
-        logged = gather_metrics(torch.zeros(5), UpdateResult(stacked, 0.0, 1.0, 1), 1, critic=False, kl=False)
+        logged = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stacked, 0.0, 1.0, 1), 1, critic=False, kl=False)
         for name, values in want.items():
             assert logged[name] == pytest.approx(sum(values) / len(values), rel=1e-6, abs=1e-7), (name, sequence_level)
         assert 0 < logged["clip_ratio/low_mean"] + logged["clip_ratio/high_mean"] < 1

@@ -32,8 +32,10 @@ How the batch reaches TRL (its trainers unedited: ``from trl import GRPOTrainer,
   (recorded, compared with fastppo's) and returns our old log-probs for the policy and our reference
   log-probs for the reference model. Everything else is TRL's ``_generate_and_score_completions`` at
   RLOOConfig's defaults (beta 0.05, normalize_advantages False; num_generations k): the summed k1 of
-  old − ref in the reward and the leave-one-out baseline. TRL RLOO's loss is sequence-level (the exp of the
-  summed log-ratio, clipped per sequence), which fastppo does not implement: only advantages are compared.
+  old − ref in the reward and the leave-one-out baseline; then, with TRL's own forward restored, its
+  ``_compute_loss`` (the exp of the summed log-ratio, clipped per sequence, the mean over the completions) and
+  ``backward()``, against ``fastppo_rloo`` (``RLOOTrainer``'s engine settings: importance_sampling_level
+  sequence_sum, loss_type grpo).
 
 How the batch reaches fastppo: a ``PPOConfig(advantage_estimator="grpo"|"rloo", num_generations=k,
 temperature=1, scale_rewards=..., beta=...)``, every other field at fastppo's default (kl_coef, kl_estimator,
@@ -230,14 +232,14 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
                              fused_policy_loss=out.policy_loss, ref_logprobs=ref, beta=config.beta,
                              kl_loss_type=config.kl_loss_type,
                              bias_correction_kl=config.use_bias_correction_kl,
-                             sequence_level=config.importance_sampling_level == "sequence",
+                             importance_sampling_level=config.importance_sampling_level,
                              token_weights=token_weights, normalizer=normalizer,
                              top_entropy_quantile=config.top_entropy_quantile, **clip)
     loss.backward()
-    from fastppo.metrics import STAT, UpdateResult, gather_metrics
+    from fastppo.metrics import OBJECTIVE_ROWS, STAT, UpdateResult, gather_metrics
 
     # the logged metric as a run logs it: one process, one micro-step (TRL GRPO's name, "kl", only with beta)
-    logged = gather_metrics(torch.zeros(5), UpdateResult(stats[:, None, None, None], 0.0, 1.0, 1), 1, critic=False,
+    logged = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stats[:, None, None, None], 0.0, 1.0, 1), 1, critic=False,
                             kl=False, kl_in_loss=bool(config.beta))
     return {"loss": loss.detach().clone(), "tokens": int(mask.sum()),
             "grads": {n: p.grad.detach().clone() for n, p in policy.named_parameters()},
@@ -373,8 +375,42 @@ def trl_rloo(path, batch, old, ref, workdir: str) -> dict:
     assert set(seen) == {"policy", "ref"}, seen.keys()
     assert torch.equal(inputs["completion_ids"], batch["responses"])
     assert torch.equal(inputs["prompt_ids"], batch["queries"])
-    return {"advantages": inputs["advantages"].detach().clone(), "beta": trainer.beta,
+    advantages = inputs["advantages"].detach().clone()
+    # TRL's own loss on the batch (its forward, our old log-probs): the summed log-ratio clipped per sequence
+    trainer._get_per_token_logps_and_entropies = original
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return {"advantages": advantages, "beta": trainer.beta, "loss": loss.detach().clone(),
+            "grads": {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()},
             "old_logps": inputs["old_logps"].detach().clone(), "trl_logprobs": seen["policy"], "trl_ref": seen["ref"]}
+
+
+def fastppo_rloo(path, batch, old, ref, level: str = "sequence_sum") -> dict:
+    """fastppo's RLOO as RLOOTrainer's engine config runs it (fastppo.rloo): kl_coef = TRL's beta with k1 in the
+    reward, the leave-one-out advantages, and the loss at importance_sampling_level sequence_sum (``level``: GSPO's
+    mean instead, to show the test tells them apart) with loss_type grpo's per-completion mean, as ppo_update
+    calls ppo_losses for one micro-batch."""
+    config = fastppo_config("rloo", importance_sampling_level=level, loss_type="grpo")
+    rollout, advantages = fastppo_advantages(batch, old, ref, config)
+    mask = trained_mask(rollout, config.mask_truncated_completions)
+    token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length, None)
+    policy = load_policy(path)
+    out = PolicyAndValue(policy, None, critic=False)(rollout.layout(range(P * K)), config.temperature,
+                                                    return_entropy=True)
+    loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
+                             cliprange=config.cliprange, cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
+                             entropy_coef=config.entropy_coef, ratio_threshold=config.ratio_threshold,
+                             beta=config.beta, importance_sampling_level=config.importance_sampling_level,
+                             token_weights=token_weights, normalizer=normalizer, **surrogate_options(config))
+    loss.backward()
+    log_ratio = ((out.logprobs.detach() - old) * mask).sum(1)
+    adv = advantages[:, 0]
+    return {"advantages": adv.detach().clone(), "loss": loss.detach().clone(),
+            "grads": {n: p.grad.detach().clone() for n, p in policy.named_parameters()},
+            # completions whose clipped term is taken (no gradient through their ratio), by the advantage's sign
+            "clipped_pos": int(((adv > 0) & (log_ratio.exp() > 1 + config.cliprange)).sum()),
+            "clipped_neg": int(((adv < 0) & (log_ratio.exp() < 1 - config.cliprange)).sum())}
 
 
 def grad_diffs(a: dict, b: dict) -> dict:
@@ -444,13 +480,20 @@ def main():
         theirs = trl_rloo(path, batch, old, ref, workdir)
         config = fastppo_config("rloo")
         assert config.kl_coef == theirs["beta"] and config.kl_estimator == "k1"  # fastppo's rloo defaults: TRL's
-        _, advantages = fastppo_advantages(batch, old, ref, config)
-        ours = {"advantages": advantages[:, 0].clone(), "advantage_grid": advantages.clone()}
-        record["rloo"] = {"trl": theirs, "fastppo": ours,
+        ours = fastppo_rloo(path, batch, old, ref)
+        ours["mean_level_loss"] = fastppo_rloo(path, batch, old, ref, level="sequence")["loss"]
+        diffs = grad_diffs(ours["grads"], theirs["grads"])
+        record["rloo"] = {"trl": theirs, "fastppo": ours, "grad_diffs": diffs,
                           "advantages_max_abs": (ours["advantages"] - theirs["advantages"]).abs().max().item(),
+                          "loss_abs": (ours["loss"] - theirs["loss"]).abs().item(),
+                          "grad_max_abs_over_global_scale": max(d["max_abs"] for d in diffs.values())
+                          / max(d["scale"] for d in diffs.values()),
                           "forward_max_abs": ((theirs["trl_logprobs"] - current) * mask).abs().max().item()}
-        print(f"rloo beta={theirs['beta']}: adv {record['rloo']['advantages_max_abs']:.2e} "
-              f"forward {record['rloo']['forward_max_abs']:.2e}", flush=True)
+        rec = record["rloo"]
+        print(f"rloo beta={theirs['beta']}: adv {rec['advantages_max_abs']:.2e} loss {theirs['loss'].item():+.6f} "
+              f"diff {rec['loss_abs']:.2e} grad abs/scale {rec['grad_max_abs_over_global_scale']:.2e} clipped "
+              f"A>0/A<0 {ours['clipped_pos']}/{ours['clipped_neg']} of {P * K} forward "
+              f"{rec['forward_max_abs']:.2e}", flush=True)
     record["seconds"] = time.perf_counter() - start
     torch.save(record, out_path)
 

@@ -449,6 +449,9 @@ class _FusedPPOPolicyLoss(torch.autograd.Function):
 # --------------------------------------------------------------------------- public API
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# clipped_surrogate's levels: the fused kernel's, and RLOO's (TRL 1.16's RLOOTrainer: one ratio per completion,
+# exp(Σ_t logp − old) over its real tokens, the sum where GSPO takes the mean)
+SURROGATE_LEVELS = (*IMPORTANCE_SAMPLING_LEVELS, "sequence_sum")
 
 
 def _check_ppo_policy_loss_args(hidden, weight, index, old_logprobs, advantages, mask, cliprange, entropy_coef,
@@ -738,7 +741,8 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
     the flag are still reported for every token. ``sequence_ids`` (int, same shape; ``num_sequences`` of them,
     counted when None) number the sequences; ``importance_sampling_level`` "sequence" (the default when they are
     given, GSPO) makes ρ of every token of a sequence exp(``sequence_mean`` of its real tokens' logp − old),
-    "token" keeps one ρ per token (vespo's and the off-policy mask's sequences without GSPO).
+    "sequence_sum" exp(``sequence_sum`` of them) (RLOO's, TRL 1.16's RLOOTrainer), "token" keeps one ρ per token
+    (vespo's and the off-policy mask's sequences without GSPO).
     """
     cliprange, cliprange_high, delta = _check_clipped_surrogate_args(
         logprobs, old_logprobs, advantages, cliprange, mask, cliprange_high, delta, sequence_ids)
@@ -746,10 +750,10 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
         surrogate, cliprange_high, delta, sapo_temperature_pos, sapo_temperature_neg, vespo_gamma,
         off_policy_mask_threshold)
     level = importance_sampling_level or ("token" if sequence_ids is None else "sequence")
-    if level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}; "
+    if level not in SURROGATE_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {', '.join(SURROGATE_LEVELS)}; "
                          f"got {importance_sampling_level!r}")
-    whole_sequences = level == "sequence" or surrogate == "vespo" or off_policy_mask_threshold is not None
+    whole_sequences = level != "token" or surrogate == "vespo" or off_policy_mask_threshold is not None
     if whole_sequences and sequence_ids is None:
         raise ValueError("sequence_ids are needed: the sequence level, surrogate 'vespo' and "
                          "off_policy_mask_threshold read each token's whole sequence")
@@ -767,6 +771,8 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
             else num_sequences
     if level == "sequence":
         log_ratio = sequence_mean(token_log_ratio, real, sequence_ids, count)
+    elif level == "sequence_sum":
+        log_ratio = sequence_sum(token_log_ratio, real, sequence_ids, count)
     adv = torch.where(real, advantages, zero)
     loss, ratio, clipped = _surrogate(log_ratio, adv, *bounds, logprobs, own, temperatures)
     if surrogate == "vespo":
@@ -776,7 +782,7 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
         keep = off_policy_keep(token_log_ratio, adv, real, sequence_ids, count, off_policy_mask_threshold)
         loss = torch.where(keep, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
     with torch.no_grad():  # the statistics of the masked tokens, from their own values
-        raw_log_ratio = log_ratio.detach() if level == "sequence" else logprobs.detach() - old_logprobs
+        raw_log_ratio = log_ratio.detach() if level != "token" else logprobs.detach() - old_logprobs
         _, raw_ratio, raw_clipped = _surrogate(raw_log_ratio, advantages, *bounds, logprobs.detach(), own,
                                                temperatures)
         if surrogate == "vespo":
