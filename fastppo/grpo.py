@@ -171,6 +171,9 @@ class GRPOTrainer(PPOTrainer):
             raise SettingsTypeError(f"args must be a fastppo.{self.config_class.__name__} (TRL {self.run_suffix}'s "
                                     f"fields and defaults), got {type(args).__name__}; a PPOConfig goes to PPOTrainer")
         check_grpo_settings(args)
+        if train_dataset is None:  # TRL's trainers have no default prompts (PPOTrainer's embedded ones are fastppo's)
+            raise SettingsError("`train_dataset` is required: a dataset with a 'prompt' column (text or "
+                                "conversational), as TRL's trainer takes it")
         # TRL takes several eval sets as a dict (a DatasetDict too); fastppo's sample table draws from one
         sample_table_set = eval_dataset
         if isinstance(eval_dataset, dict) and eval_dataset:

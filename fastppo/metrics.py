@@ -53,7 +53,7 @@ def objective_sums(kl, logprobs, non_score_reward, response_mask, raw_scores, eo
         (kl * mask).sum(1).mean(),
         (-logprobs * mask).sum(1).mean(),
         (non_score_reward * mask).sum(1).mean(),
-        raw_scores.mean(),
+        raw_scores.nanmean(),  # NaN: a completion no reward judged (TRL's nanmean leaves it out)
         eos_count.float(),
         (kl * mask).sum(),
         mask.sum(),
@@ -139,6 +139,15 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     return metrics
 
 
+def nan_std(r: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The unbiased std over the non-NaN entries (TRL's nanstd): NaN under two of them."""
+    if dim is None:
+        r, dim = r.reshape(-1), 0
+    n = (~torch.isnan(r)).sum(dim, keepdim=keepdim)
+    squares = ((r - r.nanmean(dim, keepdim=True)) ** 2).nansum(dim, keepdim=keepdim)
+    return torch.where(n > 1, squares / (n - 1).clamp(min=1), torch.full_like(squares, float("nan"))).sqrt()
+
+
 def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor, scores: torch.Tensor, k: int,
                        scale_rewards: str) -> dict[str, float]:
     """TRL GRPO's metrics of the rollout, over every process: ``completions/{mean,min,max}_length``,
@@ -146,7 +155,8 @@ def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor, scores: t
     ``completions/{mean,min,max}_terminated_length`` (of those that stopped; 0 when none did), ``reward`` and
     ``reward_std`` (the score's mean and unbiased std) and ``frac_reward_zero_std`` (the share of completions whose
     group's std, or under ``scale_rewards="batch"`` the batch's, is 0; k > 1). Taken in float64 (a group of equal
-    float32 rewards has a std of exactly 0, which TRL's float32 std can miss)."""
+    float32 rewards has a std of exactly 0, which TRL's float32 std can miss); a NaN score (no reward judged the
+    completion) is left out, as TRL's nanmean and nanstd leave it."""
     local = torch.stack([lengths.double(), truncated.double(), scores.double()], 1)
     if is_distributed():  # groups never span processes: the concatenation keeps them whole
         local = torch.cat(all_gather([torch.empty_like(local) for _ in range(torch.distributed.get_world_size())],
@@ -157,10 +167,10 @@ def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor, scores: t
                "completions/max_length": length.max(), "completions/clipped_ratio": cut.mean(),
                "completions/mean_terminated_length": stopped.mean(),
                "completions/min_terminated_length": stopped.min(),
-               "completions/max_terminated_length": stopped.max(), "reward": reward.mean(),
-               "reward_std": reward.std() if reward.numel() > 1 else torch.tensor(float("nan"))}
+               "completions/max_terminated_length": stopped.max(), "reward": reward.nanmean(),
+               "reward_std": nan_std(reward)}
     if k > 1:
-        std = reward.std().expand(reward.shape) if scale_rewards == "batch" else reward.view(-1, k).std(1)
+        std = nan_std(reward).expand(reward.shape) if scale_rewards == "batch" else nan_std(reward.view(-1, k), 1)
         metrics["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).double().mean()
     return {name: float(value) for name, value in metrics.items()}
 

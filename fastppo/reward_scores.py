@@ -7,6 +7,7 @@ are ``fastppo.rewards``'; this module only lists and combines them.
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from fastppo.data import prompt_messages
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.rewards import (DEFAULT_REWARD_FN, call_reward_fns, load_reward_fn, own_forward_scores,
                              reward_fn_columns, reward_fn_name, reward_model_scores)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,15 +108,23 @@ def processing_classes_by_name(classes, rewards) -> dict:
     return {r.name: c for r, c in zip(rewards, classes) if c is not None}
 
 
-def combine_rewards(columns: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
-    """[B] Σ wᵢ·rᵢ over the rewards that judged each completion (TRL GRPO's nansum). A completion no reward
-    judged has no score: refused, naming the rows."""
+def combine_rewards(columns: dict[str, torch.Tensor], weights: dict[str, float], unjudged_allowed: bool = False,
+                    describe=None) -> torch.Tensor:
+    """[B] Σ wᵢ·rᵢ over the rewards that judged each completion (TRL GRPO's nansum). A completion no reward judged
+    has no score: with ``unjudged_allowed`` (the group estimators, as TRL GRPO and RLOO) its score is NaN, left out
+    of its group's statistics, its advantage 0, and a warning shows the first such row (``describe(row)``: its
+    prompt, completion and columns), as TRL's does; otherwise refused, naming the rows."""
     stacked = torch.stack([columns[name] * weights[name] for name in columns], 1)
     unjudged = torch.isnan(stacked).all(1).nonzero().flatten().tolist()
-    if unjudged:
+    if unjudged and not unjudged_allowed:
         raise SettingsError(f"no reward judged completion(s) {unjudged[:8]} (every reward function returned None or "
                             f"NaN for them: {', '.join(columns)}); a completion needs at least one score")
-    return stacked.nansum(1)
+    if unjudged:
+        logger.warning(f"All reward functions returned None for the following kwargs:\n"
+                       f"{describe(unjudged[0]) if describe else {'row': unjudged[0]}}\n"
+                       f"Please ensure that at least one reward function returns a valid reward. "
+                       f"({len(unjudged)} completion(s) of {len(stacked)} unjudged: no score, advantage 0)")
+    return torch.where(torch.isnan(stacked).all(1), float("nan"), stacked.nansum(1))
 
 
 def retokenized_scores(reward: Reward, texts: list[str], completions: list[str], messages: list | None,
@@ -150,7 +161,7 @@ def check_model_scores(name: str, scores: torch.Tensor) -> torch.Tensor:
 
 
 def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: str, chunk: int,
-                  packed: bool, device, context: dict | None = None
+                  packed: bool, device, context: dict | None = None, unjudged_allowed: bool = False
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str] | None, list[str] | None]:
     """Step 1's scores: each reward on the rollout (a model on the policy's token ids, or on its own tokens when it
     has its own tokenizer; the functions on the texts, as TRL GRPO calls them, ``context``'s keywords added:
@@ -186,4 +197,11 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
     columns = {r.name: columns[r.name] for r in rewards}  # reward_weights' order: the sum's order
     if len(rewards) == 1 and rewards[0].weight == 1.0 and not torch.isnan(columns[rewards[0].name]).any():
         return columns[rewards[0].name], columns, prompts, completions  # one reward: its scores, bit for bit
-    return combine_rewards(columns, {r.name: r.weight for r in rewards}), columns, prompts, completions
+
+    def describe(row: int) -> dict:  # TRL's warning: the row's prompt, completion and dataset columns
+        shown = {} if rows is None else {k: v for k, v in rows[row].items()}
+        return {**shown, "prompt": None if prompts is None else prompts[row],
+                "completion": None if completions is None else completions[row]}
+
+    return (combine_rewards(columns, {r.name: r.weight for r in rewards}, unjudged_allowed, describe), columns,
+            prompts, completions)

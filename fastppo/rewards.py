@@ -338,6 +338,9 @@ def transform_scores(scores, use_score_scaling: bool, use_score_norm: bool, scor
     """Legacy TRL score scaling / normalisation (running moments, this batch included) and clipping, to
     [−score_clip, score_clip] or to ``clip_range`` (min, max: TRL RLOO's reward_clip_range)."""
     if use_score_scaling:
+        if torch.isnan(scores).any():
+            raise SettingsError("use_score_scaling: a completion no reward judged has no score to scale by the "
+                                "running moments; return a score for every completion, or drop use_score_scaling")
         moments.update(scores)
         scale = moments.std + torch.finfo(scores.dtype).eps
         scores = (scores - moments.mean) / scale if use_score_norm else scores / scale

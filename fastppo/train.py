@@ -44,7 +44,8 @@ from fastppo.kernels import (clip_sides, clipped_surrogate, fused_full_kl, gae, 
                              masked_whiten, truncate_at_stop)
 from fastppo.kernels.stats import WHITEN_EPS
 from fastppo.batching import micro_batches, token_budget_batches
-from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, completion_metrics, gather_metrics, objective_sums
+from fastppo.metrics import (STAT, STAT_NAMES, UpdateResult, completion_metrics, gather_metrics, nan_std,
+                             objective_sums)
 from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, policy_loss_weights, reads_whole_sequences,
                                   surrogate_options)
 from fastppo.layout import gathered, lm_head_of, make_layout
@@ -292,10 +293,18 @@ def compute_advantages(rewards, values, response_mask, gamma: float, lam: float,
 # divided by std + 1e-4, would hand each completion of a prompt-only reward a push of ~1e-3 (a full AdamW step).
 
 
+# The estimators whose groups leave out a completion no reward judged (NaN score: advantage 0), as TRL GRPO's and
+# RLOO's do; the others refuse it
+UNJUDGED_ESTIMATORS = ("grpo", "rloo")
+
+
 def rloo_advantages(sequence_rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """[B] A_i = r_i − mean_{j≠i} r_j over the k samples of i's prompt (RLOO; TRL's RLOOTrainer)."""
+    """[B] A_i = r_i − mean_{j≠i} r_j over the k samples of i's prompt (RLOO; TRL's RLOOTrainer). A NaN reward (no
+    reward judged the completion) is left out of its siblings' baselines, as TRL's; its own advantage is NaN (the
+    caller makes it 0), as is that of a completion whose group has no other judged one."""
     r = sequence_rewards.view(-1, k).double()
-    baseline = (r.sum(1, keepdim=True) - r) / (k - 1)
+    judged = (~torch.isnan(r)).sum(1, keepdim=True)
+    baseline = (r.nansum(1, keepdim=True) - r) / (judged - 1)
     return (r - baseline).view(-1).to(sequence_rewards.dtype)
 
 
@@ -306,17 +315,18 @@ def grpo_advantages(sequence_rewards: torch.Tensor, k: int, scale_rewards: str) 
     """[B] A_i = (r_i − mean_group) / (std + 1e-4) (GRPO; TRL's GRPOTrainer), the std (unbiased) of i's group
     (``scale_rewards="group"``), of the whole batch over every process (``"batch"``), or no division
     (``"none"``: Dr. GRPO). A group of one (an evaluation's ``num_generations_eval=1``) has a std of 0, as in TRL,
-    hence advantage 0."""
+    hence advantage 0. A NaN reward (no reward judged the completion) is left out of the means and stds, as TRL's
+    nanmean and nanstd leave it; its own advantage is NaN (the caller makes it 0)."""
     r = sequence_rewards.view(-1, k).double()
-    centred = (r - r.mean(1, keepdim=True)).view(-1)
+    centred = (r - r.nanmean(1, keepdim=True)).view(-1)
     if scale_rewards == "none":
         return centred.to(sequence_rewards.dtype)
     if scale_rewards == "group":
-        std = (r.std(1, keepdim=True) if k > 1 else torch.zeros_like(r)).expand(-1, k).reshape(-1)
+        std = (nan_std(r, 1, keepdim=True) if k > 1 else torch.zeros_like(r)).expand(-1, k).reshape(-1)
     elif r.numel() == 1:
         std = torch.zeros_like(centred)
     else:
-        _, var = batch_moments(r.view(-1), torch.ones_like(sequence_rewards, dtype=torch.bool))
+        _, var = batch_moments(r.view(-1).nan_to_num(0.0), ~torch.isnan(sequence_rewards))
         std = var.sqrt()
     return (centred / (std + GRPO_STD_EPS)).to(sequence_rewards.dtype)
 
@@ -375,8 +385,8 @@ def estimate_advantages(estimator: str, rewards, values, response_mask, config: 
     sequence_rewards = rewards.sum(1)  # the score plus the row's −kl_coef·KL_t (0 off its trained tokens)
     if estimator == "rloo":
         advantage = rloo_advantages(sequence_rewards, config.num_generations)
-        if config.normalize_advantages:  # TRL RLOO's: over the whole batch of every process
-            mean, var = batch_moments(advantage, torch.ones_like(advantage, dtype=torch.bool))
+        if config.normalize_advantages:  # TRL RLOO's: over the whole batch of every process, judged ones only
+            mean, var = batch_moments(advantage.nan_to_num(0.0), ~torch.isnan(advantage))
             advantage = (advantage - mean) / (var.sqrt().nan_to_num(0.0) + GRPO_STD_EPS)
     elif estimator == "grpo" and config.multi_objective_aggregation == "normalize_then_sum":
         if reward_columns is None:
@@ -387,7 +397,8 @@ def estimate_advantages(estimator: str, rewards, values, response_mask, config: 
         advantage = grpo_advantages(sequence_rewards, config.num_generations, config.scale_rewards)
     else:
         raise ValueError(f"unknown advantage_estimator {estimator!r}")
-    return advantage[:, None] * response_mask, None
+    # a completion no reward judged (UNJUDGED_ESTIMATORS) carries no signal: advantage 0, as in TRL
+    return advantage.nan_to_num(0.0)[:, None] * response_mask, None
 
 
 def whiten_trained(x, mask, shift_mean: bool = True):

@@ -38,8 +38,8 @@ from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, s
 from fastppo.rewards import check_reward_fn_columns, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
-from fastppo.train import (IterationResult, Learner, ScoredRollout, apply_eos_penalties, contains_stop, eos_count,
-                           make_rollout, ppo_iteration)
+from fastppo.train import (UNJUDGED_ESTIMATORS, IterationResult, Learner, ScoredRollout, apply_eos_penalties,
+                           contains_stop, eos_count, make_rollout, ppo_iteration)
 
 
 class PPOTrainer:
@@ -223,7 +223,8 @@ class PPOTrainer:
                 self.rewards, rollout, self.tokenizer, rows, config.dataset_text_field,
                 config.local_rollout_forward_batch_size, config.padding_free, self.device,
                 context=dict(trainer_state=self.state, log_extra=self.reward_logs.log_extra,
-                             log_metric=self.reward_logs.log_metric))
+                             log_metric=self.reward_logs.log_metric),
+                unjudged_allowed=config.advantage_estimator in UNJUDGED_ESTIMATORS)
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
         scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,
                                      config.penalty_reward_value)

@@ -258,6 +258,54 @@ def test_eval_strategy_steps_and_eval_on_start_evaluate_during_training(tmp_path
     assert [row["step"] for row in evals] == [0, 1, 2]
 
 
+def test_a_completion_no_reward_judged_is_left_out_of_its_group_as_trl_does():
+    """TRL GRPO and RLOO: a completion every reward function returned None for is unscorable: left out of its
+    group's mean, std and leave-one-out baseline (nanmean, nanstd, nansum over the judged), its advantage 0; a group
+    with one judged completion gives it advantage 0 too. Written here from TRL 1.16's formulas."""
+    import torch
+
+    from fastppo.config import PPOConfig
+    from fastppo.train import estimate_advantages
+
+    nan = float("nan")
+    scores = torch.tensor([1.0, nan, 3.0, 4.0, nan, nan, 2.0, nan, 0.5, 1.5, 2.5, 9.0], dtype=torch.float64)
+    mask = torch.ones(12, 2, dtype=torch.bool)
+    rewards = torch.zeros(12, 2, dtype=torch.float64)
+    rewards[:, 1] = scores
+    groups = scores.view(3, 4)
+    judged = ~torch.isnan(groups)
+    n = judged.sum(1, keepdim=True).double()
+    mean = torch.where(judged, groups, 0.0).sum(1, keepdim=True) / n
+    std = (torch.where(judged, (groups - mean) ** 2, 0.0).sum(1, keepdim=True) / (n - 1)).sqrt()
+    want_grpo = torch.nan_to_num((groups - mean) / (std + 1e-4), nan=0.0).view(-1)
+    baseline = (torch.where(judged, groups, 0.0).sum(1, keepdim=True) - groups) / (n - 1)
+    want_rloo = torch.nan_to_num(groups - baseline, nan=0.0).view(-1)
+    for estimator, want in (("grpo", want_grpo), ("rloo", want_rloo)):
+        config = PPOConfig(output_dir=None, advantage_estimator=estimator, num_generations=4)
+        got, _ = estimate_advantages(estimator, rewards, None, mask, config)
+        torch.testing.assert_close(got[:, 0], want, msg=estimator)
+        assert (got[torch.isnan(scores)] == 0).all()
+        assert got[6, 0] == 0  # the only judged completion of its group: no baseline, no signal
+    assert want_grpo[[0, 2, 3]].abs().min() > 0.1  # the judged ones of the first group do carry a signal
+
+
+def test_a_run_where_some_completions_go_unjudged_warns_and_trains(tmp_path, model_dir, caplog):
+    import logging
+
+    def judges_some(prompts, completions, **kwargs):  # the only reward: abstains on half the prompts
+        return [None if p.startswith("the") else float(len(c)) for p, c in zip(prompts, completions)]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=16,
+                      max_completion_length=4, max_steps=2, logging_steps=1, bf16=False, disable_tqdm=True,
+                      gradient_checkpointing=False, save_strategy="no", report_to="none")
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=judges_some, args=args, train_dataset=tutorial_dataset())
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert "All reward functions returned None for the following kwargs:" in caplog.text
+    rows = [m for m in trainer.state.log_history if "reward" in m and "train_runtime" not in m]
+    assert len(rows) == 2 and all(math.isfinite(r["reward"]) and math.isfinite(r["loss"]) for r in rows)
+
+
 def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model_dir, monkeypatch):
     """TRL's default config: max_completion_length 512, past the tiny model's 256 positions, refused by TRL's
     name; a model object that has the positions gets a run named <model>-GRPO, as TRL names it."""
@@ -307,6 +355,8 @@ def test_bad_input_names_what_to_change(tmp_path, model_dir):
         GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, tools=[len])
     with pytest.raises(SettingsError, match="No reward source provided: reward_funcs is required"):
         GRPOTrainer(model=model_dir, args=args, train_dataset=tutorial_dataset())
+    with pytest.raises(SettingsError, match="`train_dataset` is required"):  # TRL's trainers have no default prompts
+        GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args)
     with pytest.raises(SettingsError, match="num_generations \\(3 completions per prompt\\) must divide"):
         GRPOTrainer(model=model_dir, reward_funcs=accuracy, train_dataset=tutorial_dataset(),
                     args=dataclasses.replace(args, num_generations=3))

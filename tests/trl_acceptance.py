@@ -90,6 +90,7 @@ REWRITES_011_SCRIPT = {
 # TRL 1.16's GRPO test: only the two names under test change; its other trl imports (trl.import_utils) stay
 # TRL 1.16's, which the target has on its path (Target.trl_env), since they are TRL's helpers, not the API.
 REWRITES_116_TEST = {"from trl import GRPOConfig, GRPOTrainer": "from fastppo import GRPOConfig, GRPOTrainer"}
+REWRITES_116_RLOO = {"from trl import RLOOConfig, RLOOTrainer": "from fastppo import RLOOConfig, RLOOTrainer"}
 ALLOW_TRL_116 = r"from trl\.(import_utils|rewards|data_utils|chat_template_utils) import "
 
 OUT_OF_SCOPE = "encoder-decoder (seq2seq) value-head models are out of fastppo's scope"
@@ -139,6 +140,12 @@ TARGETS = [
     Target("trl116-test_grpo_trainer-baseline", "trl116", "tests/test_grpo_trainer.py",
            "trl_tests/test_grpo_trainer.py", {}, trl_env=True, allow_trl=".",
            expect={"GRPOConfig": "trl", "GRPOTrainer": "trl"}, baseline=True),
+    Target("trl116-test_rloo_trainer", "trl116", "tests/test_rloo_trainer.py", "trl_tests/test_rloo_trainer.py",
+           REWRITES_116_RLOO, trl_env=True, allow_trl=ALLOW_TRL_116,
+           expect={"RLOOConfig": "fastppo", "RLOOTrainer": "fastppo"}),
+    Target("trl116-test_rloo_trainer-baseline", "trl116", "tests/test_rloo_trainer.py",
+           "trl_tests/test_rloo_trainer.py", {}, trl_env=True, allow_trl=".",
+           expect={"RLOOConfig": "trl", "RLOOTrainer": "trl"}, baseline=True),
     # The 0.26 scripts run their own docstring's command, with the sizes shrunk.
     Target("trl026-examples-ppo", "trl026", "examples/scripts/ppo/ppo.py", "ppo.py", REWRITES_026_SCRIPT,
            kind="script", args=[
@@ -477,8 +484,8 @@ def exclusion_rules_116(source: str) -> list[dict]:
         if "require_vision" in class_marks:
             add(rf"^{cls.name}::", "vision-language models with a processor and image datasets")
             continue
-        if not class_names & {"GRPOTrainer", "GRPOConfig"}:
-            add(rf"^{cls.name}::", "never uses GRPOTrainer or GRPOConfig (tests transformers' API)")
+        if not class_names & {"GRPOTrainer", "GRPOConfig", "RLOOTrainer", "RLOOConfig"}:
+            add(rf"^{cls.name}::", "never uses the trainer or its config (tests transformers' API)")
             continue
         for fn in cls.body:
             if not (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test")):
@@ -490,7 +497,7 @@ def exclusion_rules_116(source: str) -> list[dict]:
                 add(rf"{name}(\[.*\])?$", "needs vLLM")
             elif "require_liger_kernel" in marks or "use_liger_kernel=True" in body:
                 add(rf"{name}(\[.*\])?$", "needs liger-kernel (Triton GPU kernels)")
-            elif "object.__new__(GRPOTrainer)" in class_text:
+            elif "object.__new__(GRPOTrainer)" in class_text or "object.__new__(RLOOTrainer)" in class_text:
                 add(rf"{name}(\[.*\])?$", "builds TRL's trainer with object.__new__ and sets its private state")
             elif _private_uses(fn):
                 add(rf"{name}(\[.*\])?$", f"reaches TRL's trainer internals ({', '.join(_private_uses(fn))})")
