@@ -116,9 +116,14 @@ class Reference:
     def _context(self):
         return lm_of(self.policy).disable_adapter() if self.ref_model is None else contextlib.nullcontext()
 
+    @property
+    def model(self) -> nn.Module:
+        """The module that runs: the frozen copy, or the policy (its adapter disabled)."""
+        return self.policy if self.ref_model is None else self.ref_model
+
     @torch.no_grad()
     def __call__(self, layout: Layout, temperature, with_hidden=False):
-        model = self.policy if self.ref_model is None else self.ref_model
+        model = self.model
         with self._context():
             hidden = decoder_hidden(model, layout).index_select(0, layout.gather)
             logprobs = token_logprobs_from_hidden(model, hidden, layout.targets, temperature, False)

@@ -291,6 +291,8 @@ def _check_generation(c: PPOConfig) -> None:
             "log-ratio and the KL grow as 1/temperature (at 1e-6 a logit drift of 1e-6 is a log-ratio of 1, and KL "
             "reaches 1e6), so clipping and the KL penalty stop meaning anything; for near-greedy samples use "
             f"{MIN_TRAINING_TEMPERATURE:g} or more")
+    require(not c.share_prompts or c.num_generations > 1, "share_prompts shares a group's prompt, and "
+            f"num_generations is {c.num_generations} (one completion per prompt): set num_generations > 1")
     require(c.compiled_decode_backend in DECODE_BACKENDS, f"compiled_decode_backend must be one of "
             f"{', '.join(DECODE_BACKENDS)}, got {c.compiled_decode_backend!r}")
     require(c.stop_token in (None, "eos"), f"stop_token must be 'eos' or unset, got {c.stop_token!r}")

@@ -326,6 +326,13 @@ class PPOConfig(TrainingArguments):
                   "Unset: on for a CUDA GPU (with the inductor backend only in runs of 20 iterations or more, which "
                   "win back its compile), off on a CPU, where it does not pay (bench/RESULTS.md)."},
     )
+    share_prompts: bool | None = field(
+        default=None,
+        metadata={"help": "fastppo: the reference model's forward runs each group's prompt once (num_generations > 1: "
+                  "one row per group, each completion attending to the shared prompt; the same log-probs up to "
+                  "rounding, fewer tokens). Unset: on where the model's attention takes the group mask (sdpa, eager); "
+                  "true refuses a model whose attention cannot."},
+    )
     compiled_decode_backend: Literal["auto", "cuda_graph", "inductor"] = field(
         default="auto",
         metadata={"help": "fastppo: how compiled_decode runs its step. cuda_graph: the model's eager step captured "

@@ -21,7 +21,8 @@ from fastppo.kernels import fused_token_logprobs
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, _cache_keyword
 
 __all__ = ["Layout", "backbone_and_head", "cache_keyword", "causal_lm_of", "decoder_hidden", "gathered",
-           "lm_head_of", "lm_of", "make_layout", "token_logprobs_from_hidden"]
+           "lm_head_of", "lm_of", "make_layout", "make_shared_layout", "shared_mask_kind",
+           "token_logprobs_from_hidden"]
 
 
 # ============================================================================ the pieces of a causal LM
@@ -115,7 +116,9 @@ class Layout:
     """
 
     input_ids: torch.Tensor  # [R, L]
-    attention_mask: torch.Tensor | None  # [R, L]; None when packed (transformers reads the segments off positions)
+    # [R, L]; None when packed (transformers reads the segments off positions); [R, 1, L, L] when each row is a group
+    # sharing its prompt (make_shared_layout: transformers passes a 4-D mask through as given)
+    attention_mask: torch.Tensor | None
     position_ids: torch.Tensor  # [R, L]
     gather: torch.Tensor  # [n] hidden states predicting real response tokens
     targets: torch.Tensor  # [n] the response tokens they predict
@@ -174,6 +177,80 @@ def make_layout(query_responses: torch.Tensor, context_length: int, query_length
     targets = query_responses[rows_t, context_length + cols_t]
     return Layout(input_ids, attention_mask, position_ids, torch.cat(gather).to(device), targets, rows_t, cols_t,
                   torch.tensor(last, device=device), (b, t))
+
+
+def shared_mask_kind(model: nn.Module) -> str | None:
+    """How a group's shared-prompt mask is given to ``model``'s attention: "bool" (sdpa: True attends), "additive"
+    (eager attention adds it: 0 or the lowest float), or None where a 4-D mask cannot be given (flash attention,
+    flex attention, other implementations): no sharing there."""
+    return {"sdpa": "bool", "eager": "additive"}.get(getattr(causal_lm_of(model).config, "_attn_implementation", None))
+
+
+def make_shared_layout(query_responses: torch.Tensor, context_length: int, query_lengths: list[int],
+                       response_lengths: list[int], group_size: int, mask_kind: str,
+                       dtype: torch.dtype = torch.float32) -> Layout:
+    """A layout of groups of ``group_size`` consecutive rows that share one prompt (the same real query tokens):
+    one decoder row per group, its prompt once and then each completion, positions as each row alone has them
+    (the prompt from 0, each completion after it), and a [G, 1, L, L] mask by which a prompt token attends to the
+    prompt causally and a completion token to the prompt and, causally, its own completion only. Each token's
+    attention, hence every hidden state, log-prob and gradient, is the unshared layout's up to rounding; the prompt
+    runs once per group instead of ``group_size`` times (its activations' gradients summed by autograd). Padding at a
+    row's end attends to itself only (finite, never read). ``mask_kind``: ``shared_mask_kind``'s; ``dtype``: the
+    additive mask's. The outputs land as ``make_layout``'s, in the same order."""
+    b, width = query_responses.shape
+    k = group_size
+    if k < 2 or b % k:
+        raise ValueError(f"make_shared_layout: {b} rows are not groups of {k}")
+    t = width - context_length
+    device = query_responses.device
+    groups = b // k
+    spans = [(query_lengths[g * k], [response_lengths[g * k + j] for j in range(k)]) for g in range(groups)]
+    if any(query_lengths[g * k + j] != ql for g, (ql, _) in enumerate(spans) for j in range(k)):
+        raise ValueError("make_shared_layout: the rows of a group have prompts of different lengths")
+    length = max(ql + sum(rls) for ql, rls in spans)
+    positions = torch.zeros(groups, length, dtype=torch.long)
+    segment = torch.full((groups, length), -2, dtype=torch.long)  # -1 the prompt, j completion j, -2 padding
+    source, target_cols, gather, last = [], [], [], []
+    for g, (ql, rls) in enumerate(spans):
+        first = g * k
+        source.append((first, context_length - ql, 0, ql))  # (row, from column, to column, count)
+        positions[g, :ql] = torch.arange(ql)
+        segment[g, :ql] = -1
+        start = ql
+        for j, rl in enumerate(rls):
+            source.append((first + j, context_length, start, rl))
+            positions[g, start:start + rl] = torch.arange(ql, ql + rl)
+            segment[g, start:start + rl] = j
+            # the hidden state that predicts completion token 0 is the prompt's last; token i's, completion token i-1
+            gather.append(torch.cat([torch.tensor([g * length + ql - 1]),
+                                     g * length + start + torch.arange(rl - 1)]) if rl else torch.empty(0, dtype=torch.long))
+            last.append(g * length + (start + rl - 1 if rl else ql - 1))
+            start += rl
+    # the token ids move on the device (flat indices built here): no copy of the rollout to the host
+    src_index = torch.cat([row * width + src + torch.arange(n) for row, src, _, n in source])
+    dst_index = torch.cat([(row // k) * length + dst + torch.arange(n) for row, _, dst, n in source])
+    ids = query_responses.new_zeros(groups * length)
+    ids[dst_index.to(device)] = query_responses.reshape(-1)[src_index.to(device)]
+    q = torch.arange(length)
+    same = segment[:, :, None] == segment[:, None, :]
+    causal = q[None, :, None] >= q[None, None, :]
+    prompt_key = (segment == -1)[:, None, :]
+    real_query = (segment != -2)[:, :, None]
+    allowed = (real_query & causal & (same | prompt_key)) | (~real_query & torch.eye(length, dtype=torch.bool))
+    if mask_kind == "bool":
+        mask = allowed[:, None]
+    elif mask_kind == "additive":
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    else:
+        raise ValueError(f"make_shared_layout: no shared-prompt mask for attention {mask_kind!r}")
+    rows, cols = [], []
+    for i, rl in enumerate(response_lengths):
+        rows.append(torch.full((rl,), i))
+        cols.append(torch.arange(rl))
+    rows_t, cols_t = torch.cat(rows).to(device), torch.cat(cols).to(device)
+    targets = query_responses[rows_t, context_length + cols_t]
+    return Layout(ids.view(groups, length), mask.to(device), positions.to(device), torch.cat(gather).to(device),
+                  targets, rows_t, cols_t, torch.tensor(last, device=device), (b, t))
 
 
 def decoder_hidden(model: nn.Module, layout: Layout) -> torch.Tensor:

@@ -48,7 +48,7 @@ from fastppo.metrics import (STAT, STAT_NAMES, UpdateResult, completion_metrics,
                              objective_sums)
 from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, policy_loss_weights, reads_whole_sequences,
                                   surrogate_options)
-from fastppo.layout import gathered, lm_head_of, make_layout
+from fastppo.layout import gathered, lm_head_of, make_layout, make_shared_layout, shared_mask_kind
 from fastppo.rewards import transform_scores
 
 # ============================================================================ 1. rollout
@@ -87,14 +87,26 @@ class Rollout:
         return ([q[m].tolist() for q, m in zip(ids[:, :c], real[:, :c])],
                 [r[m].tolist() for r, m in zip(ids[:, c:], real[:, c:])])
 
-    def layout(self, rows: Sequence[int] | None = None, packed: bool = False):
-        """The model layout of ``rows`` (default: all): see ``fastppo.layout.Layout``."""
-        if rows is None:
-            return make_layout(self.query_responses, self.context_length, list(self.query_lengths),
-                               list(self.response_lengths), packed)
-        index = torch.as_tensor(rows, device=self.query_responses.device)
-        return make_layout(self.query_responses.index_select(0, index), self.context_length,
-                           [self.query_lengths[r] for r in rows], [self.response_lengths[r] for r in rows], packed)
+    def layout(self, rows: Sequence[int] | None = None, packed: bool = False, shared: tuple[int, str, torch.dtype] |
+               None = None):
+        """The model layout of ``rows`` (default: all): see ``fastppo.layout.Layout``. ``shared`` (group size, mask
+        kind, mask dtype): each group of consecutive rows, which share their prompt, as one decoder row
+        (``make_shared_layout``)."""
+        rows = range(self.query_responses.shape[0]) if rows is None else rows
+        index = torch.as_tensor(list(rows), device=self.query_responses.device)
+        args = (self.query_responses.index_select(0, index), self.context_length,
+                [self.query_lengths[r] for r in rows], [self.response_lengths[r] for r in rows])
+        return make_layout(*args, packed) if shared is None else make_shared_layout(*args, *shared)
+
+    def groups_share_prompts(self, k: int) -> bool:
+        """Whether each ``k`` consecutive rows hold one prompt (the trainer draws each prompt k times side by side; a
+        caller's own samples may not): the same real query tokens, checked once (one device sync)."""
+        b = self.query_responses.shape[0]
+        if k < 2 or b % k or any(len(set(self.query_lengths[g:g + k])) > 1 for g in range(0, b, k)):
+            return False
+        queries = (self.query_responses[:, :self.context_length] * self.attention_mask[:, :self.context_length])
+        grouped = queries.view(b // k, k, -1)
+        return bool((grouped == grouped[:, :1]).all())
 
 
 def make_rollout(queries, query_mask, responses, stop_ids: list[int], pad_id: int) -> Rollout:
@@ -170,8 +182,22 @@ class Experience:
     kl: torch.Tensor  # per-token KL estimate (0 without a reference)
 
 
+def reference_sharing(config: PPOConfig, reference, rollout: Rollout, chunk: int):
+    """How the reference's forward shares each group's prompt (``share_prompts``): (group size, mask kind, mask
+    dtype) for ``Rollout.layout``, or None (no reference, one completion per prompt, a chunk that would split a
+    group, an attention that takes no group mask, or rows that are not groups of one prompt)."""
+    k = config.num_generations
+    if reference is None or config.share_prompts is False or k < 2 or chunk % k:
+        return None
+    kind = shared_mask_kind(reference.model)
+    if kind is None or not rollout.groups_share_prompts(k):
+        return None
+    return k, kind, next(reference.model.parameters()).dtype
+
+
 def compute_experience(actor_critic, reference, rollout: Rollout, temperature: float, kl_estimator: str, chunk: int,
-                       packed: bool = False, seconds: dict | None = None, policy: bool = True) -> Experience:
+                       packed: bool = False, seconds: dict | None = None, policy: bool = True,
+                       shared: tuple | None = None) -> Experience:
     """Step 2: log π_θ_old and V (one call of the trained module), log π_ref and the per-token KL, in
     chunks of ``chunk`` rows, under ``torch.inference_mode``.
 
@@ -179,14 +205,16 @@ def compute_experience(actor_critic, reference, rollout: Rollout, temperature: f
     dropout off the first PPO ratio is exactly 1. ``seconds`` collects the time of each model's forwards.
     ``reference=None``: no KL anywhere (critic-free at kl_coef = beta = 0): π_ref is never run, the KL is 0.
     ``policy=False``: π_θ_old is not run here (``old_logprobs_in_update``): its log-probs and KL come back None
-    and 0, and the update fills them in.
+    and 0, and the update fills them in. ``shared`` (``reference_sharing``): the reference runs each group's
+    prompt once (its layout's outputs land in the same order, so the full KL's hidden states still pair up).
     """
     full = kl_estimator == "full" and reference is not None and policy
     logprobs, ref_logprobs, values, kls = [], [], [], []
     clock = {"policy_value": 0.0, "reference": 0.0}
     with torch.inference_mode():
         for i in range(0, rollout.query_responses.shape[0], chunk):
-            layout = rollout.layout(range(i, min(i + chunk, rollout.query_responses.shape[0])), packed)
+            rows = range(i, min(i + chunk, rollout.query_responses.shape[0]))
+            layout = rollout.layout(rows, packed)
             t0 = time.perf_counter()
             if policy:
                 out = actor_critic(layout, temperature, return_hidden=full)
@@ -194,7 +222,8 @@ def compute_experience(actor_critic, reference, rollout: Rollout, temperature: f
             else:
                 logp, value, hidden = None, None, None
             t1 = time.perf_counter()
-            ref_logp, ref_state = reference(layout, temperature, with_hidden=full) if reference else (None, None)
+            ref_layout = layout if shared is None else rollout.layout(rows, shared=shared)
+            ref_logp, ref_state = reference(ref_layout, temperature, with_hidden=full) if reference else (None, None)
             if reference is None or logp is None:
                 kls.append(torch.zeros(layout.shape, device=rollout.response_mask.device))
             elif full:
@@ -792,10 +821,11 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     learner.actor_critic.eval()
     scoring_seconds = {}
     in_update = old_logprobs_in_update(config)
+    shared = reference_sharing(config, learner.reference, rollout, config.local_rollout_forward_batch_size)
     with learner.autocast():
         experience = compute_experience(learner.actor_critic, learner.reference, rollout, config.temperature,
                                    config.kl_estimator, config.local_rollout_forward_batch_size, config.padding_free,
-                                   scoring_seconds, policy=not in_update)
+                                   scoring_seconds, policy=not in_update, shared=shared)
     t_forward = time.perf_counter()
     # 3. rewards: R_t = −β·KL_t, + the (transformed) score on the last trained token
     moments = learner.moments if train else copy.deepcopy(learner.moments)  # an evaluation moves no moment

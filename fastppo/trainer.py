@@ -32,7 +32,7 @@ from fastppo.data import left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import sample_responses, stop_ids_of
-from fastppo.layout import lm_of
+from fastppo.layout import lm_of, shared_mask_kind
 from fastppo.metrics import MetricsLogger, RewardLogs, plot_curves, print_samples
 from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, score_rewards
 from fastppo.rewards import check_reward_fn_columns, reward_fn_name
@@ -156,6 +156,10 @@ class PPOTrainer:
                                      learner.lr_scheduler, learner.kl_ctl, learner.moments, learner.shuffle,
                                      learner.zero)
         self.model = self._public_model()
+        if config.share_prompts and self.reference is not None and shared_mask_kind(self.reference.model) is None:
+            raise SettingsError(f"share_prompts: the reference model's attention "
+                                f"({getattr(self.reference.model.config, '_attn_implementation', None)!r}) takes no "
+                                "group mask (sdpa and eager do); leave share_prompts unset or false")
         self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
                                                         None if self.zero is None else self.zero.stage, self._lm(),
                                                         self.log, iterations=self.sizes.num_total_batches,
