@@ -396,6 +396,10 @@ def _policy_loss_notes(c: PPOConfig, defaults: PPOConfig) -> list[str]:
     if c.multi_objective_aggregation == "normalize_then_sum" and c.scale_rewards != defaults.scale_rewards:
         notes.append("--scale_rewards has no effect with multi_objective_aggregation normalize_then_sum (each reward "
                      "is scaled by its group's std, the sum by the batch's)")
+    if c.importance_sampling_level == "sequence" and c.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        notes.append(f"importance_sampling_level sequence with loss_type {c.loss_type}: the loss sums per-token "
+                     "contributions, which effectively weights each sequence by its completion length instead of "
+                     "optimizing the per-sequence objective; GSPO's setup is loss_type grpo (TRL GRPO warns of it too)")
     if c.loss_type == "luspo" and c.importance_sampling_level != "sequence":
         notes.append("loss_type luspo is LUSPO's aggregation of a sequence-level loss; with importance_sampling_level "
                      "token it sums token-level clipped terms (set --importance_sampling_level sequence for the "

@@ -26,10 +26,13 @@ import time
 from dataclasses import field
 from typing import Any
 
+import datasets
 import torch
 
 from fastppo.config import ALIASES, ModelConfig, PPOConfig, Sizes, Untouched
 from fastppo.data import load_prompts
+from fastppo.kernels.ppo_loss import off_policy_keep
+from fastppo.policy_terms import high_entropy_mask
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.train import ppo_iteration
 from fastppo.trainer import PPOTrainer
@@ -174,6 +177,12 @@ class GRPOTrainer(PPOTrainer):
         if train_dataset is None:  # TRL's trainers have no default prompts (PPOTrainer's embedded ones are fastppo's)
             raise SettingsError("`train_dataset` is required: a dataset with a 'prompt' column (text or "
                                 "conversational), as TRL's trainer takes it")
+        if isinstance(train_dataset, datasets.IterableDataset):  # TRL's settings for a stream, as it sets them
+            if args.accelerator_config.dispatch_batches:
+                raise SettingsError("Iterable datasets require `dispatch_batches=False` in `accelerator_config`, as "
+                                    "TRL's trainer requires (each process reads its own rows)")
+            args.accelerator_config.dispatch_batches = False
+            args.dataloader_num_workers = 0
         # TRL takes several eval sets as a dict (a DatasetDict too); fastppo's sample table draws from one
         sample_table_set = eval_dataset
         if isinstance(eval_dataset, dict) and eval_dataset:
@@ -204,6 +213,25 @@ class GRPOTrainer(PPOTrainer):
             self.log(f"eval_dataset holds {len(eval_dataset)} datasets ({', '.join(map(str, eval_dataset))}); the "
                      f"sample table draws from the first, {first!r}")
         self.aux_loss_enabled = False  # no router auxiliary loss (router_aux_loss_coef is refused)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL GRPO's: [B, T] bool, the tokens of ``mask`` whose entropy is at least the ``threshold`` quantile of the
+        masked entropies on every process (TRL's loss calls it with 1 − top_entropy_quantile). fastppo's loss runs
+        ``policy_terms.high_entropy_mask``, which this is."""
+        return high_entropy_mask(entropies, mask, 1.0 - threshold)
+
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:
+        """TRL GRPO's DeepSeek-V3.2 off-policy sequence mask: [B, 1], 1 where a completion is kept (its advantage
+        >= 0, or its mean log π_sampling − log π_θ over its tokens at most ``off_policy_threshold``; an unscorable
+        token's NaN counts as 0). fastppo's loss runs ``kernels.off_policy_keep``, which this reads per row."""
+        b, t = per_token_logps.shape
+        rows = torch.arange(b, device=mask.device)[:, None].expand(b, t)
+        keep = off_policy_keep((per_token_logps.detach() - sampling_per_token_logps).nan_to_num(0.0),
+                               advantages.expand(b, t), mask != 0, rows, b, off_policy_threshold)
+        return keep[:, :1].to(mask.dtype)
 
     @staticmethod
     def _engine_config(args):

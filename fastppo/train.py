@@ -502,6 +502,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     mean_entropy = aggregate(entropy, policy_mask, mean_weights, None if mean_weights is None else 1.0)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
     loss = policy_loss + vf_coef * vf_loss if critic else policy_loss
+    bonus = entropy_coef * mean_entropy  # TRL GRPO's policy_loss is the loss before it
     if beta:
         kl_tokens = kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
         kl_tokens = kl_tokens * ratio if bias_correction_kl else kl_tokens
@@ -517,6 +518,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
                                          surrogate.get("surrogate", "clip"))
         for name, value in (
             ("loss", loss),  # this micro-step's share of its optimizer step's loss, as minimised
+            ("policy_loss", loss + bonus * kept),
             ("approxkl", 0.5 * masked_mean(log_ratio**2, mask)),
             ("policykl", masked_mean(-log_ratio, mask)),
             ("pg_clipfrac", masked_mean(clipped.float(), mask)),
@@ -683,7 +685,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                     accumulation = sizes.micro_steps
                     if step_weights is not None:
                         accumulation = 1
-                        for name in ("pg_loss", "vf_loss", "kl_loss", "loss"):
+                        for name in ("pg_loss", "vf_loss", "kl_loss", "loss", "policy_loss"):
                             stats[STAT[name], epoch, mb, k] *= len(micro)
                     if not train:
                         continue
@@ -859,7 +861,8 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     metrics = gather_metrics(objective, update, sizes.world_size, critic=experience.values is not None,
                              kl=experience.ref_logprobs is not None, kl_in_loss=bool(config.beta),
                              reward_columns=batch.reward_columns,
-                             kl_in_reward=config.advantage_estimator == "rloo" and bool(kl_coef))
+                             kl_in_reward=config.advantage_estimator == "rloo" and bool(kl_coef),
+                             entropy_coef=config.entropy_coef)
     if config.critic_free:  # TRL GRPO's completion and reward metrics
         metrics.update(completion_metrics(rollout.lengths, ~rollout.has_stop, batch.scores, config.num_generations,
                                           config.scale_rewards))

@@ -142,8 +142,13 @@ def test_an_iterable_train_set_even_an_endless_one_reads_the_rows_its_steps_use(
     trainer = GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, train_dataset=stream)
     assert trainer.train_dataset is stream
     assert len(trainer.prompts) == 2 * 8  # one row per completion of the 2 steps, at most: the stream is endless
+    # TRL's settings for a stream: each process reads its own rows, in the main process
+    assert trainer.args.accelerator_config.dispatch_batches is False and trainer.args.dataloader_num_workers == 0
     trainer.train()
     assert trainer.state.global_step == 2
+    dispatching = dataclasses.replace(args, accelerator_config={"dispatch_batches": True})
+    with pytest.raises(SettingsError, match="Iterable datasets require `dispatch_batches=False`"):
+        GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=dispatching, train_dataset=stream)
     with pytest.raises(SettingsError, match="train_dataset is an IterableDataset, which has no length: set max_steps"):
         GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=dataclasses.replace(args, max_steps=-1),
                     train_dataset=stream)
@@ -304,6 +309,34 @@ def test_a_run_where_some_completions_go_unjudged_warns_and_trains(tmp_path, mod
     assert "All reward functions returned None for the following kwargs:" in caplog.text
     rows = [m for m in trainer.state.log_history if "reward" in m and "train_runtime" not in m]
     assert len(rows) == 2 and all(math.isfinite(r["reward"]) and math.isfinite(r["loss"]) for r in rows)
+
+
+def test_trls_mask_helpers_on_the_trainer_class():
+    """GRPOTrainer.get_high_entropy_mask and .get_off_policy_mask, TRL's helpers by its signatures (tests call them on
+    the class), held to their definitions on random inputs with ragged masks."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    entropies = torch.rand(5, 7, generator=gen) * 3
+    mask = torch.ones(5, 7)
+    for row, n in enumerate([7, 3, 0, 5, 1]):
+        mask[row, n:] = 0
+    for threshold in (0.0, 0.3, 0.8, 1.0):
+        level = torch.quantile(entropies[mask.bool()], threshold)
+        want = (entropies >= level) & mask.bool()
+        got = GRPOTrainer.get_high_entropy_mask(None, entropies, mask, threshold)
+        assert torch.equal(got, want), threshold
+    advantages = torch.randn(5, 1, generator=gen)
+    advantages[0, 0] = -abs(advantages[0, 0])
+    sampling = -torch.rand(5, 7, generator=gen) * 2
+    current = -torch.rand(5, 7, generator=gen) * 2
+    current[1, 5] = 1e4  # a masked token's value is never read
+    sampling[3, 1] = float("nan")  # an unscorable sampled token counts as 0
+    kl = torch.where(mask.bool(), (sampling - current).nan_to_num(0.0), 0.0).sum(1) / mask.sum(1).clamp(min=1)
+    for threshold in (0.0, 0.2, 0.7):
+        want = ((advantages[:, 0] >= 0) | (kl <= threshold)).float()[:, None]
+        got = GRPOTrainer.get_off_policy_mask(advantages, current, sampling, mask, threshold)
+        assert got.shape == (5, 1) and torch.equal(got, want), threshold
 
 
 def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model_dir, monkeypatch):
