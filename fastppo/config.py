@@ -326,6 +326,11 @@ class PPOConfig(TrainingArguments):
                   "Unset: on for a CUDA GPU (with the inductor backend only in runs of 20 iterations or more, which "
                   "win back its compile), off on a CPU, where it does not pay (bench/RESULTS.md)."},
     )
+    shuffle_dataset: bool = field(
+        default=True,
+        metadata={"help": "Draw the prompts in a seeded random order each pass (false: the dataset's own order; TRL "
+                  "GRPO's name)."},
+    )
     share_prompts: bool | None = field(
         default=None,
         metadata={"help": "fastppo: the reference model's forward runs each group's prompt once (num_generations > 1: "

@@ -201,12 +201,13 @@ def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dat
 
 
 def prompt_batches(num_prompts: int, local_batch_size: int, rank: int, world_size: int,
-                   seed: int) -> Iterator[list[int]]:
+                   seed: int, shuffle: bool = True) -> Iterator[list[int]]:
     """Endless per-process batches of prompt indices, like DistributedSampler with drop_last.
 
-    Every epoch all processes draw one shared permutation (seeded by ``seed`` and the epoch) and
-    process ``rank`` takes every ``world_size``-th index from ``rank``: disjoint shards of equal size,
-    so every process runs the same number of episodes.
+    Every epoch all processes draw one shared permutation (seeded by ``seed`` and the epoch; the dataset's own
+    order when ``shuffle`` is off, TRL GRPO's ``shuffle_dataset=False``) and process ``rank`` takes every
+    ``world_size``-th index from ``rank``: disjoint shards of equal size, so every process runs the same number of
+    episodes.
     """
     shard = num_prompts // world_size
     if shard == 0:
@@ -216,7 +217,8 @@ def prompt_batches(num_prompts: int, local_batch_size: int, rank: int, world_siz
     while True:
         while len(buffer) < local_batch_size:
             g = torch.Generator().manual_seed(seed + epoch)
-            perm = torch.randperm(num_prompts, generator=g)[: shard * world_size]
+            perm = (torch.randperm(num_prompts, generator=g) if shuffle else torch.arange(num_prompts))[
+                : shard * world_size]
             buffer.extend(perm[rank::world_size].tolist())
             epoch += 1
         yield buffer[:local_batch_size]

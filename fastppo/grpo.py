@@ -46,7 +46,6 @@ TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
     "router_aux_loss_coef": (float | None, None, "mixture-of-experts router losses are not implemented"),
     "disable_dropout": (bool, False, ""),
     "num_generations_eval": (int | None, None, ""),
-    "shuffle_dataset": (bool, True, "the prompt sampler always draws a seeded random order"),
     "generation_batch_size": (int | None, None, ""),
     "steps_per_generation": (int | None, None, ""),
     "top_p": (float, 1.0, NOT_SAMPLED),

@@ -166,7 +166,7 @@ class PPOTrainer:
                                                         backend=config.compiled_decode_backend)
         self._static_decoder: StaticDecoder | None = None
         self._batches = prompt_batches(len(self.prompts), self.sizes.local_prompts, self.dist.rank,
-                                       self.dist.world_size, config.seed)
+                                       self.dist.world_size, config.seed, config.shuffle_dataset)
 
         # transformers' handler, as TRL's trainer uses it: callback classes are instantiated, the default flow
         # callback decides should_save/should_training_stop from save_steps and max_steps

@@ -60,6 +60,11 @@ def test_prompt_batches_shard_disjointly_with_equal_counts():
     epoch0 = [sum(b, [])[:5] for b in first]  # each rank's shard of epoch 0 has 10 // 2 = 5 prompts
     assert not set(epoch0[0]) & set(epoch0[1])
     assert all(len(b) == 3 for batches in first for b in batches)
+    assert sorted(sum(epoch0, [])) != sum(epoch0, [])  # shuffled
+    # shuffle_dataset=False (TRL GRPO's): the dataset's order, still sharded, epoch after epoch
+    ordered = [prompt_batches(10, 3, rank, 2, seed=1, shuffle=False) for rank in range(2)]
+    assert [next(ordered[0]) for _ in range(4)] == [[0, 2, 4], [6, 8, 0], [2, 4, 6], [8, 0, 2]]
+    assert next(ordered[1]) == [1, 3, 5]
 
 
 def test_left_pad_and_positions():
