@@ -233,7 +233,7 @@ def _check_unsupported(c: PPOConfig, defaults: PPOConfig) -> None:
     for name, why in UNSUPPORTED.items():
         if hasattr(c, name) and getattr(c, name) != getattr(defaults, name, None) and getattr(c, name):
             raise SettingsError(f"{name}: {why}")
-    for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
+    for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "chat_template_kwargs"):
         _json_dict(c, name)
 
 

@@ -19,6 +19,7 @@ itself from these fields) runs unchanged; fastppo itself never loads that defaul
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -326,6 +327,11 @@ class PPOConfig(TrainingArguments):
                   "Unset: on for a CUDA GPU (with the inductor backend only in runs of 20 iterations or more, which "
                   "win back its compile), off on a CPU, where it does not pay (bench/RESULTS.md)."},
     )
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments of the chat template for conversational prompts (a JSON object on the "
+                  "command line), e.g. '{\"enable_thinking\": false}' (TRL GRPO's name)."},
+    )
     shuffle_dataset: bool = field(
         default=True,
         metadata={"help": "Draw the prompts in a seeded random order each pass (false: the dataset's own order; TRL "
@@ -509,6 +515,12 @@ class PPOConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        if isinstance(self.chat_template_kwargs, str):  # a JSON object from the command line, as TRL reads it
+            try:
+                self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
+            except json.JSONDecodeError as e:
+                raise SettingsError(f"chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r}: "
+                                    f"{e}") from None
         # the estimator's source decides what an unset num_generations and kl_coef mean (ESTIMATOR_DEFAULTS)
         defaults = ESTIMATOR_DEFAULTS.get(self.advantage_estimator, ESTIMATOR_DEFAULTS["gae"])
         if self.num_generations is None:

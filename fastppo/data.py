@@ -148,7 +148,8 @@ def prompt_messages(messages: list[dict]) -> tuple[list[dict], bool]:
     return list(messages[:end]), end < len(messages)
 
 
-def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dataset") -> list[list[int]]:
+def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dataset",
+                     chat_template_kwargs: dict | None = None) -> list[list[int]]:
     """Token ids of every prompt (empty ones included): token-id lists as they are, chat messages through
     the chat template with its generation prompt, cut before a trailing assistant answer (``prompt_messages``;
     ``log`` gets the number of rows cut, once); token ids with a ``completion_mask`` or ``assistant_masks``
@@ -179,7 +180,8 @@ def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dat
         if isinstance(value, list) and value and isinstance(value[0], dict):
             value, answered = prompt_messages(value)
             cut += answered
-            tokens = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True) if value else []
+            tokens = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
+                                                   **(chat_template_kwargs or {})) if value else []
             if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
                 tokens = tokens["input_ids"]
         elif isinstance(value, list) and all(isinstance(t, int) for t in value):
@@ -265,7 +267,7 @@ def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=pr
     column = prompt_column(dataset, config.dataset_text_field, name)
     if len(dataset) == 0:
         raise SettingsError(f"no prompts in dataset {name!r} (it is empty)")
-    ids = tokenize_prompts(dataset, column, tokenizer, log, what)
+    ids = tokenize_prompts(dataset, column, tokenizer, log, what, config.chat_template_kwargs)
     vocab = len(tokenizer)
     bad = next(((row, t) for row, prompt in enumerate(ids) for t in prompt
                 if not isinstance(t, int) or not 0 <= t < vocab), None)

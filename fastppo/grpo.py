@@ -53,7 +53,6 @@ TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
     "min_p": (float | None, None, NOT_SAMPLED),
     "repetition_penalty": (float, 1.0, NOT_SAMPLED),
     "generation_kwargs": (dict | str | None, None, NOT_SAMPLED),
-    "chat_template_kwargs": (dict | str | None, None, "chat templates are applied with their defaults"),
     "cache_implementation": (str | None, None, "compiled_decode picks the static cache itself"),
     "use_vllm": (bool, False, "vLLM is not used; fastppo's compiled decode (compiled_decode) is its fast sampler"),
     "sync_ref_model": (bool, False, "the reference model is never synced (TR-DPO's mixing is not implemented)"),

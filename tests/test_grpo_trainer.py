@@ -339,6 +339,28 @@ def test_trls_mask_helpers_on_the_trainer_class():
         assert got.shape == (5, 1) and torch.equal(got, want), threshold
 
 
+def test_chat_template_kwargs_reach_the_chat_template(tmp_path, model_dir):
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
+                               "{% if enable_thinking is defined and not enable_thinking %} plot{% else %} movie"
+                               "{% endif %}{% endif %}")
+    data = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "the movie was"}]] * 8})
+    prompts = {}
+    for kwargs in (None, {"enable_thinking": False}, '{"enable_thinking": false}'):
+        args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                          max_completion_length=4, max_steps=1, bf16=False, disable_tqdm=True,
+                          gradient_checkpointing=False, report_to="none", chat_template_kwargs=kwargs)
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=LengthReward(), args=args, processing_class=tokenizer,
+                              train_dataset=data)
+        prompts[str(kwargs)] = tokenizer.decode(trainer.prompts[0])
+    assert prompts["None"].endswith("was movie")
+    assert prompts["{'enable_thinking': False}"].endswith("was plot")
+    assert prompts['{"enable_thinking": false}'] == prompts["{'enable_thinking': False}"]  # the CLI's JSON form
+
+
 def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model_dir, monkeypatch):
     """TRL's default config: max_completion_length 512, past the tiny model's 256 positions, refused by TRL's
     name; a model object that has the positions gets a run named <model>-GRPO, as TRL names it."""
