@@ -28,12 +28,13 @@ from typing import Any
 
 import datasets
 import torch
+from transformers import TrainerCallback
 
 from fastppo.config import ALIASES, ModelConfig, PPOConfig, Sizes, Untouched
 from fastppo.data import load_prompts
+from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.kernels.ppo_loss import off_policy_keep
 from fastppo.policy_terms import high_entropy_mask
-from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.train import ppo_iteration
 from fastppo.trainer import PPOTrainer
 
@@ -55,7 +56,7 @@ TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
     "generation_kwargs": (dict | str | None, None, NOT_SAMPLED),
     "cache_implementation": (str | None, None, "compiled_decode picks the static cache itself"),
     "use_vllm": (bool, False, "vLLM is not used; fastppo's compiled decode (compiled_decode) is its fast sampler"),
-    "sync_ref_model": (bool, False, "the reference model is never synced (TR-DPO's mixing is not implemented)"),
+    "sync_ref_model": (bool, False, ""),
     "use_adaptive_entropy": (bool, False, "the adaptive entropy coefficient is not implemented; set entropy_coef"),
     "max_tool_calling_iterations": (int | None, None, "tools and multi-turn episodes are not implemented yet"),
     "log_completions": (bool, False, "the sample table is num_sample_generations' (and samples.jsonl)"),
@@ -75,11 +76,12 @@ INERT = {
     "vllm_max_model_length": (int | None, None), "vllm_tensor_parallel_size": (int, 1),
     "vllm_importance_sampling_correction": (bool, True), "vllm_importance_sampling_mode": (str, "sequence_mask"),
     "vllm_importance_sampling_clip_max": (float | None, 3.0), "vllm_importance_sampling_clip_min": (float | None, None),
-    "vllm_importance_sampling_cap": (float | None, None), "ref_model_mixup_alpha": (float, 0.6),
-    "ref_model_sync_steps": (int, 512), "entropy_coef_min": (float, 0.0), "entropy_coef_max": (float, 1.0),
+    "vllm_importance_sampling_cap": (float | None, None), "entropy_coef_min": (float, 0.0), "entropy_coef_max": (float, 1.0),
     "entropy_coef_delta": (float, 0.005), "entropy_target": (float, 0.2), "log_multimodal": (bool, True),
     "num_completions_to_print": (int | None, None), "log_unique_prompts": (bool, False),
 }
+# TRL 1.16 GRPOConfig's settings of its reference syncing (TR-DPO), read by SyncReference
+SYNC_SETTINGS = {"ref_model_mixup_alpha": (float, 0.6), "ref_model_sync_steps": (int, 512)}
 # TRL 1.16 GRPOConfig's defaults where PPOConfig's differ
 GRPO_DEFAULTS = {
     "advantage_estimator": (str, "grpo"), "learning_rate": (float, 1e-6), "num_generations": (int | None, 8),
@@ -104,7 +106,8 @@ GRPOConfig = dataclasses.make_dataclass(
     [(name, *_field(kind, Untouched.of(default) if name in ALIASES else default))
      for name, (kind, default) in GRPO_DEFAULTS.items()]
     + [(name, *_field(kind, default, note)) for name, (kind, default, note) in TRL_ONLY.items()]
-    + [(name, *_field(kind, default)) for name, (kind, default) in INERT.items()] + [STOP_AT_EOS],
+    + [(name, *_field(kind, default)) for name, (kind, default) in {**INERT, **SYNC_SETTINGS}.items()]
+    + [STOP_AT_EOS],
     bases=(PPOConfig,),
     namespace={"__doc__": "TRL 1.16's GRPOConfig: PPOConfig with TRL GRPO's defaults and fields (fastppo.grpo).",
                # transformers' evaluation settings, which GRPOTrainer.evaluate honours (PPO reports them as unused)
@@ -112,6 +115,22 @@ GRPOConfig = dataclasses.make_dataclass(
                                           "per_device_eval_batch_size")},
 )
 GRPOConfig.__module__ = __name__
+
+
+class SyncReference(TrainerCallback):
+    """TR-DPO's reference syncing (TRL's ``sync_ref_model``): every ``ref_model_sync_steps`` steps, each reference
+    weight becomes α·policy + (1 − α)·reference, α = ``ref_model_mixup_alpha``, at the step's end (after the
+    optimizer step, before the next rollout), as TRL's SyncRefModelCallback does."""
+
+    def __init__(self, reference: torch.nn.Module, policy: torch.nn.Module):
+        self.reference, self.policy = reference, policy
+
+    @torch.no_grad()
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            for target, source in zip(self.reference.parameters(), self.policy.parameters(), strict=True):
+                target.mul_(1.0 - args.ref_model_mixup_alpha).add_(source.to(target.dtype),
+                                                                   alpha=args.ref_model_mixup_alpha)
 
 
 def check_grpo_settings(args) -> None:
@@ -198,6 +217,8 @@ class GRPOTrainer(PPOTrainer):
             self.log("disable_dropout=False (TRL GRPO's default): fastppo disables dropout in every model anyway, so "
                      "that the sampled and the trained forwards agree (the first ratio is exactly 1)")
         self.args = args  # the user's, as given (the engine reads self.config)
+        if args.sync_ref_model:
+            self.callback_handler.add_callback(SyncReference(self._sync_target(args), self.policy))
         # TRL's attributes, as its GRPOTrainer holds them
         self.reward_funcs = [r.fn if r.fn is not None else r.model for r in self.rewards]
         given = reward_processing_classes if isinstance(reward_processing_classes, (list, tuple)) else \
@@ -211,6 +232,25 @@ class GRPOTrainer(PPOTrainer):
             self.log(f"eval_dataset holds {len(eval_dataset)} datasets ({', '.join(map(str, eval_dataset))}); the "
                      f"sample table draws from the first, {first!r}")
         self.aux_loss_enabled = False  # no router auxiliary loss (router_aux_loss_coef is refused)
+
+    def _sync_target(self, args):
+        """The reference model TR-DPO's syncing mixes the policy into (``sync_ref_model``), refused where there is
+        none to mix into, with TRL's reasons."""
+        if self.config.beta == 0.0 and self.config.kl_coef == 0.0:
+            raise SettingsError("You passed `sync_ref_model=True` while `beta=0.0`, which means the reference model "
+                                "is not used and there is nothing to synchronize; set `sync_ref_model=False`, or a "
+                                "non-zero `beta`")
+        if self.ref_model is None:
+            raise SettingsError("You passed `sync_ref_model=True` while using a PEFT model: its reference is the "
+                                "policy with the adapter disabled, not a model to synchronize; set "
+                                "`sync_ref_model=False`")
+        if self.zero is not None and self.zero.stage == 3:
+            raise SettingsError("sync_ref_model under DeepSpeed ZeRO-3 is not supported yet (its weights are "
+                                "partitioned); use ZeRO-2 or set sync_ref_model=False")
+        if not (0.0 <= args.ref_model_mixup_alpha <= 1.0) or args.ref_model_sync_steps < 1:
+            raise SettingsError(f"ref_model_mixup_alpha must lie in [0, 1] and ref_model_sync_steps be >= 1, got "
+                                f"{args.ref_model_mixup_alpha} and {args.ref_model_sync_steps}")
+        return self.ref_model
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL GRPO's: [B, T] bool, the tokens of ``mask`` whose entropy is at least the ``threshold`` quantile of the

@@ -361,6 +361,43 @@ def test_chat_template_kwargs_reach_the_chat_template(tmp_path, model_dir):
     assert prompts['{"enable_thinking": false}'] == prompts["{'enable_thinking': False}"]  # the CLI's JSON form
 
 
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, model_dir):
+    """TR-DPO (TRL's sync_ref_model): at every ref_model_sync_steps-th step's end, ref ← α·policy + (1 − α)·ref."""
+    import torch
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Record(TrainerCallback):  # the policy as the step ends (before the sync, which runs after the user's)
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append((state.global_step, {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}))
+
+    def odd_tokens(completion_ids, **kwargs):
+        return [float(sum(t % 2 for t in ids)) for ids in completion_ids]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=4, max_steps=3, bf16=False, disable_tqdm=True, learning_rate=1e-2,
+                      gradient_checkpointing=False, save_strategy="no", report_to="none", beta=0.04,
+                      sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.3)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=odd_tokens, args=args, train_dataset=tutorial_dataset(),
+                          callbacks=[Record()])
+    want = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.train()
+    for step, policy in seen:
+        if step % 2 == 0:
+            want = {n: 0.7 * want[n] + 0.3 * policy[n] for n in want}
+    got = dict(trainer.ref_model.named_parameters())
+    assert [s for s, _ in seen] == [1, 2, 3]
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7, msg=n)
+    assert any(not torch.equal(got[n], seen[0][1][n]) for n in want)  # the reference is not simply the policy
+    for kwargs, match in ((dict(beta=0.0), "sync_ref_model=True` while `beta=0.0`"),
+                          (dict(ref_model_mixup_alpha=1.5), "ref_model_mixup_alpha must lie in")):
+        with pytest.raises(SettingsError, match=match):
+            GRPOTrainer(model=model_dir, reward_funcs=odd_tokens, train_dataset=tutorial_dataset(),
+                        args=dataclasses.replace(args, output_dir=str(tmp_path / "refused"), **kwargs))
+
+
 def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model_dir, monkeypatch):
     """TRL's default config: max_completion_length 512, past the tiny model's 256 positions, refused by TRL's
     name; a model object that has the positions gets a run named <model>-GRPO, as TRL names it."""
@@ -384,10 +421,8 @@ def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model
     (dict(top_p=0.9), "top_p=0.9: not supported .*softmax\\(logits / temperature\\)"),
     (dict(top_k=50), "top_k=50: not supported"),
     (dict(repetition_penalty=1.1), "repetition_penalty=1.1: not supported"),
-    (dict(sync_ref_model=True), "sync_ref_model=True: not supported"),
     (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: not supported"),
     (dict(log_completions=True), "log_completions=True: not supported .*num_sample_generations"),
-    (dict(shuffle_dataset=False), "shuffle_dataset=False: not supported"),
     (dict(num_iterations=2), "num_iterations=2: GRPOTrainer counts one optimizer step per generation batch"),
     (dict(steps_per_generation=4, gradient_accumulation_steps=1), "steps_per_generation=4 with "
                                                                   "gradient_accumulation_steps=1"),
