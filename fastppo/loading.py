@@ -82,11 +82,23 @@ def pretrained_kwargs(model_args, frozen: bool = False, bf16: bool = False) -> d
     return kwargs
 
 
+def from_pretrained_any_attention(load, path: str, model_args, kwargs: dict):
+    """``load(path, **kwargs)``; where the model has no sdpa attention (DeBERTa, GPT-OSS) and sdpa was fastppo's
+    default rather than the user's ``attn_implementation``, again with eager attention."""
+    try:
+        return load(path, **kwargs)
+    except ValueError as e:
+        if model_args.attn_implementation or "attention implementation" not in str(e):
+            raise
+        return load(path, **{**kwargs, "attn_implementation": "eager"})
+
+
 def load_causal_lm(path: str, model_args, what: str, value_head: bool = False, frozen: bool = False,
                    bf16: bool = False) -> nn.Module:
     loader = AutoModelForCausalLMWithValueHead if value_head else AutoModelForCausalLM
     try:
-        return loader.from_pretrained(path, **pretrained_kwargs(model_args, frozen, bf16))
+        return from_pretrained_any_attention(loader.from_pretrained, path, model_args,
+                                             pretrained_kwargs(model_args, frozen, bf16))
     except (OSError, ValueError) as e:
         raise load_error(what, path, e) from e
 
@@ -105,14 +117,9 @@ def load_seq_cls(path: str, model_args, tokenizer, what: str, fresh_head_ok: boo
         raise SettingsError(_labels_message(what, saved.num_labels, f"at {path!r}"))
     kwargs = pretrained_kwargs(model_args, frozen, bf16)
     try:
-        try:
-            model, info = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, output_loading_info=True, **kwargs)
-        except ValueError as e:  # sdpa is fastppo's choice, not the user's: a model without it (DeBERTa) runs eager
-            if model_args.attn_implementation or "attention implementation" not in str(e):
-                raise
-            model, info = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, output_loading_info=True, **{**kwargs, "attn_implementation": "eager"})
+        model, info = from_pretrained_any_attention(AutoModelForSequenceClassification.from_pretrained, path,
+                                                    model_args, {**kwargs, "num_labels": 1,
+                                                                 "output_loading_info": True})
     except (OSError, ValueError) as e:
         raise load_error(what, path, e) from e
     _, head = backbone_and_head(model)
