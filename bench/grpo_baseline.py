@@ -11,7 +11,8 @@ peak memory.
 Per round, for each case (beta 0.0: no reference model on either side; beta 0.04: both load one) and each side
 (``fastppo``: padded rows, the like-for-like row, on a GPU its decode step replayed as a CUDA graph;
 ``fastppo-padfree``: ``padding_free=True``; asked for by ``--sides``, ``fastppo-eager``: the eager decode loop on a
-GPU too, and ``fastppo-inductor``: the decode step ``torch.compile``d; ``trl``), this
+GPU too, ``fastppo-inductor``: the decode step ``torch.compile``d, and ``fastppo-noshare``: the reference's forward
+without ``share_prompts``; ``trl``), this
 script starts ``python bench/grpo_baseline.py --child SIDE --case JSON``, which builds the trainer, trains
 ``--iterations`` iterations (one generation batch and one optimizer step each) and exits. Measured:
 
@@ -72,7 +73,7 @@ if HERE not in sys.path:
 from e2e_common import CHAT_PROMPTS, REPO, smollm2_dir  # noqa: E402
 from e2e_measure import PeakMemory, _preimport  # noqa: E402
 
-SIDES = ("fastppo", "fastppo-padfree", "fastppo-eager", "fastppo-inductor", "trl")
+SIDES = ("fastppo", "fastppo-padfree", "fastppo-eager", "fastppo-inductor", "fastppo-noshare", "trl")
 # fastppo-eager and fastppo-inductor differ from fastppo on a GPU only
 DEFAULT_SIDES = ("fastppo", "fastppo-padfree", "trl")
 # each side's settings over the device's defaults (build_fastppo): on a GPU fastppo samples through the decode step
@@ -80,7 +81,9 @@ DEFAULT_SIDES = ("fastppo", "fastppo-padfree", "trl")
 # (its compile paid in the first rollout), fastppo-eager with the eager decode loop
 FASTPPO_VARIANTS = {"fastppo": {"padding_free": False}, "fastppo-padfree": {"padding_free": True},
                     "fastppo-eager": {"padding_free": False, "compiled_decode": False},
-                    "fastppo-inductor": {"padding_free": False, "compiled_decode_backend": "inductor"}}
+                    "fastppo-inductor": {"padding_free": False, "compiled_decode_backend": "inductor"},
+                    # the reference's forward over every row's own copy of its prompt (share_prompts off)
+                    "fastppo-noshare": {"padding_free": False, "share_prompts": False}}
 
 
 # ============================================================================ the case both sides train
@@ -245,6 +248,7 @@ def build_fastppo(case: GRPOCase, output_dir: str, side: str, clock: Clock):
                        f"{'a CUDA graph on CUDA' if config.compiled_decode_backend != 'inductor' else 'torch.compile'})"
                        if config.compiled_decode else "fastppo's own sampler (eager decode loop over the KV cache)"),
         "padding_free": config.padding_free,
+        "share_prompts": config.share_prompts,
         "old log-prob forward": ("yes (a no-grad scoring forward every iteration)" if not old_logprobs_in_update(config)
                                  else "no (on-policy: old = the update's detached current, old_logprobs_in_update)"),
         "reference model": trainer.ref_model is not None or trainer.reference is not None,
