@@ -38,21 +38,8 @@ export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0
 WORK=/tmp/gpu_call1
 rm -rf "$WORK" && mkdir -p "$WORK"
 
-left() { echo $((BUDGET - (SECONDS - START))); }
-# cap CAP RESERVE: the seconds a stage may take, at most CAP, leaving RESERVE for the later stages.
-cap() { local c=$1 r=$(( $(left) - $2 )); [ "$r" -lt "$c" ] && c=$r; [ "$c" -lt 5 ] && c=0; echo "$c"; }
-# stage SECS NAME CMD...: run CMD under timeout (SIGINT first so pytest finishes its reports, SIGKILL 15 s later).
-stage() {
-  local secs=$1 name=$2; shift 2
-  if [ "$secs" -le 0 ]; then echo "=== $name: SKIPPED (no time left)"; return 0; fi
-  echo "=== $name (at most ${secs}s; $(left)s of the budget left)"
-  local t0=$SECONDS
-  timeout -s INT -k 15 "$secs" "$@"
-  local rc=$?
-  echo "=== $name: exit $rc after $((SECONDS - t0))s$([ $rc = 124 ] || [ $rc = 137 ] && echo ' (TIMED OUT)')"
-  echo "$name $rc $((SECONDS - t0))" >> "$WORK/stages"
-  return 0
-}
+# shellcheck source=bench/gpu_stages.sh
+source "$(dirname "$0")/gpu_stages.sh"  # left, cap, stage
 
 main() {
   # ------------------------------------------------------------------ a. install, build, environment

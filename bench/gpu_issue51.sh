@@ -20,18 +20,8 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 TOKENIZERS_PARALLELISM=false FASTPP
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 ITER=${GRPO_ITERATIONS:-6} LEN=${GRPO_LENGTH:-256} SIDE=${GRPO_SIDE_SECONDS:-120}
 
-left() { echo $((BUDGET - (SECONDS - START))); }
-cap() { local c=$1 r=$(( $(left) - $2 )); [ "$r" -lt "$c" ] && c=$r; [ "$c" -lt 5 ] && c=0; echo "$c"; }
-stage() {
-  local secs=$1 name=$2; shift 2
-  if [ "$secs" -le 0 ]; then echo "=== $name: SKIPPED (no time left)"; return 0; fi
-  echo "=== $name (at most ${secs}s; $(left)s of the budget left)"
-  local t0=$SECONDS
-  timeout -s INT -k 15 "$secs" "$@"
-  local rc=$?
-  echo "=== $name: exit $rc after $((SECONDS - t0))s$([ $rc = 124 ] || [ $rc = 137 ] && echo ' (TIMED OUT)')"
-  return 0
-}
+# shellcheck source=bench/gpu_stages.sh
+source "$(dirname "$0")/gpu_stages.sh"  # left, cap, stage
 grpo() {  # grpo SHAPE SIDES CAP RESERVE
   FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/$1-shape stage "$(cap "$3" "$4")" "grpo-$1-$2" python3 bench/grpo_baseline.py \
     --rounds 1 --iterations "$ITER" --betas 0 --sides "$2" --prompts_per_step 8 --num_generations 8 \

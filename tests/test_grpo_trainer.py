@@ -20,10 +20,11 @@ from test_trl1_integration import ROOT, trl1_dir
 pytestmark = pytest.mark.usefixtures("reference_path")
 
 
-def trl_grpo_config_defaults(tmp_path) -> dict:
-    """TRL 1.16's GRPOConfig field defaults, read in its own environment (JSON-able values, others as repr)."""
-    script = ("import dataclasses, json, sys\nfrom trl import GRPOConfig\n"
-              "c = GRPOConfig(output_dir=sys.argv[1], use_cpu=True)\n"
+def trl_config_defaults(tmp_path, name: str = "GRPOConfig") -> dict:
+    """TRL 1.16's ``name`` (GRPOConfig, RLOOConfig) field defaults, read in its own environment (JSON-able values,
+    others as repr)."""
+    script = (f"import dataclasses, json, sys\nfrom trl import {name}\n"
+              f"c = {name}(output_dir=sys.argv[1], use_cpu=True)\n"
               "def plain(v):\n    try:\n        json.dumps(v); return v\n    except TypeError:\n        return repr(v)\n"
               "print(json.dumps({f.name: plain(getattr(c, f.name)) for f in dataclasses.fields(c)}))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trl1_dir()), str(ROOT)]))
@@ -42,7 +43,7 @@ SAME_MEANING = {"epsilon_high": (None, 0.2)}
 
 
 def test_every_field_of_trls_grpo_config_with_trls_default(tmp_path):
-    theirs = trl_grpo_config_defaults(tmp_path)
+    theirs = trl_config_defaults(tmp_path)
     ours = GRPOConfig(output_dir=str(tmp_path / "ours"))
     names = {f.name for f in dataclasses.fields(GRPOConfig)}
     missing = sorted(set(theirs) - names)

@@ -5,35 +5,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fastppo import GRPOConfig, RLOOConfig, RLOOTrainer
 from fastppo.errors import SettingsError
-from test_grpo_trainer import COMPUTED, LengthReward, SAME_MEANING, tutorial_dataset
-from test_trl1_integration import ROOT, trl1_dir
+from test_grpo_trainer import COMPUTED, LengthReward, SAME_MEANING, trl_config_defaults, tutorial_dataset
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
 
-def trl_rloo_config_defaults(tmp_path) -> dict:
-    script = ("import dataclasses, json, sys\nfrom trl import RLOOConfig\n"
-              "c = RLOOConfig(output_dir=sys.argv[1], use_cpu=True)\n"
-              "def plain(v):\n    try:\n        json.dumps(v); return v\n    except TypeError:\n        return repr(v)\n"
-              "print(json.dumps({f.name: plain(getattr(c, f.name)) for f in dataclasses.fields(c)}))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trl1_dir()), str(ROOT)]))
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "trl")], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_every_field_of_trls_rloo_config_with_trls_default(tmp_path):
-    theirs = trl_rloo_config_defaults(tmp_path)
+    theirs = trl_config_defaults(tmp_path, "RLOOConfig")
     ours = RLOOConfig(output_dir=str(tmp_path / "ours"))
     missing = sorted(n for n in theirs if not hasattr(ours, n))
     assert not missing, missing

@@ -14,7 +14,7 @@ from fastppo import GRPOConfig, GRPOTrainer
 from fastppo.actor_critic import PolicyAndValue, Reference
 from fastppo.config import PPOConfig
 from fastppo.errors import SettingsError
-from fastppo.layout import decoder_hidden, make_shared_layout, shared_mask_kind, token_logprobs_from_hidden
+from fastppo.layout import decoder_hidden, shared_mask_kind, token_logprobs_from_hidden
 from fastppo.train import assemble, compute_experience, reference_sharing
 from test_grpo_trainer import LengthReward, tutorial_dataset
 
