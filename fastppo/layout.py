@@ -21,7 +21,7 @@ from fastppo.kernels import fused_token_logprobs
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, _cache_keyword
 
 __all__ = ["Layout", "backbone_and_head", "cache_keyword", "causal_lm_of", "decoder_hidden", "gathered",
-           "lm_head_of", "lm_of", "make_layout", "make_shared_layout", "shared_mask_kind",
+           "head_input", "lm_head_of", "lm_of", "make_layout", "make_shared_layout", "shared_mask_kind",
            "token_logprobs_from_hidden"]
 
 
@@ -86,7 +86,25 @@ def gathered(*params):
     return deepspeed.zero.GatheredParameters(missing, modifier_rank=None)
 
 
+def head_input(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The hidden states as the LM head's logits are to come out of them: a model that scales its logits (Cohere's
+    ``logit_scale``, multiplied; Granite's ``logits_scaling``, divided) gets them through its hidden states
+    instead, (s·h)·Wᵀ = s·(h·Wᵀ), so that the fused head's log-probs are the model's own. Soft-capped logits
+    (Gemma 2) have no such form: ``loading``'s head check refuses them."""
+    config = causal_lm_of(model).config
+    scale = getattr(config, "logit_scale", None)
+    divide = getattr(config, "logits_scaling", None)
+    if scale is not None and scale != 1:
+        return hidden * scale
+    if divide is not None and divide != 1:
+        return hidden / divide
+    return hidden
+
+
 def token_logprobs_from_hidden(model, hidden, targets, temperature: float, return_entropy: bool):
+    """Log-probs (and entropies) of ``targets`` from the decoder's hidden states through the LM head (its
+    ``head_input`` scaling applied here), fused: the ``[tokens, vocab]`` logits never exist."""
+    hidden = head_input(model, hidden)
     head = lm_head_of(model)
     bias = getattr(head, "bias", None)
     with gathered(head.weight, bias):  # the reference's head under ZeRO-3; a no-op otherwise

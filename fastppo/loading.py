@@ -387,7 +387,8 @@ def prepare_models(policy, ref_model, value_model, reward_models, tokenizer, con
 
 
 def check_lm_head(model: nn.Module, vocab_size: int, device) -> None:
-    """The fused path assumes logits = h·Wᵀ (+b). Models that rescale or soft-cap logits break that: refuse them."""
+    """The fused path assumes logits = s·h·Wᵀ (+b), s a model's logit scale (``layout.head_input``). Models that
+    soft-cap their logits (Gemma 2) or transform them otherwise break that: refuse them."""
     lm = lm_of(model)
     ids = torch.arange(min(8, vocab_size), device=device).unsqueeze(0)
     mask = torch.ones_like(ids)
@@ -402,7 +403,7 @@ def check_lm_head(model: nn.Module, vocab_size: int, device) -> None:
     if not torch.allclose(got.float(), expected, atol=1e-3, rtol=1e-3):  # an fp64 policy gives fp64 log-probs
         raise SettingsError(
             f"{type(causal_lm_of(model)).__name__}: log-probs from the last hidden state and the LM head do not "
-            "match the model's logits (logit scaling or soft-capping?); fastppo's fused path cannot train it"
+            "match the model's logits (soft-capping?); fastppo's fused path cannot train it"
         )
 
 

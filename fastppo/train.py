@@ -48,7 +48,7 @@ from fastppo.metrics import (STAT, STAT_NAMES, UpdateResult, completion_metrics,
                              objective_sums)
 from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, policy_loss_weights, reads_whole_sequences,
                                   surrogate_options)
-from fastppo.layout import gathered, lm_head_of, make_layout, make_shared_layout, shared_mask_kind
+from fastppo.layout import gathered, head_input, lm_head_of, make_layout, make_shared_layout, shared_mask_kind
 from fastppo.rewards import transform_scores
 
 # ============================================================================ 1. rollout
@@ -231,6 +231,7 @@ def compute_experience(actor_critic, reference, rollout: Rollout, temperature: f
                 head = lm_head_of(actor_critic.policy)
                 bias, ref_bias = getattr(head, "bias", None), getattr(ref_head, "bias", None)
                 with gathered(head.weight, bias, ref_head.weight, ref_bias):  # ZeRO-3 only: read outside a forward
+                    hidden, ref_hidden = head_input(actor_critic.policy, hidden), head_input(reference.model, ref_hidden)
                     kls.append(layout.scatter(fused_full_kl(
                         hidden, head.weight.to(hidden.dtype), ref_hidden, ref_head.weight.to(ref_hidden.dtype),
                         temperature, bias=None if bias is None else bias.to(hidden.dtype),
