@@ -228,6 +228,8 @@ class GRPOTrainer(PPOTrainer):
             for i, r in enumerate(self.rewards)]
         self.reward_func_names = [r.name for r in self.rewards]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        # each eval set tokenized (a stream read) once: the one the sample table already holds, the others on first use
+        self._eval_sets = [] if sample_table_set is None else [(sample_table_set, self.eval_prompts, self.eval_rows)]
         if sample_table_set is not eval_dataset:
             self.log(f"eval_dataset holds {len(eval_dataset)} datasets ({', '.join(map(str, eval_dataset))}); the "
                      f"sample table draws from the first, {first!r}")
@@ -305,7 +307,7 @@ class GRPOTrainer(PPOTrainer):
         if rows_per_batch % k:
             raise SettingsError(f"per_device_eval_batch_size ({rows_per_batch}) must be divisible by "
                                 f"num_generations_eval ({k}): an eval batch holds whole groups")
-        ids, rows = load_prompts(sets, self.config, self.tokenizer, "eval_dataset", self.log)
+        ids, rows = self._eval_prompts(sets)
         order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(self.config.seed)).tolist()
         start, batches = time.perf_counter(), []
         for first in range(0, len(order), rows_per_batch // k):
@@ -334,6 +336,15 @@ class GRPOTrainer(PPOTrainer):
         self._log_state(metrics)
         self.control = self.callback_handler.on_evaluate(self.config, self.state, self.control, metrics=metrics)
         return metrics
+
+    def _eval_prompts(self, data):
+        """An eval set's (prompt ids, rows), tokenized once per set the trainer was given or evaluate() was passed."""
+        for held, ids, rows in self._eval_sets:
+            if held is data:
+                return ids, rows
+        ids, rows = load_prompts(data, self.config, self.tokenizer, "eval_dataset", self.log)
+        self._eval_sets.append((data, ids, rows))
+        return ids, rows
 
     def _scheduled_evaluation(self) -> None:
         """transformers' eval_strategy (eval_steps, eval_on_start): TRL's evaluation, when there is an eval set."""

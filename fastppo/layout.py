@@ -21,7 +21,7 @@ from fastppo.kernels import fused_token_logprobs
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, _cache_keyword
 
 __all__ = ["Layout", "backbone_and_head", "cache_keyword", "causal_lm_of", "decoder_hidden", "gathered",
-           "head_input", "lm_head_of", "lm_of", "make_layout", "make_shared_layout", "shared_mask_kind",
+           "four_d_mask", "head_input", "lm_head_of", "lm_of", "make_layout", "make_shared_layout", "shared_mask_kind",
            "token_logprobs_from_hidden"]
 
 
@@ -204,6 +204,17 @@ def shared_mask_kind(model: nn.Module) -> str | None:
     return {"sdpa": "bool", "eager": "additive"}.get(getattr(causal_lm_of(model).config, "_attn_implementation", None))
 
 
+def four_d_mask(allowed: torch.Tensor, mask_kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A boolean 4-D attention mask (True: attend) as ``mask_kind``'s attention reads it: itself for sdpa ("bool"),
+    0 or the dtype's lowest value for eager attention ("additive"), as transformers builds each."""
+    if mask_kind == "bool":
+        return allowed
+    if mask_kind == "additive":
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min)
+    raise ValueError(f"no 4-D attention mask for attention {mask_kind!r}")
+
+
 def make_shared_layout(query_responses: torch.Tensor, context_length: int, query_lengths: list[int],
                        response_lengths: list[int], group_size: int, mask_kind: str,
                        dtype: torch.dtype = torch.float32) -> Layout:
@@ -255,12 +266,7 @@ def make_shared_layout(query_responses: torch.Tensor, context_length: int, query
     prompt_key = (segment == -1)[:, None, :]
     real_query = (segment != -2)[:, :, None]
     allowed = (real_query & causal & (same | prompt_key)) | (~real_query & torch.eye(length, dtype=torch.bool))
-    if mask_kind == "bool":
-        mask = allowed[:, None]
-    elif mask_kind == "additive":
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
-    else:
-        raise ValueError(f"make_shared_layout: no shared-prompt mask for attention {mask_kind!r}")
+    mask = four_d_mask(allowed[:, None], mask_kind, dtype)
     rows, cols = [], []
     for i, rl in enumerate(response_lengths):
         rows.append(torch.full((rl,), i))

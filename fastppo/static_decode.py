@@ -50,7 +50,7 @@ import torch
 from transformers import StaticCache
 
 from fastppo.errors import SettingsError
-from fastppo.layout import cache_keyword, causal_lm_of
+from fastppo.layout import cache_keyword, causal_lm_of, four_d_mask, shared_mask_kind
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,8 @@ class GraphedStep:
         # the graph: sdpa reads a boolean one (True: attend), eager attention adds a float one (0 or the dtype's
         # lowest), as transformers builds each; the one query attends to every column the 2-D mask keeps (later
         # columns are still 0 there). Other attention implementations get the 2-D mask.
-        self._mask_kind = {"sdpa": "bool", "eager": "additive"}.get(
-            getattr(lm.config, "_attn_implementation", None), "2d")
+        self._mask_kind = shared_mask_kind(lm) or "2d"
+        self._mask_dtype = next(lm.parameters()).dtype
         self.mask = self._shaped(attention_mask).clone()
         self.cache_position = (torch.zeros(1, dtype=torch.long, device=input_ids.device)
                                if "cache_position" in _forward_parameters(lm) else None)
@@ -133,12 +133,9 @@ class GraphedStep:
         self.capture_error: str | None = None
 
     def _shaped(self, mask2d: torch.Tensor) -> torch.Tensor:
-        if self._mask_kind == "bool":
-            return mask2d.bool()[:, None, None, :]
-        if self._mask_kind == "additive":
-            dtype = next(self.lm.parameters()).dtype
-            return torch.where(mask2d.bool(), 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]
-        return mask2d
+        if self._mask_kind == "2d":
+            return mask2d
+        return four_d_mask(mask2d.bool()[:, None, None, :], self._mask_kind, self._mask_dtype)
 
     def _load(self, input_ids, attention_mask, position_ids, cache_position: int) -> None:
         self.input_ids.copy_(input_ids)
@@ -326,10 +323,7 @@ class StaticDecoder:
 
 def accepts_logits_to_keep(lm) -> bool:
     """Whether the model's forward takes ``logits_to_keep`` (a PEFT wrapper hands it to its base model)."""
-    try:
-        return "logits_to_keep" in inspect.signature(causal_lm_of(lm).forward).parameters
-    except (TypeError, ValueError):
-        return False
+    return "logits_to_keep" in _forward_parameters(lm)
 
 
 def why_not_static(lm) -> str | None:
