@@ -393,3 +393,38 @@ def test_new_surrogates_with_an_overflowing_ratio_in_both_paths(options, autocas
         assert torch.isfinite(got).all() and torch.isfinite(want).all()
         scale = max(1.0, want.abs().max().item())
         torch.testing.assert_close(got, want, rtol=tol["rtol"], atol=tol["atol"] * scale)
+
+
+def test_rloo_summed_sequence_ratio_in_float64_any_layout_masked_and_overflowing():
+    """importance_sampling_level "sequence_sum" (TRL 1.16 RLOOTrainer's ratio): per row ρ = exp(Σ over its real
+    tokens of logp − old), −min(ρ·A, clip(ρ)·A) on every real token; against that formula in float64 with
+    transposed (strided) inputs, masked tokens whose old log-probs are inf, and a row whose ratio overflows."""
+    from fastppo.kernels import clipped_surrogate
+
+    gen = torch.Generator().manual_seed(11)
+    b, t = 5, 7
+    new = (-torch.rand(t, b, generator=gen, dtype=torch.float64) * 2).t().requires_grad_()  # strided [b, t]
+    old = (new.detach() + torch.randn(t, b, generator=gen, dtype=torch.float64).t() * 0.15).clone()
+    mask = torch.ones(b, t, dtype=torch.bool)
+    for row, n in enumerate([7, 4, 1, 6, 3]):
+        mask[row, n:] = False
+    old[~mask] = float("inf")  # never read
+    old[3, :6] = new.detach()[3, :6] - 150.0  # Σ log-ratio = 900: ρ overflows to inf even in float64
+    advantages = torch.tensor([1.5, -0.7, 0.4, 2.0, -1.1], dtype=torch.float64)[:, None].expand(b, t)
+    rows = torch.arange(b)[:, None].expand(b, t)
+    loss, ratio, _ = clipped_surrogate(new, old, advantages, 0.2, mask=mask, sequence_ids=rows, num_sequences=b,
+                                       importance_sampling_level="sequence_sum")
+    loss.sum().backward()
+    got_grad = new.grad.clone()
+    new.grad = None
+    log_ratio = torch.where(mask, new - torch.where(mask, old, 0.0), 0.0).sum(1, keepdim=True)
+    rho = log_ratio.exp()
+    want = torch.where(mask, -torch.min(rho * advantages, rho.clamp(0.8, 1.2) * advantages), 0.0)
+    finite = torch.isfinite(rho).squeeze(1)
+    torch.testing.assert_close(loss[finite], want[finite], rtol=1e-12, atol=1e-12)
+    assert torch.isinf(ratio[3, 0])  # the clipped branch: A > 0 capped at 1 + ε
+    torch.testing.assert_close(loss[3].detach(), -(1 + 0.2) * 2.0 * mask[3].double(), rtol=1e-12, atol=0)
+    want[finite].sum().backward()
+    torch.testing.assert_close(got_grad[finite], new.grad[finite], rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(got_grad).all() and (got_grad[3] == 0).all()  # no gradient through the clipped row
+    assert (got_grad[~mask] == 0).all() and (ratio[mask] == rho.expand(b, t)[mask]).all()
