@@ -7,7 +7,13 @@
     from fastppo.kernels import fused_token_logprobs, gae, ...  # the kernels, for other trainers
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# the settings' warnings also go to Python's logging (``fastppo.checks``), where TRL's go to its logger; a library
+# adds no handler of its own beyond this one, which keeps Python's last-resort handler from printing them twice
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = ["AutoModelForCausalLMWithValueHead", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer",
            "RLOOConfig", "RLOOTrainer", "create_reference_model"]

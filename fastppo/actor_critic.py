@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from fastppo.kernels import PPOPolicyLossOutput, fused_ppo_policy_loss
-from fastppo.layout import (Layout, backbone_and_head, decoder_hidden, head_input, lm_head_of, lm_of,
+from fastppo.layout import (Layout, backbone_and_head, decoder_hidden, head_input, head_precision, lm_head_of, lm_of,
                             token_logprobs_from_hidden)
 from fastppo.policy_terms import high_entropy_mask
 from fastppo.value_head import AutoModelForCausalLMWithValueHead
@@ -100,12 +100,14 @@ def fused_policy_loss(model, hidden, layout: Layout, temperature: float, old_log
         if normalizer is None:  # the policy term's divisor still counts every trained token, as TRL's
             options["normalizer"] = (mask != 0).sum().clamp(min=1).to(entropy.dtype)
         options["entropy_weights"] = kept / kept.sum().clamp(min=1)  # the bonus: a mean over the kept tokens
-    hidden = head_input(model, hidden)  # after the entropy pass above, which scales its own input
-    return fused_ppo_policy_loss(
-        hidden, head.weight.to(hidden.dtype), layout.targets, layout.pick(old_logprobs), layout.pick(advantages),
-        mask, cliprange, entropy_coef, temperature, bias=None if bias is None else bias.to(hidden.dtype),
-        **options,
-    )
+    # after the entropy pass above, which scales its own input
+    hidden, precision = head_precision(model, head_input(model, hidden))
+    with precision:
+        return fused_ppo_policy_loss(
+            hidden, head.weight.to(hidden.dtype), layout.targets, layout.pick(old_logprobs), layout.pick(advantages),
+            mask, cliprange, entropy_coef, temperature, bias=None if bias is None else bias.to(hidden.dtype),
+            **options,
+        )
 
 
 class Reference:

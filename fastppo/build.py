@@ -21,7 +21,7 @@ from fastppo.actor_critic import PolicyAndValue, Reference
 from fastppo.config import PPOConfig, Sizes
 from fastppo.loading import check_optimizer_covers
 from fastppo.rewards import RunningMoments
-from fastppo.train import AdaptiveKLController, FixedKLController, Learner
+from fastppo.train import AdaptiveEntropyController, AdaptiveKLController, FixedKLController, Learner
 from fastppo.zero import ZeRO
 
 __all__ = ["Runtime", "start_runtime", "build_learner", "default_optimizer", "default_scheduler"]
@@ -81,9 +81,10 @@ def default_optimizer(config: PPOConfig, actor_critic: nn.Module, device: torch.
 
 
 def default_scheduler(config: PPOConfig, sizes: Sizes, optimizer: torch.optim.Optimizer):
-    """transformers' scheduler over the PPO iterations (stepped once each), with the linear warmup asked for
-    (TRL 0.26 builds it when none is given: ``Trainer.create_scheduler``)."""
-    total = sizes.num_total_batches
+    """transformers' scheduler over the run's steps (``sizes.total_steps``: TRL PPO's iterations, TRL GRPO's
+    optimizer steps; stepped once each), with the linear warmup asked for (TRL builds it when none is given:
+    ``Trainer.create_scheduler``)."""
+    total = sizes.total_steps
     warmup = config.warmup_steps if config.warmup_steps >= 1 else (
         config.warmup_steps or getattr(config, "warmup_ratio", 0.0)) * total
     return get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(warmup),
@@ -118,7 +119,10 @@ def build_learner(config: PPOConfig, runtime: Runtime, policy: nn.Module, ref_mo
     kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
               else FixedKLController(config.kl_coef))
     moments = RunningMoments() if config.use_score_scaling else None
+    entropy_ctl = (AdaptiveEntropyController(config.entropy_coef, config.entropy_target, config.entropy_coef_delta,
+                                             config.entropy_coef_min, config.entropy_coef_max)
+                   if getattr(config, "use_adaptive_entropy", False) else None)  # GRPOConfig's field
     torch.manual_seed(config.seed + runtime.dist.rank * 100003)  # each process samples different responses
     shuffle = torch.Generator().manual_seed(config.seed + runtime.dist.rank)
     return Learner(actor_critic, model, reference, optimizer, lr_scheduler, kl_ctl, moments, shuffle,
-                   runtime.autocast, runtime.log, zero)
+                   runtime.autocast, runtime.log, zero, entropy_ctl)

@@ -119,9 +119,12 @@ def set_rng_state(state: dict, shuffle: torch.Generator) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def training_state(optimizer, lr_scheduler, kl_ctl, moments, state, zero, tag: str) -> dict:
+def training_state(optimizer, lr_scheduler, kl_ctl, moments, state, zero, tag: str, prompt_batches_drawn: int,
+                   entropy_ctl=None) -> dict:
     """``trainer_state.pt``'s contents: everything but the weights and RNG states a run needs to continue.
-    Under DeepSpeed its engine checkpoint (``deepspeed/<tag>``) holds each rank's optimizer partition."""
+    Under DeepSpeed its engine checkpoint (``deepspeed/<tag>``) holds each rank's optimizer partition.
+    ``prompt_batches_drawn``: the iterations run (global_step counts TRL GRPO's optimizer steps);
+    ``entropy_ctl``: TRL GRPO's adaptive entropy coefficient, where it is on."""
     return {
         "optimizer": optimizer.state_dict() if zero is None else None,
         "deepspeed": None if zero is None else {"zero_stage": zero.stage, "tag": tag},
@@ -129,12 +132,13 @@ def training_state(optimizer, lr_scheduler, kl_ctl, moments, state, zero, tag: s
         "kl_coef": kl_ctl.value,
         "moments": moments.state_dict() if moments is not None else None,
         "global_step": state.global_step, "episode": state.episode, "log_history": state.log_history,
-        "prompt_batches_drawn": state.global_step,
+        "prompt_batches_drawn": prompt_batches_drawn,
+        "entropy_ctl": None if entropy_ctl is None else entropy_ctl.state_dict(),
     }
 
 
 def restore_training_state(path: str, policy, value_model, optimizer, lr_scheduler, kl_ctl, moments, state, zero,
-                           shuffle: torch.Generator, rank: int) -> int:
+                           shuffle: torch.Generator, rank: int, entropy_ctl=None) -> int:
     """A checkpoint back into a built trainer's parts (weights, optimizer, schedule, β, score moments, counters,
     this rank's RNG states), exactly. Returns how many prompt batches the run had drawn (the caller replays
     its sampler that far)."""
@@ -163,6 +167,8 @@ def restore_training_state(path: str, policy, value_model, optimizer, lr_schedul
     kl_ctl.value = saved["kl_coef"]
     if moments is not None and saved["moments"] is not None:
         moments.load_state_dict(saved["moments"])
+    if entropy_ctl is not None and saved.get("entropy_ctl") is not None:
+        entropy_ctl.load_state_dict(saved["entropy_ctl"])
     state.global_step, state.episode = saved["global_step"], saved["episode"]
     state.log_history = list(saved["log_history"])
     set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), map_location="cpu", weights_only=False),

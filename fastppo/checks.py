@@ -179,10 +179,6 @@ def _check_policy_loss(c: PPOConfig) -> None:
             "wider one (DAPO's clip-higher); unset, it is epsilon")
     require(c.delta is None or (_is_finite(c.delta) and c.delta > 1),
             f"delta must be > 1 (it bounds the ratio above; 1 + epsilon_high or more to matter), got {c.delta!r}")
-    require(c.loss_type != "cispo" or c.epsilon_high > 1,
-            f"loss_type cispo caps the ratio at epsilon_high itself (ScaleRL's ε_max, 5.0 recommended; TRL GRPO's "
-            f"meaning), so epsilon_high must be > 1, got {c.epsilon_high} (unset, it is epsilon's value): every "
-            "on-policy token would be capped")
     for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
         value = getattr(c, name)
         require(_is_finite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value!r}")
@@ -393,6 +389,10 @@ def _policy_loss_notes(c: PPOConfig, defaults: PPOConfig) -> list[str]:
                      "it too)")
     if c.loss_type == "cispo" and c.epsilon != defaults.epsilon:
         notes.append("--epsilon has no effect with loss_type cispo (it caps the ratio above only, at epsilon_high)")
+    if c.loss_type == "cispo" and c.epsilon_high <= 1:
+        notes.append(f"loss_type cispo caps every ratio at epsilon_high = {c.epsilon_high} (unset, it is epsilon's "
+                     "value): at or below 1 every on-policy token is capped, which scales the gradient by it (TRL "
+                     "GRPO computes the same); CISPO's ε_max is above 1 (ScaleRL recommends 5.0)")
     if c.multi_objective_aggregation == "normalize_then_sum" and c.scale_rewards != defaults.scale_rewards:
         notes.append("--scale_rewards has no effect with multi_objective_aggregation normalize_then_sum (each reward "
                      "is scaled by its group's std, the sum by the batch's)")

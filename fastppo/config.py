@@ -24,7 +24,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from transformers import TrainingArguments
@@ -119,6 +119,10 @@ class PPOConfig(TrainingArguments):
     fastppo's own settings. Every ``transformers.TrainingArguments`` field is accepted; those PPO gives a
     meaning to are used, the others logged once as having no effect, and the few fastppo cannot honour
     (fp16, FSDP, pushing to the Hub, other optimizers) refused before anything loads."""
+
+    # what global_step, max_steps, logging/save/eval steps and the schedule count: TRL PPO's iterations (one per
+    # generation batch); GRPOConfig's are TRL GRPO's optimizer steps (Sizes.counts_optimizer_steps)
+    COUNTS_OPTIMIZER_STEPS: ClassVar[bool] = False
 
     # ------------------------------------------------------------ TRL 0.26 OnPolicyConfig: overridden defaults
     logging_steps: float = field(
@@ -626,6 +630,11 @@ class Sizes:
     sample_generations_freq: int  # iterations between sample tables (0: never)
     num_generations: int = 1  # completions per prompt, side by side in the rollout (a group never spans processes)
     local_prompts: int = 0  # prompts per process per iteration: local_batch_size / num_generations
+    # what global_step counts: iterations (TRL PPO: one per generation batch, steps_per_iteration 1), or optimizer
+    # steps (TRL GRPO: num_ppo_epochs × num_mini_batches per generation batch, the schedule stepped after each)
+    counts_optimizer_steps: bool = False
+    steps_per_iteration: int = 1
+    total_steps: int = 0  # where global_step ends: max_steps, or num_total_batches × steps_per_iteration
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -666,7 +675,15 @@ def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
         total_episodes = int(config.num_train_epochs * num_prompts * k)  # each prompt's k completions
     if total_episodes < 1 and config.max_steps <= 0:
         raise SettingsError(f"total_episodes must be >= 1, got {total_episodes}")
-    num_total_batches = config.max_steps if config.max_steps > 0 else math.ceil(total_episodes / batch_size)
+    # TRL GRPO counts optimizer steps (config.COUNTS_OPTIMIZER_STEPS): max_steps of them may end inside the last
+    # generation batch's update, which then runs only the steps left
+    counted = config.COUNTS_OPTIMIZER_STEPS
+    per_iteration = config.num_ppo_epochs * config.num_mini_batches if counted else 1
+    if config.max_steps > 0:
+        total_steps, num_total_batches = config.max_steps, math.ceil(config.max_steps / per_iteration)
+    else:
+        num_total_batches = math.ceil(total_episodes / batch_size)
+        total_steps = num_total_batches * per_iteration
     freq = max(1, num_total_batches // config.num_sample_generations) if config.num_sample_generations > 0 else 0
     return Sizes(
         world_size=world_size,
@@ -681,6 +698,9 @@ def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
         sample_generations_freq=freq,
         num_generations=k,
         local_prompts=local_prompts,
+        counts_optimizer_steps=counted,
+        steps_per_iteration=per_iteration,
+        total_steps=total_steps,
     )
 
 

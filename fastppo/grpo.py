@@ -7,14 +7,16 @@ import changed (``from fastppo import GRPOConfig, GRPOTrainer``).
 group are PPOConfig's own for grpo) and the fields of TRL's that PPOConfig lacks (``TRL_ONLY``), each with TRL's
 default. ``GRPOTrainer`` is ``PPOTrainer`` under TRL GRPO's constructor: one loop and one copy of the math.
 
-TRL's batch arithmetic maps onto PPO's exactly when a generation batch is one optimizer step: each process samples
-``per_device_train_batch_size × gradient_accumulation_steps`` completions (``num_generations`` per prompt) and
-takes one optimizer step over them, so TRL's ``global_step``, ``max_steps``, ``logging_steps``, ``save_steps`` and
-learning-rate schedule, which count optimizer steps, count fastppo's iterations. ``steps_per_generation`` other
-than ``gradient_accumulation_steps`` and ``num_iterations`` > 1 (several optimizer steps per generation) are
-refused until the loop counts optimizer steps; ``PPOConfig(advantage_estimator="grpo", num_mini_batches=...,
-num_ppo_epochs=...)`` runs them with PPO's step counting. Every other TRL field fastppo cannot honour is refused
-by name when it is set, with the reason (``TRL_ONLY``'s notes), never silently ignored.
+TRL's batch arithmetic in PPO's terms: each process samples ``per_device_train_batch_size × steps_per_generation``
+completions (``num_generations`` per prompt), shuffles them once, and takes ``num_iterations`` passes
+(``num_ppo_epochs``) of ``steps_per_generation / gradient_accumulation_steps`` optimizer steps (``num_mini_batches``)
+over the same minibatches. ``global_step``, ``max_steps``, ``logging_steps``, ``save_steps``, ``eval_steps`` and the
+learning-rate schedule count optimizer steps, as TRL's (``GRPOConfig.COUNTS_OPTIMIZER_STEPS``); the callbacks'
+``on_step_end`` runs once per optimizer step, after the generation batch's update, and a save, evaluation or
+stop any of its steps asks for happens at the batch's end. A ``steps_per_generation`` that is not a multiple of
+``gradient_accumulation_steps`` (a generation batch ending inside an optimizer step) is refused. Every other TRL
+field fastppo cannot honour is refused by name when it is set, with the reason (``TRL_ONLY``'s notes), never
+silently ignored.
 """
 from __future__ import annotations
 
@@ -57,17 +59,17 @@ TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
     "cache_implementation": (str | None, None, "compiled_decode picks the static cache itself"),
     "use_vllm": (bool, False, "vLLM is not used; fastppo's compiled decode (compiled_decode) is its fast sampler"),
     "sync_ref_model": (bool, False, ""),
-    "use_adaptive_entropy": (bool, False, "the adaptive entropy coefficient is not implemented; set entropy_coef"),
+    "use_adaptive_entropy": (bool, False, ""),
     "max_tool_calling_iterations": (int | None, None, "tools and multi-turn episodes are not implemented yet"),
     "log_completions": (bool, False, "the sample table is num_sample_generations' (and samples.jsonl)"),
     "log_completions_hub_repo": (str | None, None, "nothing is pushed to the Hub"),
     "use_transformers_paged": (bool, False, "fastppo samples with its own decode loop"),
     "use_transformers_continuous_batching": (bool, False, "fastppo samples with its own decode loop"),
     "transformers_continuous_batching_config": (dict | str | None, None, "fastppo samples with its own decode loop"),
-    "cast_lm_head_to_fp32": (bool, False, "the fused LM head computes in fp32 already (its logits never exist)"),
+    "cast_lm_head_to_fp32": (bool, False, ""),
 }
-# read by TRL only with a setting above on (vLLM, reference syncing, adaptive entropy, the completions log): kept
-# with TRL's defaults so that a script that sets them runs; they act when their switch does, which is refused
+# read by TRL only with a setting above on (vLLM, the completions log): kept with TRL's defaults so that a script
+# that sets them runs; they act when their switch does, which is refused
 INERT = {
     "vllm_mode": (str, "colocate"), "vllm_model_impl": (str, "vllm"), "vllm_enable_sleep_mode": (bool, False),
     "vllm_structured_outputs_regex": (str | None, None), "vllm_server_base_url": (str | None, None),
@@ -76,12 +78,15 @@ INERT = {
     "vllm_max_model_length": (int | None, None), "vllm_tensor_parallel_size": (int, 1),
     "vllm_importance_sampling_correction": (bool, True), "vllm_importance_sampling_mode": (str, "sequence_mask"),
     "vllm_importance_sampling_clip_max": (float | None, 3.0), "vllm_importance_sampling_clip_min": (float | None, None),
-    "vllm_importance_sampling_cap": (float | None, None), "entropy_coef_min": (float, 0.0), "entropy_coef_max": (float, 1.0),
-    "entropy_coef_delta": (float, 0.005), "entropy_target": (float, 0.2), "log_multimodal": (bool, True),
+    "vllm_importance_sampling_cap": (float | None, None), "log_multimodal": (bool, True),
     "num_completions_to_print": (int | None, None), "log_unique_prompts": (bool, False),
 }
 # TRL 1.16 GRPOConfig's settings of its reference syncing (TR-DPO), read by SyncReference
 SYNC_SETTINGS = {"ref_model_mixup_alpha": (float, 0.6), "ref_model_sync_steps": (int, 512)}
+# TRL 1.16 GRPOConfig's settings of its adaptive entropy coefficient (use_adaptive_entropy), read by
+# train.AdaptiveEntropyController
+ADAPTIVE_ENTROPY_SETTINGS = {"entropy_coef_min": (float, 0.0), "entropy_coef_max": (float, 1.0),
+                             "entropy_coef_delta": (float, 0.005), "entropy_target": (float, 0.2)}
 # TRL 1.16 GRPOConfig's defaults where PPOConfig's differ
 GRPO_DEFAULTS = {
     "advantage_estimator": (str, "grpo"), "learning_rate": (float, 1e-6), "num_generations": (int | None, 8),
@@ -106,15 +111,40 @@ GRPOConfig = dataclasses.make_dataclass(
     [(name, *_field(kind, Untouched.of(default) if name in ALIASES else default))
      for name, (kind, default) in GRPO_DEFAULTS.items()]
     + [(name, *_field(kind, default, note)) for name, (kind, default, note) in TRL_ONLY.items()]
-    + [(name, *_field(kind, default)) for name, (kind, default) in {**INERT, **SYNC_SETTINGS}.items()]
+    + [(name, *_field(kind, default)) for name, (kind, default) in {**INERT, **SYNC_SETTINGS, **ADAPTIVE_ENTROPY_SETTINGS}.items()]
     + [STOP_AT_EOS],
     bases=(PPOConfig,),
     namespace={"__doc__": "TRL 1.16's GRPOConfig: PPOConfig with TRL GRPO's defaults and fields (fastppo.grpo).",
                # transformers' evaluation settings, which GRPOTrainer.evaluate honours (PPO reports them as unused)
                "HONOURED_TRAINING_ARGS": ("eval_strategy", "eval_steps", "eval_on_start", "eval_delay",
-                                          "per_device_eval_batch_size")},
+                                          "per_device_eval_batch_size"),
+               # global_step, max_steps, logging/save/eval steps and the schedule count optimizer steps, as TRL's
+               "COUNTS_OPTIMIZER_STEPS": True,
+               "__post_init__": lambda self: _grpo_post_init(self)},
 )
 GRPOConfig.__module__ = __name__
+
+
+def _grpo_post_init(args) -> None:
+    """PPOConfig's, then TRL GRPOConfig's generation batch: ``steps_per_generation`` and ``generation_batch_size``
+    filled from each other (unset both: gradient_accumulation_steps micro-batches), as TRL fills them."""
+    PPOConfig.__post_init__(args)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    global_batch = args.per_device_train_batch_size * processes
+    if (args.generation_batch_size is not None and args.steps_per_generation is not None
+            and args.generation_batch_size != global_batch * args.steps_per_generation):  # (a copy's agree)
+        raise SettingsError(f"'generation_batch_size' ({args.generation_batch_size}) and 'steps_per_generation' "
+                            f"({args.steps_per_generation}) can not be both configured at the same time (TRL GRPO's "
+                            "rule): set one")
+    if args.generation_batch_size is None:
+        if args.steps_per_generation is None:
+            args.steps_per_generation = args.gradient_accumulation_steps
+        args.generation_batch_size = global_batch * args.steps_per_generation
+    else:
+        if args.generation_batch_size % global_batch:
+            raise SettingsError(f"generation_batch_size ({args.generation_batch_size}) must be divisible by the global "
+                                f"batch size (per_device_train_batch_size × processes = {global_batch})")
+        args.steps_per_generation = args.generation_batch_size // global_batch
 
 
 class SyncReference(TrainerCallback):
@@ -139,26 +169,35 @@ def check_grpo_settings(args) -> None:
     for name, (_, default, note) in TRL_ONLY.items():
         if note and getattr(args, name) != default:
             raise SettingsError(f"{name}={getattr(args, name)!r}: not supported ({note})")
-    accumulation = args.gradient_accumulation_steps
-    if args.steps_per_generation is not None and args.steps_per_generation != accumulation:
-        raise SettingsError(f"steps_per_generation={args.steps_per_generation} with gradient_accumulation_steps="
-                            f"{accumulation}: GRPOTrainer takes one optimizer step per generation batch for now "
-                            "(steps_per_generation = gradient_accumulation_steps); for several, use PPOConfig("
-                            "advantage_estimator='grpo', gradient_accumulation_steps=steps_per_generation, "
-                            "num_mini_batches=steps_per_generation // gradient_accumulation_steps)")
-    if args.num_iterations != 1:
-        raise SettingsError(f"num_iterations={args.num_iterations}: GRPOTrainer counts one optimizer step per "
-                            "generation batch for now; for several passes over it use PPOConfig(advantage_estimator="
-                            "'grpo', num_iterations=...), whose global_step counts generation batches")
+    accumulation, per_generation = args.gradient_accumulation_steps, args.steps_per_generation
+    if not isinstance(per_generation, int) or per_generation < 1 or per_generation % accumulation:
+        raise SettingsError(f"steps_per_generation={per_generation!r} (generation_batch_size "
+                            f"{args.generation_batch_size}) with gradient_accumulation_steps={accumulation}: fastppo's "
+                            "GRPOTrainer takes whole optimizer steps from each generation batch (it logs, saves and "
+                            "evaluates between them), so steps_per_generation must be a multiple of "
+                            "gradient_accumulation_steps")
+    if args.num_mini_batches not in (1, per_generation // accumulation):
+        raise SettingsError(f"num_mini_batches={args.num_mini_batches} is PPOConfig's: with GRPOConfig, set "
+                            "steps_per_generation (num_mini_batches = steps_per_generation / "
+                            "gradient_accumulation_steps optimizer steps per generation batch and iteration)")
+    # TRL GRPO's loop in PPO's terms: each generation batch is num_iterations passes (num_ppo_epochs) of
+    # steps_per_generation / gradient_accumulation_steps optimizer steps (num_mini_batches)
+    args.num_mini_batches = per_generation // accumulation
+    if args.use_adaptive_entropy:
+        values = {name: getattr(args, name) for name in ("entropy_coef", *ADAPTIVE_ENTROPY_SETTINGS)}
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values.values()) or \
+                args.entropy_coef_delta < 0 or args.entropy_coef_min > args.entropy_coef_max:
+            raise SettingsError(f"use_adaptive_entropy: {values} must be finite numbers, entropy_coef_delta >= 0 and "
+                                "entropy_coef_min <= entropy_coef_max")
     if args.num_generations_eval is not None and (not isinstance(args.num_generations_eval, int)
                                                   or args.num_generations_eval < 1):
         raise SettingsError(f"num_generations_eval must be an integer >= 1, got {args.num_generations_eval!r}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    batch = args.per_device_train_batch_size * accumulation * world
-    if args.generation_batch_size is not None and args.generation_batch_size != batch:
-        raise SettingsError(f"generation_batch_size={args.generation_batch_size}: one optimizer step per generation "
-                            f"batch makes it per_device_train_batch_size × gradient_accumulation_steps × processes "
-                            f"= {batch}; leave it unset")
+    batch = args.per_device_train_batch_size * per_generation * world
+    if args.generation_batch_size != batch:  # the config was made for another number of processes, or edited
+        raise SettingsError(f"generation_batch_size={args.generation_batch_size} is not per_device_train_batch_size "
+                            f"× steps_per_generation × processes = {batch} on these {world} process(es); set one of "
+                            "generation_batch_size and steps_per_generation, in the config made for this run")
 
 
 class GRPOTrainer(PPOTrainer):
@@ -272,6 +311,11 @@ class GRPOTrainer(PPOTrainer):
         keep = off_policy_keep((per_token_logps.detach() - sampling_per_token_logps).nan_to_num(0.0),
                                advantages.expand(b, t), mask != 0, rows, b, off_policy_threshold)
         return keep[:, :1].to(mask.dtype)
+
+    @property
+    def entropy_coef(self) -> float:
+        """TRL GRPO's attribute: the entropy bonus's coefficient now (``use_adaptive_entropy``: the controller's)."""
+        return self.entropy_ctl.value if self.entropy_ctl is not None else self.config.entropy_coef
 
     @staticmethod
     def _engine_config(args):

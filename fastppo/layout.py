@@ -101,13 +101,27 @@ def head_input(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
+# set on an LM head by loading.cast_lm_head_to_fp32 (TRL GRPO's cast_lm_head_to_fp32)
+FP32_HEAD = "fastppo_fp32_logits"
+
+
+def head_precision(model: nn.Module, hidden: torch.Tensor):
+    """``hidden`` as the LM head multiplies it, and the autocast context to multiply it in: a head cast to fp32
+    (``FP32_HEAD``) multiplies fp32 operands with autocast off, as TRL's cast head does; any other, ``hidden``
+    as it is under the caller's autocast (the kernels' compute-dtype rule)."""
+    if getattr(lm_head_of(model), FP32_HEAD, False):
+        return hidden.float(), torch.autocast(hidden.device.type, enabled=False)
+    return hidden, contextlib.nullcontext()
+
+
 def token_logprobs_from_hidden(model, hidden, targets, temperature: float, return_entropy: bool):
     """Log-probs (and entropies) of ``targets`` from the decoder's hidden states through the LM head (its
-    ``head_input`` scaling applied here), fused: the ``[tokens, vocab]`` logits never exist."""
-    hidden = head_input(model, hidden)
+    ``head_input`` scaling and ``head_precision`` applied here), fused: the ``[tokens, vocab]`` logits never
+    exist."""
+    hidden, precision = head_precision(model, head_input(model, hidden))
     head = lm_head_of(model)
     bias = getattr(head, "bias", None)
-    with gathered(head.weight, bias):  # the reference's head under ZeRO-3; a no-op otherwise
+    with gathered(head.weight, bias), precision:  # the reference's head under ZeRO-3; a no-op otherwise
         return fused_token_logprobs(
             hidden,
             head.weight.to(hidden.dtype),

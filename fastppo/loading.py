@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import types
 from collections.abc import Callable
 
 import torch
@@ -21,8 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from fastppo.config import given_name
 from fastppo.errors import LoadError, SettingsError
-from fastppo.layout import (backbone_and_head, causal_lm_of, decoder_hidden, lm_head_of, lm_of, make_layout,
-                            reads_last_token, token_logprobs_from_hidden)
+from fastppo.layout import (FP32_HEAD, backbone_and_head, causal_lm_of, decoder_hidden, lm_head_of, lm_of,
+                            make_layout, reads_last_token, token_logprobs_from_hidden)
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, enable_checkpointing
 
 __all__ = ["DTYPES", "POSITION_LIMIT_FIELDS", "apply_liger", "apply_peft", "build_models", "check_lm_head",
@@ -362,6 +363,10 @@ def prepare_models(policy, ref_model, value_model, reward_models, tokenizer, con
             apply_liger([m for m in (policy, value_model) if m is not None], log)
         else:
             log("use_liger_kernel: Liger-Kernel's Triton kernels need a CUDA device; ignored on CPU")
+    if getattr(config, "cast_lm_head_to_fp32", False):  # GRPOConfig's (TRL GRPO's): the policy's and reference's
+        for model in (policy, ref_model):
+            if model is not None:
+                cast_lm_head_to_fp32(model)
     for model in (policy, ref_model, value_model, *reward_models):
         if model is not None:
             disable_dropout(model)
@@ -381,6 +386,34 @@ def prepare_models(policy, ref_model, value_model, reward_models, tokenizer, con
                                                             else packed_rewards))):
             if model is not None:
                 check_packing(model, device, what)
+
+
+def cast_lm_head_to_fp32(model: nn.Module) -> None:
+    """TRL GRPO's ``cast_lm_head_to_fp32``: the LM head's weights become fp32 (a tied input embedding with them; its
+    output keeps the model's dtype) and its logits are computed from fp32 operands with autocast off: in the
+    sampler's forward (the head's own ``forward``) and in the fused head (``layout.FP32_HEAD``, read by
+    ``layout.head_precision``)."""
+    lm = causal_lm_of(model)
+    head = lm_head_of(model)
+    if hasattr(head, "base_layer"):  # a PEFT adapter on the head
+        raise SettingsError("cast_lm_head_to_fp32=True is not supported when the lm_head carries a PEFT adapter "
+                            "(target_modules includes lm_head): remove lm_head from the adapter's target modules, "
+                            "or set cast_lm_head_to_fp32=False")
+    if getattr(head, FP32_HEAD, False):
+        return
+    original = head.weight.dtype
+    head.float()
+    head.forward = types.MethodType(_fp32_logits, head)  # bound: a deep copy (the reference) reads its own weights
+    setattr(head, FP32_HEAD, True)
+    embeddings = lm.get_input_embeddings()
+    if original != torch.float32 and embeddings is not None and embeddings.weight is head.weight:
+        embeddings.register_forward_hook(lambda module, args, output: output.to(original))
+
+
+def _fp32_logits(head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        return nn.functional.linear(hidden_states.float(), head.weight.float(),
+                                    None if head.bias is None else head.bias.float())
 
 
 # ============================================================================ checks of the loaded models

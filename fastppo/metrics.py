@@ -20,6 +20,7 @@ STAT_NAMES = (
     "advantages_mean", "returns_mean", "returns_var", "vpred_mean", "vf_error", "values_mean", "values_var",
     "ratio_skipped", "kl_loss", "clip_low", "clip_high", "clip_region", "kl_token_sum", "entropy_token_sum",
     "tokens", "clip_low_sum", "clip_high_sum", "clip_region_sum", "clip_units", "loss", "policy_loss",
+    "bonus_entropy_sum", "bonus_tokens",
 )
 # Per micro-step sums and their counts, all-reduced slot by slot: TRL GRPO's metrics are, for each micro-step, a mean
 # over every process's trained tokens (rows, for the clip fractions under GSPO), then averaged over the micro-steps
@@ -69,7 +70,7 @@ KL_IN_LOSS_METRIC = "kl"
 def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int, critic: bool = True,
                    kl: bool = True, kl_in_loss: bool = False,
                    reward_columns: dict[str, torch.Tensor] | None = None, kl_in_reward: bool = False,
-                   entropy_coef: float = 0.0) -> dict[str, float]:
+                   entropy_coef: float | None = None) -> dict[str, float]:
     """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration (two more
     for the rewards' moments).
 
@@ -79,8 +80,8 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     the loss by. ``reward_columns``: each reward's scores (NaN where it did not judge), logged as TRL GRPO's
     ``rewards/<name>/mean`` and ``/std`` over the completions it judged on every process (``reward_moments``).
     ``kl_in_reward``: + TRL RLOO's ``kl``, the reward's per-token KL (π_θ_old against π_ref) as a token mean over
-    every process. ``entropy_coef`` ≠ 0 (critic-free): + TRL GRPO's ``policy_loss`` (the loss before the entropy
-    bonus) and ``entropy_coef``, which TRL logs when its bonus is on."""
+    every process. ``entropy_coef`` not None (critic-free, the bonus on: a coefficient ≠ 0, or the adaptive one):
+    + TRL GRPO's ``policy_loss`` (the loss before the entropy bonus) and ``entropy_coef``, as TRL logs them."""
     stats = result.stats.flatten(1)  # [S, n]
     ran = torch.isfinite(stats)
     counts = ran.sum(1).float()
@@ -132,7 +133,7 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     if not critic:  # TRL GRPO's entropy and loss (a critic-free run logs TRL GRPO's names)
         metrics["entropy"] = _global_mean(by_slot, "entropy")
         metrics["loss"] = mean["loss"]  # each optimizer step's loss as minimised, averaged
-        if entropy_coef:
+        if entropy_coef is not None:
             metrics["policy_loss"], metrics["entropy_coef"] = mean["policy_loss"], entropy_coef
     for name, (mean_r, std_r) in zip(columns, reward_moments(list(columns.values()))):
         metrics[f"rewards/{name}/mean"] = mean_r

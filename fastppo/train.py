@@ -48,7 +48,8 @@ from fastppo.metrics import (STAT, STAT_NAMES, UpdateResult, completion_metrics,
                              objective_sums)
 from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, policy_loss_weights, reads_whole_sequences,
                                   surrogate_options)
-from fastppo.layout import gathered, head_input, lm_head_of, make_layout, make_shared_layout, shared_mask_kind
+from fastppo.layout import (gathered, head_input, head_precision, lm_head_of, make_layout, make_shared_layout,
+                            shared_mask_kind)
 from fastppo.rewards import transform_scores
 
 # ============================================================================ 1. rollout
@@ -230,8 +231,10 @@ def compute_experience(actor_critic, reference, rollout: Rollout, temperature: f
                 ref_hidden, ref_head = ref_state
                 head = lm_head_of(actor_critic.policy)
                 bias, ref_bias = getattr(head, "bias", None), getattr(ref_head, "bias", None)
-                with gathered(head.weight, bias, ref_head.weight, ref_bias):  # ZeRO-3 only: read outside a forward
-                    hidden, ref_hidden = head_input(actor_critic.policy, hidden), head_input(reference.model, ref_hidden)
+                hidden, precision = head_precision(actor_critic.policy, head_input(actor_critic.policy, hidden))
+                ref_hidden, ref_precision = head_precision(reference.model, head_input(reference.model, ref_hidden))
+                # ZeRO-3 only: read outside a forward
+                with gathered(head.weight, bias, ref_head.weight, ref_bias), precision, ref_precision:
                     kls.append(layout.scatter(fused_full_kl(
                         hidden, head.weight.to(hidden.dtype), ref_hidden, ref_head.weight.to(ref_hidden.dtype),
                         temperature, bias=None if bias is None else bias.to(hidden.dtype),
@@ -272,6 +275,31 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+
+class AdaptiveEntropyController:
+    """TRL GRPO's adaptive entropy coefficient (``use_adaptive_entropy``): each optimizer step applies c_H while the
+    previous step's entropy H (every process's trained tokens, the bonus's mask) is at most ``target``, else 0 (no
+    step before the first measurement); after the step, c_H ← min(c_H + δ, c_max) where H ≤ target, else
+    max(c_H − δ, c_min)."""
+
+    def __init__(self, coef: float, target: float, delta: float, minimum: float, maximum: float):
+        self.value, self.target, self.delta, self.minimum, self.maximum = coef, target, delta, minimum, maximum
+        self.last_entropy = math.inf
+
+    def applied(self) -> float:
+        return self.value if self.last_entropy <= self.target else 0.0
+
+    def update(self, entropy: float) -> None:
+        self.value = (min(self.value + self.delta, self.maximum) if entropy <= self.target
+                      else max(self.value - self.delta, self.minimum))
+        self.last_entropy = entropy
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.last_entropy = state["value"], state["last_entropy"]
 
 
 @dataclass(frozen=True)
@@ -550,6 +578,9 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
         real = mask != 0
         stats[STAT["tokens"]] = real.sum()
         stats[STAT["entropy_token_sum"]] = torch.where(real, entropy.detach(), 0.0).sum()
+        bonus_tokens = policy_mask != 0  # the tokens the entropy bonus reads (the adaptive coefficient's)
+        stats[STAT["bonus_entropy_sum"]] = torch.where(bonus_tokens, entropy.detach(), 0.0).sum()
+        stats[STAT["bonus_tokens"]] = bonus_tokens.sum()
         if importance_sampling_level != "token":  # one ratio per row: a row is clipped or not (none without a token)
             first = real.float().argmax(1, keepdim=True)
             sides = [c.gather(1, first).squeeze(1) & real.any(1) for c in (clip_low, clip_high, clip_low | clip_high)]
@@ -586,8 +617,16 @@ def step_token_weights(micro: list[list[int]], loss_mask: torch.Tensor, loss_typ
 
 def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targets: Targets, config: PPOConfig,
                sizes: Sizes, generator: torch.Generator, autocast: Callable = contextlib.nullcontext,
-               log: Callable[[str], None] = print, zero=None, train: bool = True) -> UpdateResult:
+               log: Callable[[str], None] = print, zero=None, train: bool = True, max_steps: int | None = None,
+               entropy_ctl: AdaptiveEntropyController | None = None,
+               after_step: Callable[[], None] | None = None) -> UpdateResult:
     """Step 5: num_ppo_epochs × num_mini_batches optimizer steps, each over micro_steps micro-batches.
+
+    ``max_steps``: stop after this many (the run's last steps, where TRL GRPO's max_steps ends inside a generation
+    batch); ``entropy_ctl``: TRL GRPO's adaptive entropy coefficient, read before each step and moved after it;
+    ``after_step``: called after each optimizer step (TRL GRPO's schedule, stepped per optimizer step). Where
+    ``sizes.counts_optimizer_steps`` (TRL GRPO's loop), the rows are shuffled once and every epoch walks the same
+    minibatches in the same order, as TRL's buffered generation batch is revisited.
 
     ``train=False`` (an evaluation, under the caller's ``torch.no_grad``): one epoch of the same forwards and
     losses with the model in eval mode, and no backward or step: the stats are the loss and metrics at θ_old
@@ -628,10 +667,20 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     whole_sequences = reads_whole_sequences(config)  # the fused loss then takes the completions' lengths
     clip = surrogate_options(config)
     epochs_run = config.num_ppo_epochs if train else 1
+    steps_left = math.inf if max_steps is None or not train else max_steps
     model.train(train)
+    order = None
     for epoch in range(epochs_run):
-        order = torch.randperm(sizes.local_batch_size, generator=generator).tolist()
+        if steps_left <= 0:
+            epochs_run = epoch
+            break
+        if order is None or not sizes.counts_optimizer_steps:
+            order = torch.randperm(sizes.local_batch_size, generator=generator).tolist()
         for mb, micro in enumerate(micro_batches(order, sizes, total_lengths, config.group_by_length)):
+            if steps_left <= 0:
+                break
+            steps_left -= 1
+            entropy_coef = config.entropy_coef if entropy_ctl is None else entropy_ctl.applied()
             step_weights = None
             if budget is not None:  # the step's loss stays the row-count micro-batches' (step_token_weights)
                 step_weights = step_token_weights(micro, loss_mask, config.loss_type, config.response_length,
@@ -657,7 +706,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 if fused:
                     policy_loss = dict(
                         old_logprobs=old_logprobs, advantages=advantages, mask=mask, cliprange=config.cliprange,
-                        entropy_coef=config.entropy_coef, token_weights=token_weights, normalizer=normalizer,
+                        entropy_coef=entropy_coef, token_weights=token_weights, normalizer=normalizer,
                         entropy_weights=mean_weights, importance_sampling_level=config.importance_sampling_level,
                         sequence_lengths=[rollout.response_lengths[r] for r in rows] if whole_sequences else None,
                         top_entropy_quantile=config.top_entropy_quantile,
@@ -674,7 +723,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                     loss, stats[:, epoch, mb, k] = ppo_losses(
                         out.logprobs, out.values, out.entropy, old_logprobs, old_values, advantages, returns, mask,
                         cliprange=config.cliprange, cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
-                        entropy_coef=config.entropy_coef, ratio_threshold=config.ratio_threshold,
+                        entropy_coef=entropy_coef, ratio_threshold=config.ratio_threshold,
                         fused_policy_loss=out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
                         kl_loss_type=config.kl_loss_type, bias_correction_kl=config.use_bias_correction_kl,
                         importance_sampling_level=config.importance_sampling_level, token_weights=token_weights,
@@ -697,11 +746,17 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         (loss / accumulation).backward()
             if not train:
                 continue
+            if entropy_ctl is not None:  # the step's entropy over every process's bonus tokens
+                window = stats[[STAT["bonus_entropy_sum"], STAT["bonus_tokens"]], epoch, mb].nansum(1)
+                fdist.all_reduce(window)
+                entropy_ctl.update((window[0] / window[1].clamp(min=1.0)).item())
             if zero is not None:
                 if zero.step():
                     skipped += 1.0
                     log(f"non-finite loss or gradient at PPO epoch {epoch}, minibatch {mb}: "
                         "step skipped, weights unchanged")
+                if after_step is not None:
+                    after_step()
                 continue
             if math.isinf(max_norm):  # no clipping: the norm only for the finite check (no scaling pass)
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
@@ -720,6 +775,8 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 log(f"non-finite loss or gradient at PPO epoch {epoch}, minibatch {mb}: "
                     "step skipped, weights unchanged")
             optimizer.zero_grad()  # torch frees the gradients (set_to_none); a caller may have rebound it
+            if after_step is not None:
+                after_step()
         if config.early_stopping and train:
             # legacy TRL: after each epoch, the policy KL of its last minibatch against 1.5 × target_kl
             kl_now = torch.nanmean(stats[STAT["policykl"], epoch, sizes.num_mini_batches - 1]).reshape(1)
@@ -729,7 +786,9 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 break
     if on_device_skip:
         optimizer.found_inf = None
-    steps = epochs_run * sizes.num_mini_batches - skipped if train else skipped
+    taken = (max_steps if max_steps is not None and max_steps < epochs_run * sizes.num_mini_batches
+             else epochs_run * sizes.num_mini_batches)
+    steps = taken - skipped if train else skipped
     return UpdateResult(stats, skipped, steps, epochs_run, seen)
 
 
@@ -791,6 +850,7 @@ class Learner:
     autocast: Callable
     log: Callable[[str], None]
     zero: object | None = None  # fastppo.zero.ZeRO
+    entropy_ctl: AdaptiveEntropyController | None = None  # TRL GRPO's use_adaptive_entropy
 
 
 @dataclass(frozen=True)
@@ -811,11 +871,13 @@ class IterationResult:
 
 
 def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Callable[[], ScoredRollout],
-                  skip_masked: bool = False, train: bool = True) -> IterationResult:
+                  skip_masked: bool = False, train: bool = True, max_steps: int | None = None) -> IterationResult:
     """One PPO iteration. ``collect`` is step 1 (the trainer samples and scores; the legacy ``step()`` hands
     over the caller's samples). ``skip_masked``: GAE bootstraps across positions a caller masked out.
     ``train=False``: an evaluation of the same steps, which changes nothing: no gradient or optimizer step, and
-    the score moments, β and the learning rate stay where they are."""
+    the score moments, β and the learning rate stay where they are. ``max_steps``: at most this many optimizer
+    steps (the run's last ones). The schedule steps once per iteration (TRL PPO), or after each optimizer step
+    where ``sizes.counts_optimizer_steps`` (TRL GRPO)."""
     # 1. rollout: prompts, responses y ~ π_θ_old, cut at the stop token, scored r(x, y)
     batch = collect()
     rollout = batch.rollout
@@ -851,8 +913,11 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     with contextlib.nullcontext() if train else torch.no_grad():
         # an evaluation leaves the minibatch order's generator alone (its order does not change a loss without steps)
         order = learner.shuffle if train else torch.Generator().manual_seed(0)
+        per_step = learner.lr_scheduler.step if learner.lr_scheduler is not None and sizes.counts_optimizer_steps \
+            else None
         update = ppo_update(learner.model, learner.optimizer, rollout, experience, targets, config, sizes, order,
-                            learner.autocast, learner.log, zero=learner.zero, train=train)
+                            learner.autocast, learner.log, zero=learner.zero, train=train, max_steps=max_steps,
+                            entropy_ctl=learner.entropy_ctl, after_step=per_step)
     t2 = time.perf_counter()
     if in_update:  # π_θ_old's log-probs, and the KL they make with π_ref, as step 2 would have measured them
         experience = with_old_logprobs(experience, update.logprobs, rollout.response_mask, config.kl_estimator)
@@ -863,7 +928,8 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
                              kl=experience.ref_logprobs is not None, kl_in_loss=bool(config.beta),
                              reward_columns=batch.reward_columns,
                              kl_in_reward=config.advantage_estimator == "rloo" and bool(kl_coef),
-                             entropy_coef=config.entropy_coef)
+                             entropy_coef=learner.entropy_ctl.value if learner.entropy_ctl is not None
+                             else config.entropy_coef or None)
     if config.critic_free:  # TRL GRPO's completion and reward metrics
         metrics.update(completion_metrics(rollout.lengths, ~rollout.has_stop, batch.scores, config.num_generations,
                                           config.scale_rewards))
@@ -872,7 +938,7 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
                     "(weights and optimizer state unchanged by them)")
     if "objective/kl" in metrics and train:  # the adaptive controller reads the KL; a run without a reference has none
         learner.kl_ctl.update(metrics["objective/kl"], sizes.batch_size)
-    if learner.lr_scheduler is not None and train:
+    if learner.lr_scheduler is not None and train and not sizes.counts_optimizer_steps:
         learner.lr_scheduler.step()
     seconds = {**batch.seconds, "scoring": t1 - t0, "update": t2 - t1, "scoring/forwards": t_forward - t0,
                "scoring/advantages": t1 - t_forward, **{f"scoring/{k}": v for k, v in scoring_seconds.items()}}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import threading
@@ -40,6 +41,9 @@ from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.train import (UNJUDGED_ESTIMATORS, IterationResult, Learner, ScoredRollout, apply_eos_penalties,
                            contains_stop, eos_count, make_rollout, ppo_iteration)
+
+
+SETTINGS_LOG = logging.getLogger("fastppo.checks")
 
 
 class PPOTrainer:
@@ -81,8 +85,10 @@ class PPOTrainer:
         self.dist, self.device, self.bf16, self.console = (self.runtime.dist, self.runtime.device, self.runtime.bf16,
                                                            self.runtime.console)
         self.log, self.autocast = self.runtime.log, self.runtime.autocast
-        for note in notes:
+        for note in notes:  # the console's line, and Python logging's warning (what TRL's logger.warning is)
             self.log(note)
+            if self.dist.is_main:
+                SETTINGS_LOG.warning(note)
         if data_collator is not None:  # TRL 0.26 takes one; PPO's prompts are padded by the trainer itself
             self.log("data_collator is not used: fastppo left-pads the prompts itself (with the tokenizer's pad "
                      "token); pass the dataset with a text column or input_ids")
@@ -152,9 +158,9 @@ class PPOTrainer:
             learner = dataclasses.replace(learner, lr_scheduler=default_scheduler(config, self.sizes,
                                                                                  learner.optimizer))
         (self.actor_critic, self._trained, self.reference, self.optimizer, self.lr_scheduler, self.kl_ctl, self.moments,
-         self.shuffle, self.zero) = (learner.actor_critic, learner.model, learner.reference, learner.optimizer,
-                                     learner.lr_scheduler, learner.kl_ctl, learner.moments, learner.shuffle,
-                                     learner.zero)
+         self.shuffle, self.zero, self.entropy_ctl) = (
+            learner.actor_critic, learner.model, learner.reference, learner.optimizer, learner.lr_scheduler,
+            learner.kl_ctl, learner.moments, learner.shuffle, learner.zero, learner.entropy_ctl)
         self.model = self._public_model()
         if config.share_prompts and self.reference is not None and shared_mask_kind(self.reference.model) is None:
             raise SettingsError(f"share_prompts: the reference model's attention "
@@ -179,6 +185,7 @@ class PPOTrainer:
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.actor_critic,
                                                 tokenizer, self.optimizer, self.lr_scheduler)
         self.state = _new_state(self.sizes, len(self.prompts), self.dist.is_main, config)
+        self.iterations_done = 0  # generation batches drawn (global_step counts optimizer steps under TRL GRPO's)
         self.control = TrainerControl()
         self._logger = None
         self._run_lock = None
@@ -291,15 +298,20 @@ class PPOTrainer:
     @property
     def learner(self) -> Learner:
         return Learner(self.actor_critic, self._trained, self.reference, self.optimizer, self.lr_scheduler, self.kl_ctl,
-                       self.moments, self.shuffle, self.autocast, self.log, self.zero)
+                       self.moments, self.shuffle, self.autocast, self.log, self.zero, self.entropy_ctl)
 
     def iteration(self, collect: Callable[[], ScoredRollout] | None = None, skip_masked: bool = False
                   ) -> IterationResult:
         """Steps 1-6 (``fastppo.train.ppo_iteration``), then the counters. Step 1 is ``collect``: by default
         ``rollout()`` (the next prompts), or a caller's own samples."""
-        result = ppo_iteration(self.learner, self.config, self.sizes, collect or self.rollout, skip_masked)
-        self.state.global_step += 1
-        self.state.episode += self.sizes.batch_size
+        sizes = self.sizes
+        steps = min(sizes.steps_per_iteration, sizes.total_steps - self.state.global_step) \
+            if sizes.counts_optimizer_steps else 1
+        result = ppo_iteration(self.learner, self.config, sizes, collect or self.rollout, skip_masked,
+                               max_steps=steps if sizes.counts_optimizer_steps else None)
+        self.state.global_step += steps
+        self.state.episode += sizes.batch_size
+        self.iterations_done += 1
         return result
 
     # ------------------------------------------------------------------ the TRL 0.26 loop
@@ -313,8 +325,8 @@ class PPOTrainer:
         checkpoint (``control.should_save``: save_steps through transformers' DefaultFlowCallback, or a
         callback's own request), on_train_end."""
         sizes = self.sizes
-        if self.state.global_step >= sizes.num_total_batches:
-            raise SettingsError(f"train() has already run all {sizes.num_total_batches} iterations of this trainer "
+        if self.state.global_step >= sizes.total_steps:
+            raise SettingsError(f"train() has already run all {sizes.total_steps} steps of this trainer "
                                 "(its schedule is spent); to train further, build a new PPOTrainer (with "
                                 "resume_from_checkpoint and a larger total_episodes or max_steps to continue this run)")
         self._lock_output_dir()
@@ -352,7 +364,9 @@ class PPOTrainer:
         config, sizes, state = self.config, self.sizes, self.state
         first = self._start_output()
         self.log(f"{sizes.num_total_batches} iterations × {sizes.batch_size} episodes on {sizes.world_size} "
-                 f"process(es), {sizes.local_batch_size} per process; output in {config.output_dir}"
+                 f"process(es), {sizes.local_batch_size} per process"
+                 + (f", {sizes.total_steps} optimizer steps" if sizes.counts_optimizer_steps else "")
+                 + f"; output in {config.output_dir}"
                  + (f"; resuming after iteration {first - 1}" if first > 1 else ""))
         logger = self._logger = MetricsLogger(config, self.dist.is_main, self.log)
         progress = None
@@ -372,9 +386,11 @@ class PPOTrainer:
         start, start_episode = time.perf_counter(), state.episode
         preempted = False
         with stack:
-            for update in range(first, sizes.num_total_batches + 1):
+            while state.global_step < sizes.total_steps:
+                update, before = self.iterations_done + 1, state.global_step  # this generation batch's number
                 self.control = self.callback_handler.on_step_begin(config, state, self.control)
                 result = self.iteration()  # steps 1-6: rollout, scoring, rewards, GAE, update, metrics
+                last = state.global_step >= sizes.total_steps
                 batch = result.batch
                 logged_columns = self.reward_logs.take_extra(len(batch.scores))
                 # then what a run shows: metrics, samples, callbacks, checkpoints
@@ -393,22 +409,24 @@ class PPOTrainer:
                 if progress is not None:
                     progress.update(task, completed=state.episode)
                 self._log_state(metrics)  # every iteration, as TRL's loop calls self.log
-                if (update % state.logging_steps == 0 or update == sizes.num_total_batches
-                        or (update == 1 and config.logging_first_step)):
-                    logger.log(metrics, update)
-                    self.log(f"iter {update}/{sizes.num_total_batches} episode {state.episode}: "
-                             + progress_line(metrics))
+                # logging_steps counts global steps: a batch whose steps reach a multiple of it is logged
+                if (state.global_step // state.logging_steps > before // state.logging_steps or last
+                        or (before == 0 and config.logging_first_step)):
+                    logger.log(metrics, state.global_step)
+                    self.log(f"iter {update}/{sizes.num_total_batches}"
+                             + (f" step {state.global_step}/{sizes.total_steps}" if sizes.counts_optimizer_steps else "")
+                             + f" episode {state.episode}: " + progress_line(metrics))
                 if sizes.sample_generations_freq and (update - 1) % sizes.sample_generations_freq == 0:
                     if self.eval_prompts is not None:  # TRL's table: the eval prompts, near-greedy
                         self.generate_completions(sampling=True)
                     elif self.dist.is_main:  # no eval_dataset: this iteration's own samples
                         prompts, completions = (batch.prompts, batch.completions) if batch.prompts is not None \
                             else self.decode(*batch.rollout.token_ids())
-                        print_samples(self.console, prompts, completions, batch.scores.tolist(), update,
+                        print_samples(self.console, prompts, completions, batch.scores.tolist(), state.global_step,
                                       os.path.join(config.output_dir, "samples.jsonl"),
                                       columns={k: v.tolist() for k, v in batch.reward_columns.items()},
                                       extra=logged_columns)
-                self.control = self.callback_handler.on_step_end(config, state, self.control)
+                self._step_end_events(before)
                 if self.control.should_evaluate:  # transformers' flow, at eval_steps under eval_strategy="steps"
                     self._scheduled_evaluation()
                     self.control.should_evaluate = False
@@ -417,7 +435,7 @@ class PPOTrainer:
                 # loop saves it): a finished run can be continued with a larger max_steps
                 wants_save = self.control.should_save and config.save_strategy != "no"
                 # a callback's stop ends the run early: its final model gets a checkpoint too, to continue from
-                stopping = self.control.should_training_stop and update != sizes.num_total_batches
+                stopping = self.control.should_training_stop and not last
                 if preempted or wants_save or (stopping and config.save_strategy != "no"):
                     self.save_checkpoint()
                     self.control = self.callback_handler.on_save(config, state, self.control)
@@ -449,6 +467,28 @@ class PPOTrainer:
             dist.destroy_process_group()
         return state
 
+    def _step_end_events(self, before: int) -> None:
+        """``on_step_end`` for each global step the iteration took (one under TRL PPO's counting; each optimizer
+        step of the generation batch under TRL GRPO's, with ``on_step_begin`` between them, replayed after its
+        update at their own ``global_step``): a callback that acts every N steps sees each step. What any step
+        asks for (save, evaluate, stop) is done at the batch's end, the only point with nothing half-updated."""
+        state, control, wanted = self.state, self.control, {}
+        after = state.global_step
+        try:
+            for step in range(before + 1, after + 1):
+                if step > before + 1:
+                    state.global_step = step - 1
+                    control = self.callback_handler.on_step_begin(self.config, state, control)
+                state.global_step = step
+                control = self.callback_handler.on_step_end(self.config, state, control)
+                for flag in ("should_save", "should_evaluate", "should_training_stop"):
+                    wanted[flag] = wanted.get(flag, False) or getattr(control, flag)
+        finally:
+            state.global_step = after
+        for flag, value in wanted.items():
+            setattr(control, flag, value)
+        self.control = control
+
     # ------------------------------------------------------------------ checkpoints and resuming
 
     def _start_output(self) -> int:
@@ -466,18 +506,18 @@ class PPOTrainer:
             for name, key in (("metrics.jsonl", "step"), ("samples.jsonl", "iteration")):
                 C.truncate_jsonl(os.path.join(config.output_dir, name), key, self.state.global_step)
         fdist.barrier()
-        return self.state.global_step + 1
+        return self.iterations_done + 1
 
     def _decide_resume(self, log_notes: bool = True) -> str | None:
         return C.decide_resume(self.config, self.model_args, self.dist.world_size, zero_stage_of(self.ds_config),
-                               self.sizes.num_total_batches, self.log if log_notes else None)
+                               self.sizes.total_steps, self.log if log_notes else None)
 
     def save_checkpoint(self) -> str:
         """``checkpoint-<iteration>`` with everything needed to continue exactly (see ``fastppo.checkpoint``)."""
         config, state = self.config, self.state
         tag = f"global_step{state.global_step}"
         trainer_state = C.training_state(self.optimizer, self.lr_scheduler, self.kl_ctl, self.moments, state,
-                                         self.zero, tag)
+                                         self.zero, tag, self.iterations_done, self.entropy_ctl)
         states = [None, None]  # whole weights gathered under ZeRO-3 (rank 0)
 
         def every_rank(tmp):
@@ -498,9 +538,11 @@ class PPOTrainer:
 
     def _load_checkpoint(self, path: str) -> None:
         drawn = C.restore_training_state(path, self.policy, self.value_model, self.optimizer, self.lr_scheduler,
-                                         self.kl_ctl, self.moments, self.state, self.zero, self.shuffle, self.dist.rank)
+                                         self.kl_ctl, self.moments, self.state, self.zero, self.shuffle, self.dist.rank,
+                                         self.entropy_ctl)
         for _ in range(drawn):  # the prompt order is a function of the seed: replay it
             next(self._batches)
+        self.iterations_done = drawn
         self.log(f"resumed from {path} (iteration {self.state.global_step}, episode {self.state.episode})")
 
     def _log_state(self, metrics: dict) -> None:
@@ -571,15 +613,16 @@ def progress_line(metrics: dict) -> str:
 
 def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool, config: PPOConfig):
     """transformers' TrainerState with TRL's ``episode`` counter (TRL's OnlineTrainerState); logging and save
-    intervals as TRL sets them (a value in (0, 1) is a fraction of all iterations)."""
+    intervals as TRL sets them (a value in (0, 1) is a fraction of all steps: iterations, or TRL GRPO's optimizer
+    steps)."""
     state = TrainerState(is_local_process_zero=is_main, is_world_process_zero=is_main)
     state.episode = 0
-    state.max_steps = sizes.num_total_batches
+    state.max_steps = sizes.total_steps
     state.num_train_epochs = (sizes.num_total_batches * sizes.batch_size / (num_prompts * sizes.num_generations)
                               if num_prompts else 0)
-    state.logging_steps = every(config.logging_steps, sizes.num_total_batches)
-    state.save_steps = every(config.save_steps, sizes.num_total_batches)
-    state.eval_steps = every(config.eval_steps or config.logging_steps, sizes.num_total_batches)
+    state.logging_steps = every(config.logging_steps, sizes.total_steps)
+    state.save_steps = every(config.save_steps, sizes.total_steps)
+    state.eval_steps = every(config.eval_steps or config.logging_steps, sizes.total_steps)
     return state
 
 

@@ -27,6 +27,7 @@ TRL_GRPO_LOSS_VARIANTS = {
     "truncated_dr_grpo_entropy": {"loss_type": "dr_grpo", "mask_truncated_completions": True, "entropy_coef": 0.1},
     "entropy_bnpo": {"loss_type": "bnpo", "entropy_coef": 0.1},
     "cispo": {"loss_type": "cispo", "epsilon_high": 1.2},  # ε_max low enough to cap some of these ratios
+    "cispo_epsilon_high_unset": {"loss_type": "cispo"},  # ε_max = ε = 0.2: TRL caps every ratio (fastppo warns)
     "cispo_sequence_truncated": {"loss_type": "cispo", "epsilon_high": 1.02, "importance_sampling_level": "sequence",
                                  "mask_truncated_completions": True},
     "sapo": {"loss_type": "sapo"},

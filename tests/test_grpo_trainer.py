@@ -422,12 +422,15 @@ def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model
     (dict(top_p=0.9), "top_p=0.9: not supported .*softmax\\(logits / temperature\\)"),
     (dict(top_k=50), "top_k=50: not supported"),
     (dict(repetition_penalty=1.1), "repetition_penalty=1.1: not supported"),
-    (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: not supported"),
     (dict(log_completions=True), "log_completions=True: not supported .*num_sample_generations"),
-    (dict(num_iterations=2), "num_iterations=2: GRPOTrainer counts one optimizer step per generation batch"),
-    (dict(steps_per_generation=4, gradient_accumulation_steps=1), "steps_per_generation=4 with "
-                                                                  "gradient_accumulation_steps=1"),
-    (dict(generation_batch_size=16), "generation_batch_size=16: .* = 8; leave it unset"),
+    (dict(steps_per_generation=3, gradient_accumulation_steps=2), "steps_per_generation=3 .* with "
+     "gradient_accumulation_steps=2: .* must be a multiple of gradient_accumulation_steps"),
+    (dict(generation_batch_size=24, gradient_accumulation_steps=2), "steps_per_generation=3 \\(generation_batch_size "
+                                                                    "24\\) .* must be a multiple"),
+    (dict(steps_per_generation=4, gradient_accumulation_steps=2, num_mini_batches=4), "num_mini_batches=4 is "
+                                                                                      "PPOConfig's: .* set steps_per"),
+    (dict(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1), "use_adaptive_entropy: .* "
+                                                                                    "entropy_coef_min <= entropy_coef_max"),
 ])
 def test_what_fastppo_cannot_honour_is_refused_by_name(tmp_path, kwargs, message):
     args = GRPOConfig(output_dir=str(tmp_path / "out"), bf16=False, **kwargs)
@@ -461,3 +464,16 @@ def test_bad_input_names_what_to_change(tmp_path, model_dir):
     trainer = GRPOTrainer(model=model_dir, reward_funcs=wrong_length, args=args, train_dataset=tutorial_dataset())
     with pytest.raises(SettingsError, match="'.*wrong_length' returned \\(1,\\) scores for 8 completions"):
         trainer.train()
+
+
+def test_trls_settings_warnings_reach_python_logging(tmp_path, model_dir, caplog):
+    """TRL warns through its logger (its tests read them with caplog); fastppo's settings notes go to its console and
+    to Python logging's warnings (``fastppo.checks``)."""
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=4, max_steps=1, bf16=False, gradient_checkpointing=False,
+                      importance_sampling_level="sequence", loss_type="cispo")
+    with caplog.at_level("WARNING"):
+        GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, train_dataset=tutorial_dataset())
+    warned = [r for r in caplog.records if r.name == "fastppo.checks" and r.levelname == "WARNING"]
+    assert any("weights each sequence by its completion length" in r.getMessage() for r in warned)
+    assert any("cispo caps every ratio at epsilon_high = 0.2" in r.getMessage() for r in warned)

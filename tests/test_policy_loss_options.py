@@ -121,6 +121,8 @@ OPTIONS = {
     "entropy_weights": dict(entropy_weights="random", normalizer=5.0),
     "sequence_entropy_weights": dict(importance_sampling_level="sequence", entropy_weights="random"),
     "cispo": dict(surrogate="cispo", cliprange_high=1.25),
+    # TRL's cispo with epsilon_high unset (ε's 0.25): every token capped, on-policy a scaled REINFORCE
+    "cispo_capped_below_one": dict(surrogate="cispo", cliprange_high=0.25),
     "cispo_sequence_weights": dict(surrogate="cispo", cliprange_high=1.125, importance_sampling_level="sequence",
                                    token_weights="grpo", normalizer=3.0),
     "sapo": dict(surrogate="sapo"),
@@ -309,8 +311,8 @@ def test_property_reference_equals_oracle(lengths, seed, option, entropy_coef):
     (dict(normalizer=torch.ones(2, dtype=torch.float64)), "normalizer"),
     (dict(entropy_weights=torch.ones(5, dtype=torch.float64)), "entropy_weights"),
     (dict(surrogate="ppo"), "surrogate"),
-    (dict(surrogate="cispo"), "cliprange_high"),  # ε_max defaults to ε: it would cap every token
-    (dict(surrogate="cispo", cliprange_high=1.0), "cliprange_high"),
+    (dict(surrogate="cispo", cliprange_high=0.0), "cliprange_high"),  # a cap at 0 takes every gradient away
+    (dict(surrogate="cispo", cliprange_high=float("nan")), "cliprange_high"),
     (dict(surrogate="sapo", delta=2.0), "delta"),
     (dict(surrogate="cispo", cliprange_high=5.0, delta=2.0), "delta"),
     (dict(surrogate="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg"),

@@ -539,15 +539,15 @@ def check_clip_args(cliprange, cliprange_high=None, delta=None) -> tuple[float, 
 
 def check_surrogate_args(surrogate, cliprange_high: float, delta: float | None, sapo_temperature_pos=1.0,
                          sapo_temperature_neg=1.05, vespo_gamma=VESPO_GAMMA, off_policy_mask_threshold=None):
-    """``surrogate`` one of SURROGATES; cispo's ε_max (``cliprange_high``) > 1; ``delta`` only with "clip";
+    """``surrogate`` one of SURROGATES; cispo's ε_max (``cliprange_high``) > 0 (at or below 1 it caps every
+    on-policy token, as TRL's cispo does with epsilon_high unset); ``delta`` only with "clip";
     sapo's temperatures > 0; vespo's (k₊, λ₊, k₋, λ₋) four numbers >= 0; the off-policy threshold >= 0 or None:
     refused by name otherwise. Returns (the sapo temperatures, vespo's gamma, the threshold), checked."""
     if not isinstance(surrogate, str) or surrogate not in SURROGATES:
         raise ValueError(f"surrogate must be one of {', '.join(SURROGATES)}; got {surrogate!r}")
-    if surrogate == "cispo" and cliprange_high <= 1.0:
+    if surrogate == "cispo" and not (math.isfinite(cliprange_high) and cliprange_high > 0):
         raise ValueError(f"surrogate 'cispo' caps the ratio at cliprange_high itself (TRL GRPO's epsilon_high as "
-                         f"ScaleRL's ε_max, 5.0 recommended), so it must be > 1; got {cliprange_high}: every "
-                         "on-policy token would be capped")
+                         f"ScaleRL's ε_max, 5.0 recommended), a finite number > 0; got {cliprange_high}")
     if surrogate != "clip" and delta is not None:
         raise ValueError(f"delta bounds the clipped surrogate's ratio and has no meaning for surrogate {surrogate!r}; "
                          "leave it unset")
@@ -598,7 +598,7 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
         entropy_weights: [...] e, each masked token's weight in the entropy term, which becomes −c·Σ e·H
             (default: the reduction's mean or sum; the trainer's token-budget micro-batches give each token the
             weight it has in row-count micro-batches).
-        surrogate: "clip" (P3), "cispo" (P3': ``cliprange_high`` is ε_max, > 1), "sapo" (P3'', with
+        surrogate: "clip" (P3), "cispo" (P3': ``cliprange_high`` is ε_max, > 0), "sapo" (P3'', with
             ``sapo_temperature_pos`` and ``sapo_temperature_neg``) or "vespo" (P3v, with ``vespo_gamma`` =
             (k₊, λ₊, k₋, λ₋)): TRL GRPO's loss_types of those names.
         off_policy_mask_threshold: (P6), TRL GRPO's off-policy sequence mask (None: off). It and "vespo" read
@@ -726,7 +726,7 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
     per row and is tested against it.
 
     ``surrogate``: "clip" (the above), "cispo" (−sg(min(ρ, ε_max))·A·logp with ε_max = ``cliprange_high``
-    itself, > 1: TRL GRPO's loss_type cispo; the flag marks ρ > ε_max where A > 0), "sapo"
+    itself, > 0: TRL GRPO's loss_type cispo; the flag marks ρ > ε_max where A > 0), "sapo"
     (−A·σ(τ(ρ − 1))·4/τ, τ = ``sapo_temperature_pos`` where A > 0 else ``sapo_temperature_neg``: TRL GRPO's
     loss_type sapo; never flagged) or "vespo" (−sg(φ)·A·logp with ``vespo_weights``' φ at ``vespo_gamma``,
     (k₊, λ₊, k₋, λ₋): TRL GRPO's loss_type vespo; never flagged; needs ``sequence_ids``); ``delta`` is read by
