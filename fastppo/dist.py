@@ -112,3 +112,49 @@ def barrier() -> None:
     if is_distributed():
         with collective("barrier"):
             dist.barrier()
+
+
+class AcceleratorView:
+    """What TRL's scripts and callbacks read of ``trainer.accelerator`` (accelerate's ``Accelerator``), answered from
+    fastppo's own process group: ``print`` (the main process only), the process counts and indices, ``device``,
+    ``wait_for_everyone()`` and ``unwrap_model`` (DDP's and DeepSpeed's wrappers taken off)."""
+
+    def __init__(self, state: DistState):
+        self.state = state
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.local_rank == 0
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.state.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    def print(self, *args, **kwargs) -> None:
+        if self.state.is_main:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        barrier()
+
+    @staticmethod
+    def unwrap_model(model, keep_fp32_wrapper: bool = True):
+        while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+            model = model.module
+        return model

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import os
 import time
@@ -38,13 +39,13 @@ from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.kernels.ppo_loss import off_policy_keep
 from fastppo.policy_terms import high_entropy_mask
 from fastppo.train import ppo_iteration
-from fastppo.trainer import PPOTrainer
+from fastppo.trainer import SETTINGS_LOG, PPOTrainer
 
 # TRL 1.16 GRPOConfig's fields that PPOConfig lacks: name -> (type, TRL's default, what fastppo does with another
 # value). "" : honoured (read below); a sentence: refused when the value differs from TRL's default, with it.
 NOT_SAMPLED = "fastppo samples from softmax(logits / temperature) only (the old log-probs are that distribution's)"
 TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
-    "model_init_kwargs": (dict | str | None, None, "pass a loaded model instead (its own from_pretrained keywords)"),
+    "model_init_kwargs": (dict | str | None, None, ""),
     "trust_remote_code": (bool, False, ""),
     "router_aux_loss_coef": (float | None, None, "mixture-of-experts router losses are not implemented"),
     "disable_dropout": (bool, False, ""),
@@ -200,6 +201,39 @@ def check_grpo_settings(args) -> None:
                             "generation_batch_size and steps_per_generation, in the config made for this run")
 
 
+# TRL GRPO's model_init_kwargs (from_pretrained's keywords for a model given by name) -> the ModelConfig field
+MODEL_INIT_KEYS = {"revision": "model_revision", "trust_remote_code": "trust_remote_code",
+                   "attn_implementation": "attn_implementation", "dtype": "dtype", "torch_dtype": "dtype"}
+
+
+def model_args_of(args, model) -> ModelConfig:
+    """How a model given by name loads: ``trust_remote_code`` and TRL's ``model_init_kwargs`` (a dict, or its JSON
+    from the command line), as from_pretrained keywords (``MODEL_INIT_KEYS``; dtype unset: fastppo's default, fp32
+    for the policy, as TRL's). A key fastppo does not pass is refused by name; with a model object they are ignored, as TRL
+    ignores them (GRPOTrainer warns, as TRL does)."""
+    kwargs = args.model_init_kwargs
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as e:
+            raise SettingsError(f"model_init_kwargs must be a JSON object, got {kwargs!r}: {e}") from None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise SettingsError(f"model_init_kwargs must be a dict of from_pretrained keywords, got {kwargs!r}")
+    fields = {"trust_remote_code": args.trust_remote_code}
+    if not isinstance(model, str):
+        return ModelConfig(**fields)
+    for key, value in (kwargs or {}).items():
+        if key == "device_map" and value is None:  # TRL's own value under DDP and DeepSpeed: fastppo places models
+            continue
+        if key not in MODEL_INIT_KEYS:
+            raise SettingsError(f"model_init_kwargs[{key!r}]: not supported (fastppo loads a model by name with "
+                                f"{', '.join(sorted(MODEL_INIT_KEYS))}; for other from_pretrained keywords, load the "
+                                "model yourself and pass it)")
+        if value is not None:
+            fields[MODEL_INIT_KEYS[key]] = str(value).removeprefix("torch.") if key.endswith("dtype") else value
+    return ModelConfig(**fields)
+
+
 class GRPOTrainer(PPOTrainer):
     """TRL 1.16's ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, optimizers, peft_config)`` on fastppo's trainer.
@@ -250,8 +284,12 @@ class GRPOTrainer(PPOTrainer):
                          reward_model=reward_funcs,
                          train_dataset=train_dataset, eval_dataset=sample_table_set, optimizers=optimizers,
                          callbacks=callbacks, peft_config=peft_config,
-                         model_args=ModelConfig(trust_remote_code=args.trust_remote_code),
+                         model_args=model_args_of(args, model),
                          reward_processing_classes=reward_processing_classes)
+        if args.model_init_kwargs and not isinstance(model, str):
+            self.log("You passed `model_init_kwargs` to the GRPOConfig, but your model is already instantiated. The "
+                     "`model_init_kwargs` will be ignored.")
+            SETTINGS_LOG.warning("model_init_kwargs ignored: the model is already instantiated")
         if not args.disable_dropout:
             self.log("disable_dropout=False (TRL GRPO's default): fastppo disables dropout in every model anyway, so "
                      "that the sampled and the trained forwards agree (the first ratio is exactly 1)")

@@ -259,6 +259,7 @@ class MetricsLogger:
             self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
+        """Each sink closed once (``train()``'s end, then ``end()``, close nothing twice)."""
         if self.is_main:
             if self.file is not None:
                 self.file.close()
@@ -266,6 +267,7 @@ class MetricsLogger:
                 self.tb.close()
             if self.wandb is not None:
                 self.wandb.finish()
+            self.file = self.tb = self.wandb = None
 
 
 def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> None:

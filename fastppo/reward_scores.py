@@ -7,6 +7,7 @@ are ``fastppo.rewards``'; this module only lists and combines them.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -39,11 +40,14 @@ class Reward:
 
 
 def reward_name(entry) -> str:
-    """TRL GRPO's name of a reward in its logs: a function's name, a model's checkpoint directory name."""
+    """TRL GRPO's name of a reward in its logs: a function's name (a ``functools.partial``'s function's; a callable
+    object's ``__name__``, else its class name), a model's checkpoint directory name."""
     if isinstance(entry, nn.Module):
         return (getattr(getattr(entry, "config", None), "_name_or_path", "") or type(entry).__name__).rstrip(
             "/").split("/")[-1] or type(entry).__name__
     if callable(entry):
+        while isinstance(entry, functools.partial):
+            entry = entry.func
         return getattr(entry, "__name__", type(entry).__name__)
     if ":" in entry and not os.path.exists(entry):
         return entry.partition(":")[2]

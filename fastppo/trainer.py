@@ -84,6 +84,7 @@ class PPOTrainer:
         self.runtime = start_runtime(config, need_group=ds_request is not None)
         self.dist, self.device, self.bf16, self.console = (self.runtime.dist, self.runtime.device, self.runtime.bf16,
                                                            self.runtime.console)
+        self.accelerator = fdist.AcceleratorView(self.dist)  # what TRL's scripts read of transformers' Trainer
         self.log, self.autocast = self.runtime.log, self.runtime.autocast
         for note in notes:  # the console's line, and Python logging's warning (what TRL's logger.warning is)
             self.log(note)
@@ -326,7 +327,8 @@ class PPOTrainer:
         callback's own request), on_train_end."""
         sizes = self.sizes
         if self.state.global_step >= sizes.total_steps:
-            raise SettingsError(f"train() has already run all {sizes.total_steps} steps of this trainer "
+            unit = "optimizer steps" if sizes.counts_optimizer_steps else "iterations"
+            raise SettingsError(f"train() has already run all {sizes.total_steps} {unit} of this trainer "
                                 "(its schedule is spent); to train further, build a new PPOTrainer (with "
                                 "resume_from_checkpoint and a larger total_episodes or max_steps to continue this run)")
         self._lock_output_dir()
@@ -551,6 +553,16 @@ class PPOTrainer:
         entry = {**metrics, "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.control = self.callback_handler.on_log(self.config, self.state, self.control, logs=dict(metrics))
+
+    def end(self) -> None:
+        """transformers' ``Trainer.end()`` (TRL's scripts call it after saving): the metrics' trackers closed and the
+        process group this trainer started destroyed. ``train()`` does both at its end; this does them for a
+        trainer that never trained, and nothing twice."""
+        if self._logger is not None:
+            self._logger.close()
+        if self.dist.initialized_here and dist.is_initialized():
+            fdist.barrier()
+            dist.destroy_process_group()
 
     # ------------------------------------------------------------------ saving
 

@@ -477,3 +477,20 @@ def test_trls_settings_warnings_reach_python_logging(tmp_path, model_dir, caplog
     warned = [r for r in caplog.records if r.name == "fastppo.checks" and r.levelname == "WARNING"]
     assert any("weights each sequence by its completion length" in r.getMessage() for r in warned)
     assert any("cispo caps every ratio at epsilon_high = 0.2" in r.getMessage() for r in warned)
+
+
+def test_reward_names_are_trls():
+    """TRL's get_callable_name: a partial's function's name, a callable object's __name__, else its class name."""
+    import functools
+
+    from fastppo.reward_scores import reward_name
+
+    class Scorer:
+        def __call__(self, completions, **kwargs):
+            return [0.0] * len(completions)
+
+    class Named(Scorer):
+        __name__ = "named_reward"
+
+    assert reward_name(functools.partial(functools.partial(accuracy, solution=None))) == "accuracy"
+    assert (reward_name(Scorer()), reward_name(Named())) == ("Scorer", "named_reward")
