@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import time
 from dataclasses import field
 from typing import Any
@@ -37,6 +38,7 @@ from fastppo.config import ALIASES, ModelConfig, PPOConfig, Sizes, Untouched
 from fastppo.data import load_prompts
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.kernels.ppo_loss import off_policy_keep
+from fastppo.metrics import print_completions
 from fastppo.policy_terms import high_entropy_mask
 from fastppo.train import ppo_iteration
 from fastppo.trainer import SETTINGS_LOG, PPOTrainer
@@ -62,7 +64,7 @@ TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
     "sync_ref_model": (bool, False, ""),
     "use_adaptive_entropy": (bool, False, ""),
     "max_tool_calling_iterations": (int | None, None, "tools and multi-turn episodes are not implemented yet"),
-    "log_completions": (bool, False, "the sample table is num_sample_generations' (and samples.jsonl)"),
+    "log_completions": (bool, False, ""),
     "log_completions_hub_repo": (str | None, None, "nothing is pushed to the Hub"),
     "use_transformers_paged": (bool, False, "fastppo samples with its own decode loop"),
     "use_transformers_continuous_batching": (bool, False, "fastppo samples with its own decode loop"),
@@ -80,8 +82,9 @@ INERT = {
     "vllm_importance_sampling_correction": (bool, True), "vllm_importance_sampling_mode": (str, "sequence_mask"),
     "vllm_importance_sampling_clip_max": (float | None, 3.0), "vllm_importance_sampling_clip_min": (float | None, None),
     "vllm_importance_sampling_cap": (float | None, None), "log_multimodal": (bool, True),
-    "num_completions_to_print": (int | None, None), "log_unique_prompts": (bool, False),
 }
+# TRL 1.16 GRPOConfig's settings of its completions table (log_completions), read by GRPOTrainer._log_completions
+COMPLETIONS_LOG_SETTINGS = {"num_completions_to_print": (int | None, None), "log_unique_prompts": (bool, False)}
 # TRL 1.16 GRPOConfig's settings of its reference syncing (TR-DPO), read by SyncReference
 SYNC_SETTINGS = {"ref_model_mixup_alpha": (float, 0.6), "ref_model_sync_steps": (int, 512)}
 # TRL 1.16 GRPOConfig's settings of its adaptive entropy coefficient (use_adaptive_entropy), read by
@@ -112,7 +115,8 @@ GRPOConfig = dataclasses.make_dataclass(
     [(name, *_field(kind, Untouched.of(default) if name in ALIASES else default))
      for name, (kind, default) in GRPO_DEFAULTS.items()]
     + [(name, *_field(kind, default, note)) for name, (kind, default, note) in TRL_ONLY.items()]
-    + [(name, *_field(kind, default)) for name, (kind, default) in {**INERT, **SYNC_SETTINGS, **ADAPTIVE_ENTROPY_SETTINGS}.items()]
+    + [(name, *_field(kind, default)) for name, (kind, default) in {**INERT, **SYNC_SETTINGS, **ADAPTIVE_ENTROPY_SETTINGS,
+                                                                       **COMPLETIONS_LOG_SETTINGS}.items()]
     + [STOP_AT_EOS],
     bases=(PPOConfig,),
     namespace={"__doc__": "TRL 1.16's GRPOConfig: PPOConfig with TRL GRPO's defaults and fields (fastppo.grpo).",
@@ -432,6 +436,41 @@ class GRPOTrainer(PPOTrainer):
         """transformers' eval_strategy (eval_steps, eval_on_start): TRL's evaluation, when there is an eval set."""
         if self.eval_dataset is not None:
             self.evaluate()
+
+    def _log_completions(self, result, logged_columns: dict[str, list]) -> None:
+        """TRL GRPO's ``log_completions``, at each logged iteration on the main process: the generation batch's
+        prompts, completions, each reward's scores, advantages and the reward functions' logged columns, as a
+        table on the console (``num_completions_to_print`` rows drawn at random, unset: all), in
+        ``output_dir/completions/completions_<step>.parquet`` and, with wandb on, a ``completions`` table
+        (``log_unique_prompts``: each prompt once). The rows are the main process's (TRL gathers every
+        process's)."""
+        if not self.args.log_completions or not self.dist.is_main:
+            return
+        import pandas as pd
+
+        batch, step = result.batch, self.state.global_step
+        prompts, completions = (batch.prompts, batch.completions) if batch.prompts is not None \
+            else self.decode(*batch.rollout.token_ids())
+        mask = batch.rollout.response_mask.to(result.targets.advantages.dtype)
+        advantages = (result.targets.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)  # one per completion
+        table = {"step": [step] * len(prompts), "prompt": list(prompts), "completion": list(completions),
+                 **{name: column.tolist() for name, column in batch.reward_columns.items()},
+                 **{name: list(column) for name, column in logged_columns.items()},
+                 "advantage": advantages.tolist()}
+        frame = pd.DataFrame({k: [v if isinstance(v, (str, int, float)) else str(v) for v in column]
+                              for k, column in table.items()})
+        os.makedirs(os.path.join(self.config.output_dir, "completions"), exist_ok=True)
+        frame.to_parquet(os.path.join(self.config.output_dir, "completions", f"completions_{step:05d}.parquet"))
+        n = self.args.num_completions_to_print
+        rows = list(range(len(prompts)))
+        if n is not None and n < len(rows):  # TRL's random sample, from a generator of its own (training's untouched)
+            rows = sorted(random.Random(self.config.seed + step).sample(rows, n))
+        print_completions(self.console, {k: v for k, v in table.items() if k != "step"}, step, rows)
+        if self._logger is not None and self._logger.wandb is not None:
+            import wandb
+
+            shown = frame[~frame["prompt"].duplicated()] if self.args.log_unique_prompts else frame
+            self._logger.wandb.log({"completions": wandb.Table(dataframe=shown)}, step=step)
 
     def _public_model(self):
         """What ``trainer.model`` holds: as TRL's GRPOTrainer, the policy (a ``PeftModel`` with ``peft_config``)."""

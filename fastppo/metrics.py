@@ -303,6 +303,17 @@ def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> N
     plt.close(fig)
 
 
+def print_completions(console, table: dict[str, list], step: int, rows: list[int]) -> None:
+    """TRL GRPO's ``log_completions`` table: ``table``'s columns (prompt, completion, each reward, advantage, the
+    reward functions' logged columns), the given ``rows``."""
+    shown = Table(title=f"completions at step {step}", show_lines=True)
+    for name in table:
+        shown.add_column(name, overflow="fold", justify="right" if name not in ("prompt", "completion") else "left")
+    for i in rows:
+        shown.add_row(*(f"{v[i]:.2f}" if isinstance(v[i], float) else str(v[i]) for v in table.values()))
+    console.print(shown)
+
+
 def print_samples(console, prompts, completions, scores, update: int, path: str | None, n: int = 6,
                   columns: dict[str, list[float]] | None = None, extra: dict[str, list] | None = None) -> None:
     """A rich table of sample completions, also appended to ``path`` (samples.jsonl; None: printed only).

@@ -197,6 +197,10 @@ class PPOTrainer:
         """An evaluation transformers' eval_strategy asks for: none in PPO (TRL 0.26's PPOTrainer has no eval loop;
         its eval_dataset feeds the sample table, and eval_strategy is reported as having no effect)."""
 
+    def _log_completions(self, result: IterationResult, logged_columns: dict[str, list]) -> None:
+        """At each logged iteration: nothing in PPO (its sample table is ``num_sample_generations``'); TRL GRPO's
+        ``log_completions`` table in ``GRPOTrainer``."""
+
     def _public_model(self):
         """What ``trainer.model`` holds: as TRL 0.26's PPOTrainer, the policy-and-value module being trained (wrapped
         for DDP while training)."""
@@ -418,6 +422,7 @@ class PPOTrainer:
                     self.log(f"iter {update}/{sizes.num_total_batches}"
                              + (f" step {state.global_step}/{sizes.total_steps}" if sizes.counts_optimizer_steps else "")
                              + f" episode {state.episode}: " + progress_line(metrics))
+                    self._log_completions(result, logged_columns)
                 if sizes.sample_generations_freq and (update - 1) % sizes.sample_generations_freq == 0:
                     if self.eval_prompts is not None:  # TRL's table: the eval prompts, near-greedy
                         self.generate_completions(sampling=True)

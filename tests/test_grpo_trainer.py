@@ -422,7 +422,6 @@ def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model
     (dict(top_p=0.9), "top_p=0.9: not supported .*softmax\\(logits / temperature\\)"),
     (dict(top_k=50), "top_k=50: not supported"),
     (dict(repetition_penalty=1.1), "repetition_penalty=1.1: not supported"),
-    (dict(log_completions=True), "log_completions=True: not supported .*num_sample_generations"),
     (dict(steps_per_generation=3, gradient_accumulation_steps=2), "steps_per_generation=3 .* with "
      "gradient_accumulation_steps=2: .* must be a multiple of gradient_accumulation_steps"),
     (dict(generation_batch_size=24, gradient_accumulation_steps=2), "steps_per_generation=3 \\(generation_batch_size "
@@ -494,3 +493,29 @@ def test_reward_names_are_trls():
 
     assert reward_name(functools.partial(functools.partial(accuracy, solution=None))) == "accuracy"
     assert (reward_name(Scorer()), reward_name(Named())) == ("Scorer", "named_reward")
+
+
+def test_log_completions_writes_trls_table(tmp_path, model_dir, capsys):
+    """TRL's log_completions: at each logged step the batch's prompts, completions, each reward, the advantages
+    and the logged columns, on the console (num_completions_to_print rows) and in completions/*.parquet."""
+    import pandas as pd
+
+    def tagged(completions, log_extra=None, **kwargs):
+        log_extra("tag", [f"t{i}" for i in range(len(completions))])
+        return [float(len(c)) for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=4, max_steps=2, logging_steps=1, bf16=False, gradient_checkpointing=False,
+                      save_strategy="no", disable_tqdm=True, log_completions=True, num_completions_to_print=3)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[accuracy, tagged], args=args,
+                          train_dataset=tutorial_dataset())
+    trainer.train()
+    files = sorted(os.listdir(tmp_path / "out" / "completions"))
+    assert files == ["completions_00001.parquet", "completions_00002.parquet"]
+    frame = pd.read_parquet(tmp_path / "out" / "completions" / files[-1])
+    assert list(frame.columns) == ["step", "prompt", "completion", "accuracy", "tagged", "tag", "advantage"]
+    assert len(frame) == 8 and (frame["step"] == 2).all() and frame["tag"].tolist() == [f"t{i}" for i in range(8)]
+    # each group's advantages are its scaled rewards: they sum to 0 within a group of 4
+    assert frame["advantage"].groupby(frame.index // 4).sum().abs().max() < 1e-5
+    out = capsys.readouterr().out
+    assert out.count("completions at step 2") == 1 and "advantage" in out
