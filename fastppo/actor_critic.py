@@ -16,9 +16,10 @@ import torch
 import torch.nn as nn
 
 from fastppo.kernels import PPOPolicyLossOutput, fused_ppo_policy_loss
-from fastppo.layout import (Layout, backbone_and_head, decoder_hidden, head_input, head_precision, lm_head_of, lm_of,
-                            token_logprobs_from_hidden)
+from fastppo.layout import (Layout, backbone_and_head, decoder_hidden, gathered, head_input, head_precision,
+                            lm_head_of, lm_of, token_logprobs_from_hidden)
 from fastppo.policy_terms import high_entropy_mask
+from fastppo.sampling import Truncation, processed_token_logprobs
 from fastppo.value_head import AutoModelForCausalLMWithValueHead
 
 __all__ = ["ActorCriticOutput", "PolicyAndValue", "Reference", "fused_policy_loss"]
@@ -45,19 +46,28 @@ class PolicyAndValue(nn.Module):
     from the hidden states; its output comes back beside the grids (``ActorCriticOutput``).
     """
 
-    def __init__(self, policy: nn.Module, value_model: nn.Module | None, critic: bool = True):
+    def __init__(self, policy: nn.Module, value_model: nn.Module | None, critic: bool = True,
+                 truncation: Truncation | None = None):
         super().__init__()
         if critic and value_model is None and not isinstance(policy, AutoModelForCausalLMWithValueHead):
             raise ValueError("without a value model the policy must be an AutoModelForCausalLMWithValueHead")
         self.policy = policy
         self.value_model = value_model
         self.critic = critic  # False: critic-free estimators; no value is computed (values come back None)
+        # TRL GRPO's top_k/top_p/min_p/repetition_penalty: the log-probs are the processed distribution's
+        self.truncation = truncation if truncation is not None and truncation.active else None
 
     def forward(self, layout: Layout, temperature: float, return_entropy: bool = False, return_hidden: bool = False,
                 policy_loss: dict | None = None) -> ActorCriticOutput:
         hidden = decoder_hidden(self.policy, layout).index_select(0, layout.gather)  # [n, H]
         fused = None
-        if policy_loss is None:
+        if self.truncation is not None:
+            if policy_loss is not None:
+                raise ValueError("the fused policy loss reads softmax(logits / T); with top_k/top_p/min_p/"
+                                 "repetition_penalty the loss is computed from processed_token_logprobs")
+            out = self._processed_logprobs(hidden, layout, temperature, return_entropy)
+            logprobs, entropy = out if return_entropy else (out, None)
+        elif policy_loss is None:
             out = token_logprobs_from_hidden(self.policy, hidden, layout.targets, temperature, return_entropy)
             logprobs, entropy = out if return_entropy else (out, None)
         else:
@@ -77,6 +87,19 @@ class PolicyAndValue(nn.Module):
             values = values.squeeze(-1).float()
         return ActorCriticOutput(logprobs, entropy, None if values is None else layout.scatter(values),
                                  hidden if return_hidden else None, fused)
+
+
+    def _processed_logprobs(self, hidden, layout: Layout, temperature: float, return_entropy: bool):
+        """The sampled (processed) distribution's log-probs of the layout's tokens (``fastppo.sampling``)."""
+        head = lm_head_of(self.policy)
+        bias = getattr(head, "bias", None)
+        seen = None
+        if self.truncation.repetition_penalty != 1.0:
+            seen = layout.history.seen(layout.rows, layout.cols, head.weight.shape[0])
+        hidden, precision = head_precision(self.policy, head_input(self.policy, hidden))
+        with gathered(head.weight, bias), precision:
+            return processed_token_logprobs(hidden, head.weight, bias, layout.targets, temperature, self.truncation,
+                                            seen, return_entropy)
 
 
 def fused_policy_loss(model, hidden, layout: Layout, temperature: float, old_logprobs, advantages, mask, cliprange,

@@ -21,6 +21,7 @@ from fastppo.actor_critic import PolicyAndValue, Reference
 from fastppo.config import PPOConfig, Sizes
 from fastppo.loading import check_optimizer_covers
 from fastppo.rewards import RunningMoments
+from fastppo.sampling import Truncation
 from fastppo.train import AdaptiveEntropyController, AdaptiveKLController, FixedKLController, Learner
 from fastppo.zero import ZeRO
 
@@ -103,7 +104,8 @@ def build_learner(config: PPOConfig, runtime: Runtime, policy: nn.Module, ref_mo
     shards beside them); with several processes and no DeepSpeed, DDP wraps it. After building, each process
     reseeds torch with its own seed (each samples different responses) and gets its own shuffle generator."""
     device = runtime.device
-    actor_critic = PolicyAndValue(policy, value_model, critic=not config.critic_free)
+    actor_critic = PolicyAndValue(policy, value_model, critic=not config.critic_free,
+                                  truncation=Truncation.of(config))
     model, zero = actor_critic, None
     if runtime.dist.world_size > 1 and ds_config is None:
         model = nn.parallel.DistributedDataParallel(

@@ -1,4 +1,5 @@
-"""Sampling responses from the policy: y_t ~ softmax(logits_t / T), exactly.
+"""Sampling responses from the policy: y_t ~ softmax(logits_t / T), exactly (or, with TRL GRPO's top_k, top_p, min_p
+and repetition_penalty, the processed distribution of ``fastppo.sampling``, which the trained log-probs read).
 
 The rollout's own decode loop over the model's KV cache, instead of ``transformers``' ``generate``:
 
@@ -26,13 +27,14 @@ from transformers import DynamicCache, GenerationConfig
 from fastppo.dist import all_reduce_min
 from fastppo.errors import SettingsError
 from fastppo.layout import cache_keyword
+from fastppo.sampling import Truncation, process_logits, seen_tokens
 from fastppo.static_decode import StaticDecoder, accepts_logits_to_keep
 
 
 @torch.no_grad()
 def sample_responses(lm, queries, query_mask, response_length: int, temperature: float,
                      stop_ids: list[int], pad_id: int, chunk: int, synced: bool = False,
-                     decoder: StaticDecoder | None = None) -> torch.Tensor:
+                     decoder: StaticDecoder | None = None, truncation: Truncation | None = None) -> torch.Tensor:
     """[B, T] sampled tokens (T = ``response_length``), ``chunk`` rows at a time; after a row's first stop
     token every position holds ``pad_id``. With no stop ids every row has exactly T tokens.
 
@@ -41,7 +43,10 @@ def sample_responses(lm, queries, query_mask, response_length: int, temperature:
     then sample the same number of chunks.
 
     ``decoder``: a ``static_decode.StaticDecoder`` of ``lm``; each token's forward then runs compiled over its
-    static KV cache, and the same random state draws the same tokens."""
+    static KV cache, and the same random state draws the same tokens.
+
+    ``truncation``: draw from ``sampling.process_logits``' distribution (a repetition penalty reads each row's real
+    prompt tokens and the tokens drawn so far)."""
     # in training mode with gradient checkpointing transformers silently turns the KV cache off, and a decode
     # loop that feeds one token at a time then forgets the prompt: sample in eval mode, whatever the caller's
     training = lm.training
@@ -49,7 +54,7 @@ def sample_responses(lm, queries, query_mask, response_length: int, temperature:
     try:
         sample = _sample_chunk if decoder is None else partial(_sample_chunk_static, decoder)
         out = [sample(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, temperature,
-                      stop_ids, pad_id, synced) for i in range(0, queries.shape[0], chunk)]
+                      stop_ids, pad_id, synced, truncation) for i in range(0, queries.shape[0], chunk)]
     finally:
         lm.train(training)
     return torch.cat(out)
@@ -62,12 +67,15 @@ def _all_stopped(done: torch.Tensor, synced: bool) -> bool:
     return bool(all_reduce_min(done.all().float()))
 
 
-def draw_tokens(logits, temperature: float, done, stops, pad_id: int, synced: bool):
-    """One token per row, y ~ softmax(logits / T) in fp32; a row already ``done`` gets ``pad_id``. Returns
-    (tokens [B], done after them, whether every row has now stopped)."""
-    probs = nn.functional.softmax(logits.float() / temperature, dim=-1)
+def draw_tokens(logits, temperature: float, done, stops, pad_id: int, synced: bool, truncation=None, seen=None):
+    """One token per row, y ~ softmax(logits / T) in fp32 (``truncation``: the processed logits, ``seen`` [B, V]
+    the tokens each row holds, updated in place); a row already ``done`` gets ``pad_id``. Returns (tokens [B],
+    done after them, whether every row has now stopped)."""
+    probs = nn.functional.softmax(process_logits(logits, temperature, truncation, seen), dim=-1)
     token = torch.multinomial(probs, num_samples=1).squeeze(1)
     token = torch.where(done, torch.full_like(token, pad_id), token)
+    if seen is not None:
+        seen[torch.arange(token.shape[0], device=token.device), token] = True  # a done row's pad is never read
     if stops is None:
         return token, done, False
     done = done | torch.isin(token, stops)
@@ -78,9 +86,17 @@ def _stop_tensor(stop_ids, like):
     return torch.tensor(stop_ids, dtype=like.dtype, device=like.device) if stop_ids else None
 
 
+def _history(queries, query_mask, truncation, vocab: int):
+    """[B, V] the prompt's real tokens, where a repetition penalty reads them; else None."""
+    if truncation is None or truncation.repetition_penalty == 1.0:
+        return None
+    return seen_tokens(queries, query_mask.bool(), vocab)
+
+
 def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: float, stop_ids: list[int],
-                  pad_id: int, synced: bool = False) -> torch.Tensor:
+                  pad_id: int, synced: bool = False, truncation: Truncation | None = None) -> torch.Tensor:
     b = queries.shape[0]
+    seen = None
     stops = _stop_tensor(stop_ids, queries)
     keep = {"logits_to_keep": 1} if accepts_logits_to_keep(lm) else {}
     cache = DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
@@ -93,7 +109,8 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
     for t in range(response_length):
         logits = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, **{keyword: cache},
                     use_cache=True, **keep).logits[:, -1]
-        tokens[:, t], done, finished = draw_tokens(logits, temperature, done, stops, pad_id, synced)
+        seen = _history(queries, query_mask, truncation, logits.shape[-1]) if t == 0 else seen
+        tokens[:, t], done, finished = draw_tokens(logits, temperature, done, stops, pad_id, synced, truncation, seen)
         if finished:
             break
         inputs = torch.where(done, 0, tokens[:, t])[:, None]  # a stopped row's input is never read again
@@ -103,7 +120,8 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
 
 
 def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, response_length: int, temperature: float,
-                         stop_ids: list[int], pad_id: int, synced: bool = False) -> torch.Tensor:
+                         stop_ids: list[int], pad_id: int, synced: bool = False,
+                         truncation: Truncation | None = None) -> torch.Tensor:
     """``_sample_chunk`` with the prompt's forward eager into the decoder's static cache and every later token's
     forward through its compiled step; rows past ``B`` are the bucket's padding and are never sampled."""
     b, width = queries.shape
@@ -113,8 +131,10 @@ def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, respon
     done = torch.zeros(b, dtype=torch.bool, device=queries.device)
     logits = lm(input_ids=inputs, attention_mask=mask[:, :width], position_ids=positions,
                 **{cache_keyword(lm): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+    seen = _history(queries, query_mask, truncation, logits.shape[-1])
     for t in range(response_length):
-        tokens[:, t], done, finished = draw_tokens(logits[:b], temperature, done, stops, pad_id, synced)
+        tokens[:, t], done, finished = draw_tokens(logits[:b], temperature, done, stops, pad_id, synced, truncation,
+                                                   seen)
         if finished or t + 1 == response_length:
             break
         inputs = inputs[:, -1:].clone()  # the padding rows feed their own last input again

@@ -40,12 +40,12 @@ from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.kernels.ppo_loss import off_policy_keep
 from fastppo.metrics import print_completions
 from fastppo.policy_terms import high_entropy_mask
+from fastppo.sampling import Truncation
 from fastppo.train import ppo_iteration
 from fastppo.trainer import SETTINGS_LOG, PPOTrainer
 
 # TRL 1.16 GRPOConfig's fields that PPOConfig lacks: name -> (type, TRL's default, what fastppo does with another
 # value). "" : honoured (read below); a sentence: refused when the value differs from TRL's default, with it.
-NOT_SAMPLED = "fastppo samples from softmax(logits / temperature) only (the old log-probs are that distribution's)"
 TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
     "model_init_kwargs": (dict | str | None, None, ""),
     "trust_remote_code": (bool, False, ""),
@@ -54,11 +54,11 @@ TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
     "num_generations_eval": (int | None, None, ""),
     "generation_batch_size": (int | None, None, ""),
     "steps_per_generation": (int | None, None, ""),
-    "top_p": (float, 1.0, NOT_SAMPLED),
-    "top_k": (int, 0, NOT_SAMPLED),
-    "min_p": (float | None, None, NOT_SAMPLED),
-    "repetition_penalty": (float, 1.0, NOT_SAMPLED),
-    "generation_kwargs": (dict | str | None, None, NOT_SAMPLED),
+    "top_p": (float, 1.0, ""),
+    "top_k": (int, 0, ""),
+    "min_p": (float | None, None, ""),
+    "repetition_penalty": (float, 1.0, ""),
+    "generation_kwargs": (dict | str | None, None, ""),
     "cache_implementation": (str | None, None, "compiled_decode picks the static cache itself"),
     "use_vllm": (bool, False, "vLLM is not used; fastppo's compiled decode (compiled_decode) is its fast sampler"),
     "sync_ref_model": (bool, False, ""),
@@ -168,6 +168,38 @@ class SyncReference(TrainerCallback):
                                                                    alpha=args.ref_model_mixup_alpha)
 
 
+# generation_kwargs TRL passes to the sampler that fastppo honours: the processed distribution's settings (they
+# override the fields of the same name, as TRL's generation config takes them last), and do_sample=True
+SAMPLING_KWARGS = ("top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def apply_generation_kwargs(args) -> None:
+    """TRL's ``generation_kwargs`` (a dict, or its JSON from the command line): the sampling settings among them set
+    ``args``' own; every other key is refused by name (fastppo samples with its own decode loop, and its log-probs
+    must be those of the distribution it samples from)."""
+    kwargs = args.generation_kwargs
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as e:
+            raise SettingsError(f"generation_kwargs must be a JSON object, got {kwargs!r}: {e}") from None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise SettingsError(f"generation_kwargs must be a dict, got {kwargs!r}")
+    for key, value in (kwargs or {}).items():
+        if key in SAMPLING_KWARGS:
+            setattr(args, key, value)
+        elif key == "do_sample" and value is True:
+            continue
+        elif key == "temperature":
+            raise SettingsError("generation_kwargs['temperature']: set temperature instead (fastppo's log-probs "
+                                "read the temperature the completions are sampled at)")
+        else:
+            raise SettingsError(f"generation_kwargs[{key!r}]={value!r}: not supported (fastppo samples from the "
+                                f"processed distribution of {', '.join(SAMPLING_KWARGS)} with its own decode loop, "
+                                "and trains that distribution; beam search, other processors and greedy decoding "
+                                "have no such log-probs)")
+
+
 def check_grpo_settings(args) -> None:
     """TRL GRPO's settings fastppo cannot honour, refused by name with the reason; the batch arithmetic
     (module docstring) checked against the processes that will run."""
@@ -188,6 +220,15 @@ def check_grpo_settings(args) -> None:
     # TRL GRPO's loop in PPO's terms: each generation batch is num_iterations passes (num_ppo_epochs) of
     # steps_per_generation / gradient_accumulation_steps optimizer steps (num_mini_batches)
     args.num_mini_batches = per_generation // accumulation
+    apply_generation_kwargs(args)
+    truncation = Truncation.of(args)  # checked
+    if truncation.active and args.fused_policy_loss:
+        raise SettingsError("fused_policy_loss with top_k/top_p/min_p/repetition_penalty: the fused loss reads "
+                            "softmax(logits / temperature), not the processed distribution the completions are "
+                            "sampled from; leave fused_policy_loss false")
+    if truncation.active and args.kl_estimator == "full":
+        raise SettingsError("kl_estimator='full' with top_k/top_p/min_p/repetition_penalty: the exact KL is over "
+                            "softmax(logits / temperature), not the processed distribution; use k1, k2 or k3")
     if args.use_adaptive_entropy:
         values = {name: getattr(args, name) for name in ("entropy_coef", *ADAPTIVE_ENTROPY_SETTINGS)}
         if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values.values()) or \

@@ -158,6 +158,7 @@ class Layout:
     cols: torch.Tensor  # [n]
     last: torch.Tensor  # [b] each row's last real token (a reward model reads it)
     shape: tuple[int, int]  # (b, T)
+    history: object | None = None  # sampling.History: what preceded each token (Rollout.layout sets it)
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         out = values.new_zeros(self.shape)

@@ -33,6 +33,7 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,7 @@ from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, po
 from fastppo.layout import (gathered, head_input, head_precision, lm_head_of, make_layout, make_shared_layout,
                             shared_mask_kind)
 from fastppo.rewards import transform_scores
+from fastppo.sampling import History, Truncation
 
 # ============================================================================ 1. rollout
 
@@ -95,9 +97,12 @@ class Rollout:
         (``make_shared_layout``)."""
         rows = range(self.query_responses.shape[0]) if rows is None else rows
         index = torch.as_tensor(list(rows), device=self.query_responses.device)
-        args = (self.query_responses.index_select(0, index), self.context_length,
-                [self.query_lengths[r] for r in rows], [self.response_lengths[r] for r in rows])
-        return make_layout(*args, packed) if shared is None else make_shared_layout(*args, *shared)
+        ids = self.query_responses.index_select(0, index)
+        args = (ids, self.context_length, [self.query_lengths[r] for r in rows], [self.response_lengths[r] for r in rows])
+        layout = make_layout(*args, packed) if shared is None else make_shared_layout(*args, *shared)
+        # what preceded each token, for a repetition penalty of the sampled distribution (sampling.History)
+        return dataclasses.replace(layout, history=History(ids, self.attention_mask.index_select(0, index).bool(),
+                                                           self.context_length))
 
     def groups_share_prompts(self, k: int) -> bool:
         """Whether each ``k`` consecutive rows hold one prompt (the trainer draws each prompt k times side by side; a

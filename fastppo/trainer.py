@@ -230,7 +230,7 @@ class PPOTrainer:
                 self._lm(), queries, query_mask, config.response_length,
                 config.temperature if temperature is None else temperature, self.stop_ids,
                 tok.pad_token_id, config.local_rollout_forward_batch_size, **({"synced": True} if synced else {}),
-                decoder=self._decoder(),
+                decoder=self._decoder(), truncation=self.actor_critic.truncation,
             )
         rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
         t1 = time.perf_counter()

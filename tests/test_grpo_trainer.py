@@ -419,9 +419,6 @@ def test_args_unset_is_trls_default_config_named_after_the_model(tmp_path, model
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(use_vllm=True), "use_vllm=True: not supported .*compiled decode"),
-    (dict(top_p=0.9), "top_p=0.9: not supported .*softmax\\(logits / temperature\\)"),
-    (dict(top_k=50), "top_k=50: not supported"),
-    (dict(repetition_penalty=1.1), "repetition_penalty=1.1: not supported"),
     (dict(steps_per_generation=3, gradient_accumulation_steps=2), "steps_per_generation=3 .* with "
      "gradient_accumulation_steps=2: .* must be a multiple of gradient_accumulation_steps"),
     (dict(generation_batch_size=24, gradient_accumulation_steps=2), "steps_per_generation=3 \\(generation_batch_size "
