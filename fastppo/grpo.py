@@ -413,7 +413,10 @@ class GRPOTrainer(PPOTrainer):
         ``_samples_per_second``, ``_steps_per_second``, and every training metric of the batches as
         ``eval_<name>`` (their mean over the batches, NaNs left out), as TRL's ``log()`` names them.
         ``eval_dataset``: a dataset, a dict of them (each evaluated with the prefix ``<prefix>_<name>``), a name in
-        the trainer's dict of eval sets, or unset (the trainer's own)."""
+        the trainer's dict of eval sets, or unset (the trainer's own). With several processes every one calls it:
+        each samples its share of every batch (``per_device_eval_batch_size`` completions), a short last batch
+        filled from the start of the order as accelerate's even batches fill it, and the metrics are every
+        process's."""
         sets = self.eval_dataset if eval_dataset is None else eval_dataset
         if isinstance(sets, str):
             if not isinstance(self.eval_dataset, dict) or sets not in self.eval_dataset:
@@ -426,8 +429,6 @@ class GRPOTrainer(PPOTrainer):
             return metrics
         if sets is None:
             raise SettingsError("evaluate() needs an eval_dataset: pass one, or give GRPOTrainer(eval_dataset=...)")
-        if self.dist.world_size > 1:
-            raise SettingsError("evaluate() runs on one process for now; call it from a single-process run")
         config = copy.copy(self.config)  # the eval groups' size, nothing else changed
         config.num_generations = self.config.num_generations_eval or self.config.num_generations
         k, rows_per_batch = config.num_generations, self.config.per_device_eval_batch_size
@@ -436,13 +437,20 @@ class GRPOTrainer(PPOTrainer):
                                 f"num_generations_eval ({k}): an eval batch holds whole groups")
         ids, rows = self._eval_prompts(sets)
         order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(self.config.seed)).tolist()
+        world, rank, per_rank = self.dist.world_size, self.dist.rank, rows_per_batch // k
         start, batches = time.perf_counter(), []
-        for first in range(0, len(order), rows_per_batch // k):
-            drawn = [i for i in order[first:first + rows_per_batch // k] for _ in range(k)]
+        for first in range(0, len(order), per_rank * world):
+            # each process its share of the batch's prompts; with several, a short last batch is filled from the
+            # start of the order (accelerate's even batches, which TRL's eval loader has): every process runs the
+            # same batches, whose metrics are all-reduced
+            prompts = order[first:first + per_rank * world]
+            if world > 1:
+                prompts = [order[(first + j) % len(order)] for j in range(per_rank * world)]
+            drawn = [i for i in prompts[rank * per_rank:(rank + 1) * per_rank] for _ in range(k)]
             n = len(drawn)
-            sizes = Sizes(world_size=1, local_batch_size=n, batch_size=n, local_mini_batch_size=n, mini_batch_size=n,
-                          micro_batch_size=n, micro_steps=1, num_mini_batches=1, num_total_batches=1,
-                          sample_generations_freq=0, num_generations=k, local_prompts=n // k)
+            sizes = Sizes(world_size=world, local_batch_size=n, batch_size=n * world, local_mini_batch_size=n,
+                          mini_batch_size=n * world, micro_batch_size=n, micro_steps=1, num_mini_batches=1,
+                          num_total_batches=1, sample_generations_freq=0, num_generations=k, local_prompts=n // k)
             result = ppo_iteration(self.learner, config, sizes, lambda: self.rollout(
                 prompt_ids=[ids[i] for i in drawn], rows=rows.select(drawn)), train=False)
             self.reward_logs.take_extra(n)
@@ -451,7 +459,7 @@ class GRPOTrainer(PPOTrainer):
         completions = sum(n for n, _ in batches)
         metrics = {f"{metric_key_prefix}_loss": sum(n * m["loss"] for n, m in batches) / completions,
                    f"{metric_key_prefix}_runtime": seconds,
-                   f"{metric_key_prefix}_samples_per_second": completions / seconds,
+                   f"{metric_key_prefix}_samples_per_second": completions * world / seconds,
                    f"{metric_key_prefix}_steps_per_second": len(batches) / seconds}
         for name in dict.fromkeys(name for _, m in batches for name in m):
             if name in (ignore_keys or ()) or name == "loss":

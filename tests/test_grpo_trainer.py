@@ -516,3 +516,20 @@ def test_log_completions_writes_trls_table(tmp_path, model_dir, capsys):
     assert frame["advantage"].groupby(frame.index // 4).sum().abs().max() < 1e-5
     out = capsys.readouterr().out
     assert out.count("completions at step 2") == 1 and "advantage" in out
+
+
+@pytest.mark.slow
+def test_evaluate_on_two_processes(tmp_path, model_dir):
+    """torchrun, 2 CPU processes: each samples its share of every eval batch (5 prompts, 2 per process per batch:
+    2 batches, the last filled from the start of the order) and both return the same all-reduced metrics."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_worker.py")
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker,
+           model_dir, str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.load(open(tmp_path / f"eval{r}.json")) for r in range(2)]
+    clock = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    same = [{k: v for k, v in m.items() if k not in clock} for m in ranks]
+    assert same[0] == same[1] and math.isfinite(same[0]["eval_loss"])
+    assert {"eval_reward", "eval_completions/mean_length", "eval_entropy"} <= set(same[0])
