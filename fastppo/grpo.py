@@ -35,7 +35,7 @@ import torch
 from transformers import TrainerCallback
 
 from fastppo.config import ALIASES, ModelConfig, PPOConfig, Sizes, Untouched
-from fastppo.data import load_prompts
+from fastppo.data import load_prompts, prompt_batches
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.kernels.ppo_loss import off_policy_keep
 from fastppo.metrics import print_completions
@@ -121,8 +121,9 @@ GRPOConfig = dataclasses.make_dataclass(
     bases=(PPOConfig,),
     namespace={"__doc__": "TRL 1.16's GRPOConfig: PPOConfig with TRL GRPO's defaults and fields (fastppo.grpo).",
                # transformers' evaluation settings, which GRPOTrainer.evaluate honours (PPO reports them as unused)
+               # (dataloader_num_workers: get_train_dataloader's and get_eval_dataloader's)
                "HONOURED_TRAINING_ARGS": ("eval_strategy", "eval_steps", "eval_on_start", "eval_delay",
-                                          "per_device_eval_batch_size"),
+                                          "per_device_eval_batch_size", "dataloader_num_workers"),
                # global_step, max_steps, logging/save/eval steps and the schedule count optimizer steps, as TRL's
                "COUNTS_OPTIMIZER_STEPS": True,
                "__post_init__": lambda self: _grpo_post_init(self)},
@@ -471,6 +472,46 @@ class GRPOTrainer(PPOTrainer):
         self._log_state(metrics)
         self.control = self.callback_handler.on_evaluate(self.config, self.state, self.control, metrics=metrics)
         return metrics
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """transformers' ``get_train_dataloader``: the train rows this process's loop draws, in its order (a fresh
+        copy of the seeded prompt order: each prompt ``num_generations`` times side by side, a generation batch
+        per iteration), ``per_device_train_batch_size`` rows a batch, each row a dict as TRL's identity collator
+        gives it, with ``dataloader_num_workers`` workers (none for a streamed train set, as TRL's). fastppo's
+        loop draws its prompts itself; this is for reading what it draws."""
+        sizes, k = self.sizes, self.sizes.num_generations
+        order = prompt_batches(len(self.prompts), sizes.local_prompts, self.dist.rank, self.dist.world_size,
+                               self.config.seed, self.config.shuffle_dataset)
+        drawn = [i for _ in range(sizes.num_total_batches) for p in next(order) for i in [p] * k]
+        return self._row_loader(self.prompt_rows, drawn, self.config.per_device_train_batch_size,
+                                isinstance(self.train_dataset, datasets.IterableDataset))
+
+    def get_eval_dataloader(self, eval_dataset=None) -> torch.utils.data.DataLoader:
+        """transformers' ``get_eval_dataloader``: an eval set's rows in ``evaluate()``'s order on this process (its
+        share of each batch), each ``num_generations_eval`` times, ``per_device_eval_batch_size`` rows a batch;
+        a streamed eval set's loader has no workers (the restriction is the loader's: ``args`` keeps its
+        ``dataloader_num_workers``, as TRL scopes it)."""
+        data = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(data, str):
+            data = self.eval_dataset[data]
+        if data is None or isinstance(data, dict):
+            raise SettingsError("get_eval_dataloader needs one eval dataset: pass it (or its name in the trainer's "
+                                "dict of eval sets)")
+        k = self.config.num_generations_eval or self.config.num_generations
+        per_rank, world = self.config.per_device_eval_batch_size // k, self.dist.world_size
+        ids, rows = self._eval_prompts(data)
+        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(self.config.seed)).tolist()
+        drawn = []
+        for first in range(0, len(order), per_rank * world):
+            prompts = ([order[(first + j) % len(order)] for j in range(per_rank * world)] if world > 1
+                       else order[first:first + per_rank])
+            drawn += [i for i in prompts[self.dist.rank * per_rank:(self.dist.rank + 1) * per_rank] for _ in range(k)]
+        return self._row_loader(rows, drawn, self.config.per_device_eval_batch_size,
+                                isinstance(data, datasets.IterableDataset))
+
+    def _row_loader(self, rows, drawn: list[int], batch_size: int, streamed: bool) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(rows, batch_size=batch_size, sampler=drawn, collate_fn=list,
+                                           num_workers=0 if streamed else self.args.dataloader_num_workers)
 
     def _eval_prompts(self, data):
         """An eval set's (prompt ids, rows), tokenized once per set the trainer was given or evaluate() was passed."""

@@ -533,3 +533,35 @@ def test_evaluate_on_two_processes(tmp_path, model_dir):
     same = [{k: v for k, v in m.items() if k not in clock} for m in ranks]
     assert same[0] == same[1] and math.isfinite(same[0]["eval_loss"])
     assert {"eval_reward", "eval_completions/mean_length", "eval_entropy"} <= set(same[0])
+
+
+def test_the_dataloaders_hold_what_the_loop_draws(tmp_path, model_dir):
+    """get_train_dataloader: the rows of the prompts each iteration draws, in order, num_generations each side by
+    side, with dataloader_num_workers; get_eval_dataloader: evaluate()'s order, no workers for a stream."""
+    import datasets
+
+    stream = datasets.Dataset.from_dict({"prompt": ["a b", "c d", "e f"]}).to_iterable_dataset()
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      per_device_eval_batch_size=4, max_completion_length=4, max_steps=2, bf16=False,
+                      gradient_checkpointing=False, save_strategy="no", dataloader_num_workers=2)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+                          train_dataset=tutorial_dataset(), eval_dataset=stream)
+    train = trainer.get_train_dataloader()
+    assert train.num_workers == 2 and trainer.get_eval_dataloader().num_workers == 0
+    assert trainer.args.dataloader_num_workers == 2
+    batches = list(train)
+    assert len(batches) == 2 and all(len(b) == 8 for b in batches)
+    drawn = []
+    real = trainer.rollout
+
+    def recording(prompt_ids=None, temperature=None, rows=None):
+        result = real(prompt_ids, temperature, rows)
+        drawn.append(result.prompts)
+        return result
+
+    trainer.rollout = recording
+    trainer.train()
+    assert [[row["prompt"] for row in batch] for batch in batches] == drawn
+    evaluated = [row["prompt"] for batch in trainer.get_eval_dataloader() for row in batch]
+    assert len(evaluated) == 12 and evaluated[:4] == [evaluated[0]] * 4 and sorted(set(evaluated)) == ["a b", "c d",
+                                                                                                          "e f"]
