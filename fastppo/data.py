@@ -149,12 +149,14 @@ def prompt_messages(messages: list[dict]) -> tuple[list[dict], bool]:
 
 
 def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dataset",
-                     chat_template_kwargs: dict | None = None) -> list[list[int]]:
+                     chat_template_kwargs: dict | None = None, tools=None) -> list[list[int]]:
     """Token ids of every prompt (empty ones included): token-id lists as they are, chat messages through
     the chat template with its generation prompt, cut before a trailing assistant answer (``prompt_messages``;
     ``log`` gets the number of rows cut, once); token ids with a ``completion_mask`` or ``assistant_masks``
     column likewise keep only the tokens before the answer. Pre-tokenized ids with an ``attention_mask`` column
-    (``tokenizer(prompts, padding=True)``) keep only their attended tokens: the padding is not prompt text."""
+    (``tokenizer(prompts, padding=True)``) keep only their attended tokens: the padding is not prompt text.
+    ``tools`` (``tools.ToolCalling``): chat messages are rendered with the tools shown to the model, and every prompt
+    must be a conversation."""
     masks = dataset["attention_mask"] if column == "input_ids" and "attention_mask" in dataset.column_names else None
     # an SFT-tokenized set marks its answer tokens (TRL SFT's completion_mask, transformers' assistant_masks): the
     # prompt is what comes before the first of them
@@ -180,10 +182,17 @@ def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dat
         if isinstance(value, list) and value and isinstance(value[0], dict):
             value, answered = prompt_messages(value)
             cut += answered
-            tokens = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
-                                                   **(chat_template_kwargs or {})) if value else []
+            if tools is not None:
+                tokens = tools.prompt_ids(value) if value else []
+            else:
+                tokens = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
+                                                       **(chat_template_kwargs or {})) if value else []
             if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
                 tokens = tokens["input_ids"]
+        elif tools is not None:
+            raise SettingsError(f"{what}: tools need conversational prompts (lists of chat messages: the chat "
+                                f"template shows the tools to the model), but row {row} of column {column!r} is "
+                                f"{type(value).__name__}")
         elif isinstance(value, list) and all(isinstance(t, int) for t in value):
             tokens = value
         elif isinstance(value, str):
@@ -253,7 +262,7 @@ def right_pad(sequences: Sequence[torch.Tensor | Sequence[int]], pad_id: int):
     return ids, mask
 
 
-def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=print):
+def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=print, tools=None):
     """(token ids of every prompt, the dataset): ``dataset`` is a Dataset, a list of dicts, a path (its train
     split), or None for the built-in prompts. Its other columns go to reward
     functions. Empty prompts are dropped and prompts longer than ``max_prompt_length`` keep their last
@@ -267,7 +276,7 @@ def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=pr
     column = prompt_column(dataset, config.dataset_text_field, name)
     if len(dataset) == 0:
         raise SettingsError(f"no prompts in dataset {name!r} (it is empty)")
-    ids = tokenize_prompts(dataset, column, tokenizer, log, what, config.chat_template_kwargs)
+    ids = tokenize_prompts(dataset, column, tokenizer, log, what, config.chat_template_kwargs, tools)
     vocab = len(tokenizer)
     bad = next(((row, t) for row, prompt in enumerate(ids) for t in prompt
                 if not isinstance(t, int) or not 0 <= t < vocab), None)

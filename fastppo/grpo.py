@@ -63,7 +63,7 @@ TRL_ONLY: dict[str, tuple[Any, Any, str]] = {
     "use_vllm": (bool, False, "vLLM is not used; fastppo's compiled decode (compiled_decode) is its fast sampler"),
     "sync_ref_model": (bool, False, ""),
     "use_adaptive_entropy": (bool, False, ""),
-    "max_tool_calling_iterations": (int | None, None, "tools and multi-turn episodes are not implemented yet"),
+    "max_tool_calling_iterations": (int | None, None, ""),
     "log_completions": (bool, False, ""),
     "log_completions_hub_repo": (str | None, None, "nothing is pushed to the Hub"),
     "use_transformers_paged": (bool, False, "fastppo samples with its own decode loop"),
@@ -296,8 +296,8 @@ class GRPOTrainer(PPOTrainer):
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None):
-        for name, value in (("tools", tools), ("rollout_func", rollout_func),
-                            ("environment_factory", environment_factory), ("quantization_config", quantization_config)):
+        for name, value in (("rollout_func", rollout_func), ("environment_factory", environment_factory),
+                            ("quantization_config", quantization_config)):
             if value is not None:
                 raise SettingsError(f"{name}: not supported yet by fastppo's GRPOTrainer")
         if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
@@ -331,7 +331,7 @@ class GRPOTrainer(PPOTrainer):
                          train_dataset=train_dataset, eval_dataset=sample_table_set, optimizers=optimizers,
                          callbacks=callbacks, peft_config=peft_config,
                          model_args=model_args_of(args, model),
-                         reward_processing_classes=reward_processing_classes)
+                         reward_processing_classes=reward_processing_classes, tools=tools)
         if args.model_init_kwargs and not isinstance(model, str):
             self.log("You passed `model_init_kwargs` to the GRPOConfig, but your model is already instantiated. The "
                      "`model_init_kwargs` will be ignored.")
@@ -518,7 +518,7 @@ class GRPOTrainer(PPOTrainer):
         for held, ids, rows in self._eval_sets:
             if held is data:
                 return ids, rows
-        ids, rows = load_prompts(data, self.config, self.tokenizer, "eval_dataset", self.log)
+        ids, rows = load_prompts(data, self.config, self.tokenizer, "eval_dataset", self.log, self.tool_calling)
         self._eval_sets.append((data, ids, rows))
         return ids, rows
 

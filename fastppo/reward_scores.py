@@ -165,13 +165,15 @@ def check_model_scores(name: str, scores: torch.Tensor) -> torch.Tensor:
 
 
 def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: str, chunk: int,
-                  packed: bool, device, context: dict | None = None, unjudged_allowed: bool = False
+                  packed: bool, device, context: dict | None = None, unjudged_allowed: bool = False,
+                  completion_messages: list[list[dict]] | None = None
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str] | None, list[str] | None]:
     """Step 1's scores: each reward on the rollout (a model on the policy's token ids, or on its own tokens when it
     has its own tokenizer; the functions on the texts, as TRL GRPO calls them, ``context``'s keywords added:
     ``trainer_state``, ``log_extra``, ``log_metric``), then Σ wᵢ·rᵢ (``combine_rewards``). Returns (scores [B],
     each reward's column [B] by name (NaN where a function did not judge), prompts, completions (texts, when
-    decoded))."""
+    decoded)). ``completion_messages``: each completion's messages where the rollout made them (its assistant turns
+    and tool results), what a function of conversational data gets as its completion."""
     columns, prompts, completions, texts = {}, None, None, None
     if any(r.fn is not None or r.tokenizer is not None for r in rewards):  # else no decode at all
         prompt_ids, completion_ids = rollout.token_ids()
@@ -186,7 +188,8 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
         scored = call_reward_fns(
             [(reward_fn_name(r.fn), r.fn) for r in functions],
             messages if chat else prompts,  # TRL GRPO: a conversational row's prompt messages, as the dataset has them
-            [[{"role": "assistant", "content": c}] for c in completions] if chat else completions, device,
+            (completion_messages or [[{"role": "assistant", "content": c}] for c in completions]) if chat
+            else completions, device,
             **reward_fn_columns(prompt_ids, completion_ids, rows), **(context or {}))
         columns.update((r.name, column) for r, column in zip(functions, scored))
     for reward in rewards:

@@ -142,7 +142,7 @@ def call_reward_fns(functions: list[tuple[str, Callable]], prompts: list, comple
             getattr(coroutine, "close", lambda: None)()
         raise
     if waiting:
-        for (i, name, _), out in zip(waiting, _run_concurrently([c for _, _, c in waiting])):
+        for (i, name, _), out in zip(waiting, run_concurrently([c for _, _, c in waiting])):
             if isinstance(out, BaseException):
                 raise _failure(name, out) from out
             results[i] = out
@@ -167,7 +167,7 @@ _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_LOCK = threading.Lock()
 
 
-def _run_concurrently(awaitables: list) -> list:
+def run_concurrently(awaitables: list) -> list:
     """Each awaitable's result (or the exception it raised), run together on one background event loop, made once
     per process in a daemon thread (TRL's way: it works the same whether or not the caller has a loop running,
     as a notebook has)."""
@@ -175,7 +175,7 @@ def _run_concurrently(awaitables: list) -> list:
     with _LOOP_LOCK:
         if _LOOP is None:
             _LOOP = asyncio.new_event_loop()
-            threading.Thread(target=_LOOP.run_forever, name="fastppo-async-rewards", daemon=True).start()
+            threading.Thread(target=_LOOP.run_forever, name="fastppo-async", daemon=True).start()
 
     async def gather():
         return await asyncio.gather(*awaitables, return_exceptions=True)

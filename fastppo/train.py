@@ -936,7 +936,9 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
                              entropy_coef=learner.entropy_ctl.value if learner.entropy_ctl is not None
                              else config.entropy_coef or None)
     if config.critic_free:  # TRL GRPO's completion and reward metrics
-        metrics.update(completion_metrics(rollout.lengths, ~rollout.has_stop, batch.scores, config.num_generations,
+        # the lengths count the model's own tokens (TRL's: a tool call's results are the template's, not the model's)
+        metrics.update(completion_metrics(rollout.response_mask.sum(1), ~rollout.has_stop, batch.scores,
+                                          config.num_generations,
                                           config.scale_rewards))
     if metrics["train/skipped_steps"]:
         learner.log(f"{metrics['train/skipped_steps']:g} optimizer step(s) skipped for a non-finite loss or gradient "

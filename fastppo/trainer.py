@@ -39,8 +39,9 @@ from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, s
 from fastppo.rewards import check_reward_fn_columns, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
-from fastppo.train import (UNJUDGED_ESTIMATORS, IterationResult, Learner, ScoredRollout, apply_eos_penalties,
-                           contains_stop, eos_count, make_rollout, ppo_iteration)
+from fastppo.tools import ToolCalling, run_episodes
+from fastppo.train import (UNJUDGED_ESTIMATORS, IterationResult, Learner, Rollout, ScoredRollout, apply_eos_penalties,
+                           assemble, contains_stop, eos_count, make_rollout, ppo_iteration)
 
 
 SETTINGS_LOG = logging.getLogger("fastppo.checks")
@@ -64,7 +65,7 @@ class PPOTrainer:
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
                  optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None,
-                 reward_processing_classes=None):
+                 reward_processing_classes=None, tools=None):
         config = PPOConfig(output_dir=None) if args is None else args
         if not isinstance(config, PPOConfig):
             raise SettingsTypeError(f"args must be a fastppo.PPOConfig (TRL 0.26's fields; for legacy TRL's config use "
@@ -113,8 +114,14 @@ class PPOTrainer:
         L.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
         self.processing_class = self.tokenizer = tokenizer
         self.stop_ids = stop_ids_of(config, tokenizer)
-        self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log)
-        self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log)
+        # TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools)
+        self.tool_calling = None if not tools else ToolCalling(tools, tokenizer, config.chat_template_kwargs)
+        if self.tool_calling is not None and not self.stop_ids:
+            raise SettingsError("tools: a tool call ends the model's turn at its eos token; set stop_token='eos'")
+        self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log,
+                                                      tools=self.tool_calling)
+        self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log,
+                                                          self.tool_calling)
                                              if eval_dataset is not None else (None, None))
         for reward in functions:
             for what, rows in (("train_dataset", self.prompt_rows), ("eval_dataset", self.eval_rows)):
@@ -225,14 +232,13 @@ class PPOTrainer:
         self.actor_critic.eval()
         context, synced = (contextlib.nullcontext(), False) if self.zero is None else \
             self.zero.generation(self._lm(), config.ds3_gather_for_generation)
+        temperature = config.temperature if temperature is None else temperature
+        episodes = None
         with self.autocast(), context:
-            responses = sample_responses(
-                self._lm(), queries, query_mask, config.response_length,
-                config.temperature if temperature is None else temperature, self.stop_ids,
-                tok.pad_token_id, config.local_rollout_forward_batch_size, **({"synced": True} if synced else {}),
-                decoder=self._decoder(), truncation=self.actor_critic.truncation,
-            )
-        rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
+            responses = self._sample(queries, query_mask, config.response_length, temperature, synced)
+            rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
+            if self.tool_calling is not None:  # the turns after each tool call (fastppo.tools)
+                rollout, episodes = self._tool_episodes(rollout, queries, query_mask, temperature, synced)
         t1 = time.perf_counter()
         with self.autocast():
             scores, columns, prompts, completions = score_rewards(
@@ -240,6 +246,7 @@ class PPOTrainer:
                 config.local_rollout_forward_batch_size, config.padding_free, self.device,
                 context=dict(trainer_state=self.state, log_extra=self.reward_logs.log_extra,
                              log_metric=self.reward_logs.log_metric),
+                completion_messages=None if episodes is None else episodes.messages,
                 unjudged_allowed=config.advantage_estimator in UNJUDGED_ESTIMATORS)
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
         scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,
@@ -247,6 +254,46 @@ class PPOTrainer:
         seconds = {"generation": t1 - t0, "reward": time.perf_counter() - t1}
         return ScoredRollout(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds,
                             columns)
+
+    def _sample(self, queries, query_mask, length: int, temperature: float, synced: bool) -> torch.Tensor:
+        """[B, length] tokens sampled after the left-padded ``queries`` (``sample_responses``)."""
+        return sample_responses(self._lm(), queries, query_mask, length, temperature, self.stop_ids,
+                                self.tokenizer.pad_token_id, self.config.local_rollout_forward_batch_size,
+                                **({"synced": True} if synced else {}), decoder=self._decoder(),
+                                truncation=self.actor_critic.truncation)
+
+    def _tool_episodes(self, rollout: Rollout, queries, query_mask, temperature: float, synced: bool):
+        """The rollout's first turns carried on through their tool calls (``tools.run_episodes``): the completions
+        of every turn, the template's tool-message tokens in them left out of training (the rollout's train mask),
+        within ``response_length``; TRL's ``tools/call_frequency`` and ``tools/failure_frequency`` logged (every
+        process's calls over every process's completions)."""
+        pad, stops = self.tokenizer.pad_token_id, self.stop_ids
+
+        def sample(contexts: list[list[int]], length: int) -> list[list[int]]:
+            ids, mask = left_pad(contexts, pad, self.config.pad_to_multiple_of)
+            tokens = self._sample(ids.to(self.device), mask.to(self.device), length, temperature, synced)
+            return [_cut_after_stop(row, stops) for row in tokens.tolist()]
+
+        prompts, first = rollout.token_ids()
+        episodes = run_episodes(self.tool_calling, prompts, first, self.config.response_length, sample,
+                                getattr(self.config, "max_tool_calling_iterations", None), synced, self.device)
+        width = self.config.response_length
+        responses = torch.full((len(first), width), pad, dtype=queries.dtype)
+        real = torch.zeros(len(first), width, dtype=torch.bool)
+        trained = torch.zeros(len(first), width, dtype=torch.bool)
+        for i, (ids, model_tokens) in enumerate(zip(episodes.completions, episodes.model_tokens)):
+            responses[i, :len(ids)] = torch.tensor(ids, dtype=queries.dtype)
+            real[i, :len(ids)] = True
+            trained[i, :len(ids)] = torch.tensor(model_tokens, dtype=torch.bool)
+        has_stop = torch.tensor([bool(ids) and ids[-1] in stops for ids in episodes.completions])
+        counts = fdist.all_reduce(torch.tensor([float(episodes.calls), float(episodes.failures), float(len(first))],
+                                               device=self.device))
+        calls, failures, completions = counts.tolist()
+        self.reward_logs.log_metric("tools/call_frequency", calls / completions)
+        self.reward_logs.log_metric("tools/failure_frequency", failures / calls if calls else 0.0)
+        device = queries.device
+        return assemble(queries, query_mask, responses.to(device), real.to(device), has_stop.to(device),
+                        trained.to(device)), episodes
 
     def _decoder(self) -> StaticDecoder | None:
         """The compiled decode step of the policy (``compiled_decode``), built on first use and kept: its compiled
@@ -618,6 +665,14 @@ class _StopSignals:
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         return False
+
+
+def _cut_after_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
+    """A sampled row up to and including its first stop token (the sampler pads after it)."""
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[:i + 1]
+    return tokens
 
 
 def progress_line(metrics: dict) -> str:

@@ -43,7 +43,7 @@ def test_async_reward_functions_run_together():
 
     from fastppo import rewards
 
-    rewards._run_concurrently([])  # the background loop exists: events are made on it
+    rewards.run_concurrently([])  # the background loop exists: events are made on it
     started.update(asyncio.run_coroutine_threadsafe(make_events(), rewards._LOOP).result())
     out = call_reward_fns([("a", first), ("p", plain), ("b", second)], ["x", "y"], ["u", "v"], "cpu")
     assert [o.tolist() for o in out] == [[1.0, 1.0], [3.0, 3.0], [2.0, 2.0]]

@@ -501,6 +501,12 @@ def exclusion_rules_116(source: str) -> list[dict]:
                 add(rf"{name}(\[.*\])?$", "builds TRL's trainer with object.__new__ and sets its private state")
             elif _private_uses(fn):
                 add(rf"{name}(\[.*\])?$", f"reaches TRL's trainer internals ({', '.join(_private_uses(fn))})")
+            elif "mock_generate" in body or "fake_generate" in body:
+                add(rf"{name}(\[.*\])?$", "mocks transformers' generate() to dictate the completions (fastppo's "
+                                          "sampler is its own decode loop and never calls it)")
+            elif "training_step" in body:
+                add(rf"{name}(\[.*\])?$", "wraps transformers' Trainer.training_step, a step of TRL's loop that "
+                                          "fastppo's loop does not have")
             elif any("'use_liger_kernel'" in m or '"use_liger_kernel"' in m for m in marks):
                 # parametrized over it: only its liger case (pytest ids join the values with -)
                 add(rf"{name}\[(.+-)?True(-.+)?\]$", "needs liger-kernel (Triton GPU kernels)")

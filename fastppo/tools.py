@@ -1,0 +1,290 @@
+"""Tool calls in a rollout (TRL 1.16 GRPOTrainer's ``tools=``): the model's turn is parsed for tool calls, each call
+is run, its result appended as a tool message, and the model goes on, up to ``max_tool_calling_iterations`` rounds.
+
+As TRL does it (``grpo_trainer.py``'s ``_tool_call_loop``):
+
+* the tools reach the model through the chat template (``apply_chat_template(tools=...)``: transformers builds each
+  one's JSON schema from its type hints and docstring); the template must render a whole tool-calling exchange;
+* a turn is parsed with the tokenizer's ``parse_response`` where it has a ``response_template`` (or the older
+  ``response_schema``), else with fastppo's parser of the ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  format (Qwen's and Hermes'); a turn that does not parse is plain text (no call is run or counted);
+* a call of an unknown tool, one whose arguments the function refuses, and one that raises return
+  ``{'error': '...'}`` to the model as its result (TRL's strings) and count as failures; every call's result is
+  ``str(result)`` in a ``{"role": "tool", "name": ..., "content": ...}`` message; async tools run together;
+* the next turn's input is the episode's token ids so far plus the template's tokens for the tool messages (the
+  difference of a rendered conversation with and without them: the tool turn and the next assistant header), never
+  a re-tokenized conversation, so the tokens trained are the tokens sampled;
+* those template tokens are in the sequence and in attention but never in the loss, the advantage or the KL (the
+  rollout's train mask), and the episode as a whole stays within ``max_completion_length``: a round that would
+  overflow it is rolled back for that row, and a last turn is cut at what is left.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fastppo.errors import SettingsError
+from fastppo.rewards import run_concurrently
+
+# fastppo's parser of Qwen's and Hermes' tool calls, for a tokenizer without a response template of its own
+TOOL_CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.S)
+
+
+def check_tools(tools) -> list[Callable]:
+    """The ``tools`` list, each a function (sync or ``async``) whose JSON schema transformers can build (type hints
+    and a docstring describing every argument): refused by name otherwise."""
+    from transformers.utils import get_json_schema
+
+    if not isinstance(tools, (list, tuple)):
+        raise SettingsError(f"tools must be a list of functions, got {type(tools).__name__}")
+    names = set()
+    for tool in tools:
+        if not callable(tool) or not hasattr(tool, "__name__"):
+            raise SettingsError(f"tools: {tool!r} is not a function (a tool is a function with type hints and a "
+                                "docstring)")
+        try:
+            get_json_schema(tool)
+        except Exception as e:  # transformers' own reason: a missing docstring, type hint or argument description
+            raise SettingsError(f"tools: {tool.__name__} has no JSON schema transformers can build: {e}") from None
+        if tool.__name__ in names:
+            raise SettingsError(f"tools: two tools are named {tool.__name__!r}; the model calls a tool by its name")
+        names.add(tool.__name__)
+    return list(tools)
+
+
+@dataclass
+class ToolRound:
+    """One round's tool messages per row (None: the row made no call), and the calls and failures counted."""
+
+    messages: list[list[dict] | None]
+    calls: int
+    failures: int
+
+
+class ToolCalling:
+    """The tools of a run and what the tokenizer's chat template makes of them: parsing a turn, running its calls,
+    and the token ids of the tool messages."""
+
+    def __init__(self, tools: list[Callable], tokenizer, chat_template_kwargs: dict | None = None):
+        self.tools = check_tools(tools)
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.by_name = {tool.__name__: tool for tool in self.tools}
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise SettingsError("tools need the tokenizer's chat template (it shows the tools to the model); this "
+                                "tokenizer has none")
+        if not self._renders_tool_calls():
+            raise SettingsError("The provided chat template does not support tool calling. The template must be able "
+                                "to render a full tool-calling conversation (user -> assistant with tool_calls -> "
+                                "tool).")
+        self.parses_itself = (getattr(tokenizer, "response_template", None) is not None
+                              or getattr(tokenizer, "response_schema", None) is not None)
+        if not self.parses_itself and "<tool_call>" not in self._render(SAMPLE_EXCHANGE[:2]):
+            raise SettingsError("the chat template writes tool calls in a format fastppo does not parse, and the "
+                                "tokenizer has no response_template: set tokenizer.response_template (transformers' "
+                                "format) for it")
+
+    # ------------------------------------------------------------------ the chat template
+
+    def _render(self, messages, **kwargs) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, **{**self.template_kwargs, **kwargs})
+
+    def _renders_tool_calls(self) -> bool:
+        """TRL's test: a user → assistant with a tool call → tool exchange renders with the call's name, argument
+        and the tool's output in it."""
+        try:
+            text = self._render(SAMPLE_EXCHANGE)
+        except Exception:
+            return False
+        return all(marker in text for marker in ("sentinel_tool", "sentinel_key", "sentinel_value", "sentinel_out"))
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """A conversational prompt with the tools shown to the model, and the generation prompt."""
+        ids = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
+                                                 tokenize=True, **self.template_kwargs)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+    def suffix_ids(self, tool_messages: list[dict]) -> list[int]:
+        """The template's tokens after a tool-calling turn's end-of-sequence token: the tool messages and the next
+        assistant turn's header (the difference of a conversation rendered without and with them)."""
+        calling = [{"role": "user", "content": "dummy"},
+                   {"role": "assistant", "content": "", "tool_calls": [
+                       {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]}]
+        before = self._ids(calling, add_generation_prompt=False)
+        after = self._ids(calling + tool_messages, add_generation_prompt=True)
+        eos = self.tokenizer.eos_token_id
+        ends = [i for i, t in enumerate(before) if t == eos]
+        if ends:  # the template's own text after the turn's eos ("\n") comes back in the suffix
+            before = before[:ends[-1] + 1]
+        if after[:len(before)] != before:
+            raise SettingsError("the chat template renders a tool-calling turn differently once tool messages follow "
+                                "it; fastppo cannot append tool results to the sampled tokens")
+        return after[len(before):]
+
+    def _ids(self, messages, **kwargs) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **{**self.template_kwargs, **kwargs})
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+    # ------------------------------------------------------------------ a turn
+
+    def parse(self, ids: list[int], prefix: list[int]) -> dict:
+        """The assistant message of a turn's token ids (``prefix``: what came before it): its content and tool calls
+        (each ``{"type": "function", "function": {"name", "arguments"}}``); a turn that does not parse is plain
+        text."""
+        try:
+            if self.parses_itself:
+                parsed = self.tokenizer.parse_response(ids, prefix=prefix, tools=self.tools)
+                if parsed is None:
+                    raise ValueError("nothing parsed")
+                parsed = dict(parsed)
+            else:
+                parsed = self._parse_tool_call_tags(ids)
+            content = parsed.get("content")
+            if isinstance(content, str) and self.tokenizer.eos_token:
+                parsed["content"] = content.removesuffix(self.tokenizer.eos_token)
+            parsed["content"] = parsed.get("content") or ""
+            if "tool_calls" in parsed:
+                parsed["tool_calls"] = [_checked_call(call) for call in parsed["tool_calls"]]
+            return parsed
+        except (ValueError, TypeError, KeyError):
+            return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
+
+    def _parse_tool_call_tags(self, ids: list[int]) -> dict:
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if self.tokenizer.eos_token:
+            text = text.split(self.tokenizer.eos_token)[0]
+        calls = [json.loads(body) for body in TOOL_CALL.findall(text)]  # a malformed one: the turn is plain text
+        message = {"role": "assistant", "content": TOOL_CALL.sub("", text).strip()}
+        if calls:
+            message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
+        return message
+
+    def run(self, calls: list[list[dict] | None]) -> ToolRound:
+        """Each row's calls run (the plain tools one after another, the ``async`` ones of every row together), and
+        their tool messages in the calls' order."""
+        results: list[list | None] = [None if row is None else [None] * len(row) for row in calls]
+        waiting, failures, count = [], 0, 0
+        for r, row in enumerate(calls):
+            for c, call in enumerate(row or []):
+                count += 1
+                name = call.get("function", {}).get("name", call.get("name", "unknown"))
+                if call.get("type") != "function":
+                    results[r][c] = (name, {"error": f"Unsupported tool call type: {call.get('type')}"})
+                    failures += 1
+                    continue
+                tool = self.by_name.get(name)
+                try:
+                    if tool is None:
+                        raise ValueError(f"Tool {name} not found.")
+                    out = tool(**call["function"]["arguments"])
+                except Exception as e:  # the model reads what went wrong, as TRL reports it
+                    results[r][c] = (name, {"error": str(e)})
+                    failures += 1
+                    continue
+                if inspect.isawaitable(out):
+                    waiting.append((r, c, name, out))
+                else:
+                    results[r][c] = (name, out)
+        for (r, c, name, _), out in zip(waiting, run_concurrently([w[3] for w in waiting])):
+            if isinstance(out, BaseException):
+                out, failures = {"error": str(out)}, failures + 1
+            results[r][c] = (name, out)
+        messages = [None if row is None else [{"role": "tool", "name": name, "content": str(out)}
+                                              for name, out in row] for row in results]
+        return ToolRound(messages, count, failures)
+
+
+def _checked_call(call) -> dict:
+    """A parsed tool call as TRL accepts it: a dict whose ``function`` names the tool; no arguments are ``{}``."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict) \
+            or not isinstance(call["function"].get("name"), str):
+        raise ValueError(f"malformed tool call {call!r}")
+    call = {"type": call.get("type", "function"), "function": dict(call["function"])}
+    if call["function"].get("arguments") is None:
+        call["function"]["arguments"] = {}
+    return call
+
+
+# a tool-calling exchange with markers, to see that a chat template renders each part of it
+SAMPLE_EXCHANGE = [
+    {"role": "user", "content": "sentinel_user"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "sentinel_tool", "arguments": {"sentinel_key": "sentinel_value"}}}]},
+    {"role": "tool", "name": "sentinel_tool", "content": "sentinel_out"},
+]
+
+
+@dataclass
+class Episodes:
+    """Each row's completion over every turn (the model's tokens and the template's tool-message tokens), which of
+    its tokens the model wrote (1) or the template did (0), its messages (the assistant turns and the tool
+    results), and the tool calls run and failed on this process."""
+
+    completions: list[list[int]]
+    model_tokens: list[list[int]]
+    messages: list[list[dict]]
+    calls: int
+    failures: int
+
+
+def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[list[int]], budget: int,
+                 sample: Callable[[list[list[int]], int], list[list[int]]], max_rounds: int | None,
+                 synced: bool = False, device=None) -> Episodes:
+    """Rounds of tool calls after each row's first turn ``first`` (cut after its stop token): the calls of every row
+    that made some are run, the tool messages' tokens appended, and ``sample(contexts, length)`` writes the next
+    turns (each cut after its stop token), until no row calls a tool or ``max_rounds`` rounds ran (None: no limit).
+    The whole completion stays within ``budget`` tokens: a round whose tool messages would leave no room is rolled
+    back for that row, and a turn is cut at the room left. ``synced`` (ZeRO-3, where every forward is a collective):
+    every process runs the same rounds, sampling one throwaway row when it has none of its own (``device``: where
+    the process group's collectives run)."""
+    from fastppo import dist as fdist
+
+    completions = [list(ids) for ids in first]
+    model_tokens = [[1] * len(ids) for ids in first]
+    messages = [[calling.parse(ids, prefix)] for ids, prefix in zip(first, prompts)]
+    calls = failures = rounds = 0
+    pending = [i for i, m in enumerate(messages) if m[-1].get("tool_calls")]
+    while max_rounds is None or rounds < max_rounds:
+        if not _anywhere(bool(pending), synced, fdist, device):
+            break
+        done = calling.run([messages[i][-1]["tool_calls"] if i in pending else None for i in range(len(first))])
+        calls, failures = calls + done.calls, failures + done.failures
+        contexts, rows, rooms = [], [], []
+        for i in pending:
+            suffix = calling.suffix_ids(done.messages[i])
+            room = budget - len(completions[i]) - len(suffix)
+            if room <= 0:  # no room for the tool results and a turn after them: this row's round is rolled back
+                continue
+            messages[i] += done.messages[i]
+            completions[i] += suffix
+            model_tokens[i] += [0] * len(suffix)
+            contexts.append(prompts[i] + completions[i])
+            rows.append(i)
+            rooms.append(room)
+        length = max(rooms, default=0)
+        if synced:  # every process samples the same number of tokens' forwards
+            length = int(fdist.all_reduce(torch.tensor([float(length)], device=device),
+                                          torch.distributed.ReduceOp.MAX).item())
+        turns = sample(contexts or [prompts[0]], length) if (contexts or synced) and length > 0 else []
+        pending = []
+        for i, room, turn in zip(rows, rooms, turns):
+            turn = turn[:room]
+            completions[i] += turn
+            model_tokens[i] += [1] * len(turn)
+            if turn:
+                messages[i].append(calling.parse(turn, prompts[i] + completions[i][:len(completions[i]) - len(turn)]))
+                if messages[i][-1].get("tool_calls"):
+                    pending.append(i)
+        rounds += 1
+    return Episodes(completions, model_tokens, messages, calls, failures)
+
+
+def _anywhere(flag: bool, synced: bool, fdist, device) -> bool:
+    if not synced:
+        return flag
+    return bool(fdist.all_reduce(torch.tensor([float(flag)], device=device), torch.distributed.ReduceOp.MAX).item())

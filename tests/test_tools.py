@@ -1,0 +1,263 @@
+"""TRL 1.16 GRPOTrainer's ``tools=``: scripted completions (the sampler replaced, as TRL's tests replace
+``generate``) on a byte-level tokenizer whose chat template renders tool calls in Qwen's format. The episode's
+tokens, which of them are trained, the messages the reward functions get, TRL's tool metrics, the round limit,
+the length budget, async tools, and bad input."""
+from __future__ import annotations
+
+import asyncio
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from fastppo import GRPOConfig, GRPOTrainer
+from fastppo.errors import SettingsError
+from fastppo.tools import ToolCalling
+
+pytestmark = pytest.mark.usefixtures("reference_path")
+
+# Qwen 2.5's tool format in a short template: the tools in a system turn, each call a <tool_call> JSON block, a tool
+# result a user turn of <tool_response>
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_tokenizer(template=TEMPLATE):
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}  # one order every time
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tok.chat_template = template
+    return tok
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b
+
+
+async def slow_add(a: int, b: int) -> int:
+    """Adds two integers, slowly.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    await asyncio.sleep(0.01)
+    return a + b
+
+
+def call(name, **arguments):
+    import json
+
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+class Script:
+    """The sampler replaced: each call returns the next turn's texts, one per row it is asked for."""
+
+    def __init__(self, tok, turns):
+        self.tok, self.turns, self.rows, self.contexts = tok, turns, [], []
+
+    def __call__(self, queries, mask, length, temperature, synced):
+        texts = self.turns[len(self.rows)]
+        self.rows.append(queries.shape[0])
+        self.contexts.append([q[m.bool()].tolist() for q, m in zip(queries, mask)])
+        assert queries.shape[0] == len(texts)
+        out = torch.full((len(texts), length), self.tok.pad_token_id)
+        for i, text in enumerate(texts):
+            ids = self.tok(text, add_special_tokens=False)["input_ids"][:length]
+            out[i, :len(ids)] = torch.tensor(ids)
+        return out
+
+
+def make_trainer(tmp_path, tools, turns, reward=None, rows=3, **kw):
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    data = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "What is 3 times 4?"}]] * rows})
+    args = GRPOConfig(**{**dict(output_dir=str(tmp_path / "out"), num_generations=rows, per_device_train_batch_size=rows,
+                                max_completion_length=200, max_steps=1, bf16=False, gradient_checkpointing=False,
+                                report_to="none", disable_tqdm=True, save_strategy="no", learning_rate=0.1,
+                                logging_steps=1), **kw})
+    trainer = GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=data, tools=tools,
+                          reward_funcs=reward or (lambda completions, **k: [float(len(c)) for c in completions]))
+    trainer._sample = Script(tok, turns)
+    return trainer, tok
+
+
+def test_an_episode_runs_each_call_and_trains_only_the_models_tokens(tmp_path):
+    """TRL's test_train_with_tools: a valid call, a call with a wrong argument, plain text; then one more turn for the
+    two that called. Their suffix (the tool turn and the next assistant header) is in the sequence, never trained."""
+    seen = []
+
+    def reward(completions, **kwargs):
+        seen.append(completions)
+        return [float(len(c)) for c in completions]
+
+    first = [call("multiply", a=3, b=4) + "<|im_end|>", call("multiply", c=3) + "<|im_end|>",
+             "I do not know.<|im_end|>"]
+    trainer, tok = make_trainer(tmp_path, [multiply], [first, ["It is 12.<|im_end|>", "Sorry.<|im_end|>"]], reward)
+    batch = trainer.rollout()
+    assert trainer._sample.rows == [3, 2]
+    completions = seen[0]
+    assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant"]
+    assert completions[0][0]["tool_calls"] == [{"type": "function",
+                                                "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}]
+    assert completions[0][1] == {"role": "tool", "name": "multiply", "content": "12"}
+    assert completions[0][2] == {"role": "assistant", "content": "It is 12."}
+    assert completions[1][1]["content"] == "{'error': \"multiply() got an unexpected keyword argument 'c'\"}"
+    assert completions[2] == [{"role": "assistant", "content": "I do not know."}]
+    # the tokens: first turn, the template's suffix, the second turn; trained: the model's turns only
+    rollout = batch.rollout
+    _, ids = rollout.token_ids()
+    first_ids = tok(first[0], add_special_tokens=False)["input_ids"]
+    second_ids = tok("It is 12.<|im_end|>", add_special_tokens=False)["input_ids"]
+    suffix = ids[0][len(first_ids):len(ids[0]) - len(second_ids)]
+    assert ids[0][:len(first_ids)] == first_ids and ids[0][len(ids[0]) - len(second_ids):] == second_ids
+    assert tok.decode(suffix) == "<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>" \
+                                 "<|im_start|>assistant\n"  # this template's tool turn and assistant header
+    trained = rollout.response_mask[0, :len(ids[0])].tolist()
+    assert trained == [True] * len(first_ids) + [False] * len(suffix) + [True] * len(second_ids)
+    assert rollout.response_mask[2, :len(ids[2])].all() and not rollout.response_mask[2, len(ids[2]):].any()
+    # the second turn read the whole episode so far: prompt, first turn, the tool messages' tokens
+    prompt = rollout.token_ids()[0][0]
+    assert trainer._sample.contexts[1][0] == prompt + first_ids + suffix
+    metrics = trainer.reward_logs.take_metrics(trainer.device)
+    assert metrics == {"tools/call_frequency": pytest.approx(2 / 3), "tools/failure_frequency": pytest.approx(1 / 2)}
+
+
+def test_a_training_step_logs_trls_tool_metrics_and_moves_the_weights(tmp_path):
+    first = [call("multiply", a=3, b=4) + "<|im_end|>", call("multiply", c=3) + "<|im_end|>", "No.<|im_end|>"]
+    trainer, _ = make_trainer(tmp_path, [multiply], [first, ["It is 12.<|im_end|>", "Sorry.<|im_end|>"]])
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    assert row["tools/call_frequency"] == pytest.approx(2 / 3) and row["tools/failure_frequency"] == 0.5
+    # TRL's lengths count the model's tokens only (the template's tool turn is not the model's)
+    assert row["completions/min_length"] == len(trainer.tokenizer("No.<|im_end|>")["input_ids"])
+    assert all(not torch.equal(p, trainer.model.get_parameter(n)) for n, p in before.items())
+
+
+def test_malformed_calls_are_plain_text_and_run_nothing(tmp_path):
+    """TRL's test_train_with_malformed_tool_calls: no name, another tag, unquoted keys: one turn each, no call."""
+    first = ['<tool_call>\n{"arguments": {"a": 1}}\n</tool_call><|im_end|>',
+             '<toolcall>\n{"name": "multiply", "arguments": {"a": 1, "b": 2}}\n</toolcall><|im_end|>',
+             '<tool_call>\n{name: "multiply", arguments: {a: 1, b: 2}}\n</tool_call><|im_end|>']
+    seen = []
+    trainer, _ = make_trainer(tmp_path, [multiply], [first], lambda completions, **k: seen.append(completions) or
+                              [0.0] * len(completions))
+    trainer.rollout()
+    assert trainer._sample.rows == [3]
+    assert all(len(c) == 1 and "tool_calls" not in c[0] for c in seen[0])
+    assert seen[0][1][0]["content"].startswith("<toolcall>")
+    assert trainer.reward_logs.take_metrics(trainer.device) == {"tools/call_frequency": 0.0,
+                                                                 "tools/failure_frequency": 0.0}
+
+
+@pytest.mark.parametrize("limit,rounds", [(None, 3), (1, 1), (0, 0)])
+def test_the_round_limit(tmp_path, limit, rounds):
+    """A model that calls every turn: max_tool_calling_iterations rounds (None: until it stops calling); the last
+    turn's call is left unrun."""
+    again = call("multiply", a=2, b=2) + "<|im_end|>"
+    turns = [[again] * 2, [again] * 2, [again] * 2, ["4.<|im_end|>"] * 2]
+    trainer, _ = make_trainer(tmp_path, [multiply], turns, rows=2, max_tool_calling_iterations=limit,
+                              max_completion_length=1500)
+    trainer.rollout()
+    assert trainer._sample.rows == [2] * (rounds + 1)
+    assert trainer.reward_logs.take_metrics(trainer.device)["tools/call_frequency"] == rounds
+
+
+def test_the_episode_stays_within_max_completion_length(tmp_path):
+    """A round whose tool messages leave no room is rolled back for that row (its episode ends at the call); a turn
+    after the tool messages is cut at the room left (and counts as truncated)."""
+    first = call("multiply", a=3, b=4) + "<|im_end|>"
+    tok = byte_tokenizer()
+    calling = ToolCalling([multiply], tok)
+    n_first = len(tok(first, add_special_tokens=False)["input_ids"])
+    n_suffix = len(calling.suffix_ids([{"role": "tool", "name": "multiply", "content": "12"}]))
+    budget = n_first + n_suffix + 3  # three tokens left for the second turn
+    trainer, _ = make_trainer(tmp_path, [multiply], [[first] * 2, ["The answer is 12.<|im_end|>"] * 2], rows=2,
+                              max_completion_length=budget)
+    batch = trainer.rollout()
+    _, ids = batch.rollout.token_ids()
+    assert trainer._sample.rows == [2, 2]
+    assert len(ids[0]) == budget and tok.decode(ids[0][-3:]) == "The"
+    assert not batch.rollout.has_stop[0]  # cut: no stop token at its end
+    assert batch.rollout.response_mask[0].tolist() == [True] * n_first + [False] * n_suffix + [True] * 3
+
+
+def test_a_round_that_does_not_fit_is_rolled_back(tmp_path):
+    first = call("multiply", a=3, b=4) + "<|im_end|>"
+    tok = byte_tokenizer()
+    budget = len(tok(first, add_special_tokens=False)["input_ids"]) + 5  # the tool messages alone are longer
+    seen = []
+    trainer, _ = make_trainer(tmp_path, [multiply], [[first] * 2], rows=2, max_completion_length=budget,
+                              reward=lambda completions, **k: seen.append(completions) or [0.0, 0.0])
+    batch = trainer.rollout()
+    assert trainer._sample.rows == [2]  # no second turn
+    assert [m["role"] for m in seen[0][0]] == ["assistant"]
+    _, ids = batch.rollout.token_ids()
+    assert ids[0] == tok(first, add_special_tokens=False)["input_ids"] and batch.rollout.has_stop[0]
+
+
+def test_async_tools_and_two_calls_in_one_turn(tmp_path):
+    seen = []
+    first = [call("multiply", a=3, b=4) + call("slow_add", a=1, b=2) + "<|im_end|>", call("slow_add", a=5, b=5)
+             + "<|im_end|>"]
+    trainer, _ = make_trainer(tmp_path, [multiply, slow_add], [first, ["Done.<|im_end|>", "Ten.<|im_end|>"]], rows=2,
+                              reward=lambda completions, **k: seen.append(completions) or [0.0, 0.0],
+                              max_completion_length=600)
+    trainer.rollout()
+    assert [(m["name"], m["content"]) for m in seen[0][0] if m["role"] == "tool"] == [("multiply", "12"),
+                                                                                       ("slow_add", "3")]
+    assert seen[0][1][1]["content"] == "10"
+    assert trainer.reward_logs.take_metrics(trainer.device)["tools/call_frequency"] == 1.5
+
+
+def no_docstring(a: int) -> int:
+    return a
+
+
+@pytest.mark.parametrize("tools,message", [
+    ([no_docstring], "tools: no_docstring has no JSON schema transformers can build"),
+    (["multiply"], "tools: 'multiply' is not a function"),
+    ([multiply, multiply], "two tools are named 'multiply'"),
+    (multiply, "tools must be a list of functions"),
+])
+def test_bad_tools_are_refused_by_name(tools, message):
+    with pytest.raises(SettingsError, match=message):
+        ToolCalling(tools, byte_tokenizer())
+
+
+def test_a_template_without_tools_and_text_prompts_are_refused(tmp_path):
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(SettingsError, match="does not support tool calling"):
+        ToolCalling([multiply], byte_tokenizer(plain))
+    tok = byte_tokenizer()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2, bf16=False)
+    with pytest.raises(SettingsError, match="tools need conversational prompts"):
+        GRPOTrainer(model=model, processing_class=tok, args=args, tools=[multiply],
+                    reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                    train_dataset=datasets.Dataset.from_dict({"prompt": ["What is 3 times 4?"] * 2}))
