@@ -36,6 +36,7 @@ from transformers import TrainerCallback
 
 from fastppo.config import ALIASES, ModelConfig, PPOConfig, Sizes, Untouched
 from fastppo.data import load_prompts, prompt_batches
+from fastppo.environments import Environments
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.kernels.ppo_loss import off_policy_keep
 from fastppo.metrics import print_completions
@@ -296,13 +297,17 @@ class GRPOTrainer(PPOTrainer):
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None):
-        for name, value in (("rollout_func", rollout_func), ("environment_factory", environment_factory),
-                            ("quantization_config", quantization_config)):
+        for name, value in (("rollout_func", rollout_func), ("quantization_config", quantization_config)):
             if value is not None:
                 raise SettingsError(f"{name}: not supported yet by fastppo's GRPOTrainer")
-        if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
-            raise SettingsError("No reward source provided: reward_funcs is required (a function, a reward model or its "
-                                "path, or a list of them)")
+        environments = None if environment_factory is None else Environments(environment_factory, tools or [])
+        given = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
+            else [reward_funcs]
+        # an environment class's get_reward is a reward source of its own, after the given ones, weighted 1
+        reward_funcs = given + (environments.reward_fns if environments is not None else [])
+        if not reward_funcs:
+            raise SettingsError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                                "environment defines a `get_reward` method.")
         if args is None:
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
             args = self.config_class(f"{(name or 'model').rstrip('/').split('/')[-1]}-{self.run_suffix}")
@@ -311,8 +316,7 @@ class GRPOTrainer(PPOTrainer):
                                     f"fields and defaults), got {type(args).__name__}; a PPOConfig goes to PPOTrainer")
         check_grpo_settings(args)
         if train_dataset is None:  # TRL's trainers have no default prompts (PPOTrainer's embedded ones are fastppo's)
-            raise SettingsError("`train_dataset` is required: a dataset with a 'prompt' column (text or "
-                                "conversational), as TRL's trainer takes it")
+            train_dataset = self._environment_owned_data(args, environments)
         if isinstance(train_dataset, datasets.IterableDataset):  # TRL's settings for a stream, as it sets them
             if args.accelerator_config.dispatch_batches:
                 raise SettingsError("Iterable datasets require `dispatch_batches=False` in `accelerator_config`, as "
@@ -326,12 +330,17 @@ class GRPOTrainer(PPOTrainer):
             sample_table_set = eval_dataset[first]
         elif isinstance(eval_dataset, dict):
             raise SettingsError("eval_dataset is an empty dict: give one dataset, or a dict of named datasets")
-        super().__init__(args=self._engine_config(args), processing_class=processing_class, model=model,
+        engine = self._engine_config(args)
+        if environments is not None and environments.reward_fns and args.reward_weights is not None:
+            engine = copy.copy(engine)  # the given weights, then 1 for each environment's reward (as TRL weighs it)
+            engine.reward_weights = list(args.reward_weights) + [1.0] * len(environments.reward_fns)
+        super().__init__(args=engine, processing_class=processing_class, model=model,
                          reward_model=reward_funcs,
                          train_dataset=train_dataset, eval_dataset=sample_table_set, optimizers=optimizers,
                          callbacks=callbacks, peft_config=peft_config,
                          model_args=model_args_of(args, model),
-                         reward_processing_classes=reward_processing_classes, tools=tools)
+                         reward_processing_classes=reward_processing_classes, tools=tools,
+                         environments=environments)
         if args.model_init_kwargs and not isinstance(model, str):
             self.log("You passed `model_init_kwargs` to the GRPOConfig, but your model is already instantiated. The "
                      "`model_init_kwargs` will be ignored.")
@@ -357,6 +366,22 @@ class GRPOTrainer(PPOTrainer):
             self.log(f"eval_dataset holds {len(eval_dataset)} datasets ({', '.join(map(str, eval_dataset))}); the "
                      f"sample table draws from the first, {first!r}")
         self.aux_loss_enabled = False  # no router auxiliary loss (router_aux_loss_coef is refused)
+
+    @staticmethod
+    def _environment_owned_data(args, environments) -> datasets.Dataset:
+        """No train_dataset: TRL's environment-owned data (one environment, ``max_steps`` set): empty user prompts,
+        one per group of a generation batch, whose environments' ``reset`` writes them."""
+        if environments is None:
+            raise SettingsError("`train_dataset` is required unless an `environment_factory` is provided: a dataset "
+                                "with a 'prompt' column (text or conversational), as TRL's trainer takes it")
+        if environments.multi:
+            raise SettingsError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` "
+                                "with an `environment` column naming each row's environment")
+        if args.max_steps <= 0:
+            raise SettingsError("With environment-owned data (no train_dataset), set max_steps: the run has no "
+                                "dataset whose epochs would bound it")
+        groups = max(1, args.generation_batch_size // args.num_generations)
+        return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * groups})
 
     def _sync_target(self, args):
         """The reference model TR-DPO's syncing mixes the policy into (``sync_ref_model``), refused where there is

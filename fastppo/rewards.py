@@ -265,15 +265,16 @@ def learned_positions(model) -> int | None:
 PASSED_ALWAYS = ("prompts", "completions", "prompt_ids", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
-def check_reward_fn_columns(fn: Callable, name: str, dataset, what: str) -> None:
+def check_reward_fn_columns(fn: Callable, name: str, dataset, what: str, passed: tuple[str, ...] = ()) -> None:
     """Before any model loads: each keyword the reward function requires (no default) must be a column of
-    every dataset it will be called on (the eval set's too), else it would fail mid-run."""
+    every dataset it will be called on (the eval set's too), else it would fail mid-run. ``passed``: keywords the
+    run passes beside ``PASSED_ALWAYS`` (``environments`` where there are some)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return
-    required = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in PASSED_ALWAYS
-                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    required = [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.name not in PASSED_ALWAYS + passed and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     withheld = [c for c in required if c in NOT_PASSED]
     if withheld:  # TRL GRPO's rule: the prompt and the completion come as ``prompts`` and ``completions``
         raise SettingsError(f"reward_fn {name!r} requires {', '.join(map(repr, withheld))}, a column reward functions "

@@ -103,10 +103,11 @@ class ToolCalling:
             return False
         return all(marker in text for marker in ("sentinel_tool", "sentinel_key", "sentinel_value", "sentinel_out"))
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """A conversational prompt with the tools shown to the model, and the generation prompt."""
-        ids = self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
-                                                 tokenize=True, **self.template_kwargs)
+    def prompt_ids(self, messages: list[dict], tools: list[Callable] | None = None) -> list[int]:
+        """A conversational prompt with the tools (default: the run's) shown to the model, and the generation
+        prompt (no tools: none shown, as TRL renders ``tools or None``)."""
+        ids = self.tokenizer.apply_chat_template(messages, tools=(self.tools if tools is None else tools) or None,
+                                                 add_generation_prompt=True, tokenize=True, **self.template_kwargs)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
 
     def suffix_ids(self, tool_messages: list[dict]) -> list[int]:
@@ -132,13 +133,14 @@ class ToolCalling:
 
     # ------------------------------------------------------------------ a turn
 
-    def parse(self, ids: list[int], prefix: list[int]) -> dict:
-        """The assistant message of a turn's token ids (``prefix``: what came before it): its content and tool calls
-        (each ``{"type": "function", "function": {"name", "arguments"}}``); a turn that does not parse is plain
-        text."""
+    def parse(self, ids: list[int], prefix: list[int], tools: list[Callable] | None = None) -> dict:
+        """The assistant message of a turn's token ids (``prefix``: what came before it; ``tools``: the row's, default
+        the run's): its content and tool calls (each ``{"type": "function", "function": {"name", "arguments"}}``); a
+        turn that does not parse is plain text."""
         try:
             if self.parses_itself:
-                parsed = self.tokenizer.parse_response(ids, prefix=prefix, tools=self.tools)
+                parsed = self.tokenizer.parse_response(ids, prefix=prefix,
+                                                       tools=self.tools if tools is None else tools)
                 if parsed is None:
                     raise ValueError("nothing parsed")
                 parsed = dict(parsed)
@@ -164,9 +166,10 @@ class ToolCalling:
             message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
         return message
 
-    def run(self, calls: list[list[dict] | None]) -> ToolRound:
+    def run(self, calls: list[list[dict] | None], tools: list[list[Callable]] | None = None) -> ToolRound:
         """Each row's calls run (the plain tools one after another, the ``async`` ones of every row together), and
-        their tool messages in the calls' order."""
+        their tool messages in the calls' order. ``tools``: each row's (an environment's methods bound to the row's
+        instance), default the run's."""
         results: list[list | None] = [None if row is None else [None] * len(row) for row in calls]
         waiting, failures, count = [], 0, 0
         for r, row in enumerate(calls):
@@ -177,7 +180,7 @@ class ToolCalling:
                     results[r][c] = (name, {"error": f"Unsupported tool call type: {call.get('type')}"})
                     failures += 1
                     continue
-                tool = self.by_name.get(name)
+                tool = (self.by_name if tools is None else {t.__name__: t for t in tools[r]}).get(name)
                 try:
                     if tool is None:
                         raise ValueError(f"Tool {name} not found.")
@@ -234,25 +237,27 @@ class Episodes:
 
 def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[list[int]], budget: int,
                  sample: Callable[[list[list[int]], int], list[list[int]]], max_rounds: int | None,
-                 synced: bool = False, device=None) -> Episodes:
+                 synced: bool = False, device=None, tools: list[list[Callable]] | None = None) -> Episodes:
     """Rounds of tool calls after each row's first turn ``first`` (cut after its stop token): the calls of every row
     that made some are run, the tool messages' tokens appended, and ``sample(contexts, length)`` writes the next
     turns (each cut after its stop token), until no row calls a tool or ``max_rounds`` rounds ran (None: no limit).
     The whole completion stays within ``budget`` tokens: a round whose tool messages would leave no room is rolled
     back for that row, and a turn is cut at the room left. ``synced`` (ZeRO-3, where every forward is a collective):
     every process runs the same rounds, sampling one throwaway row when it has none of its own (``device``: where
-    the process group's collectives run)."""
+    the process group's collectives run). ``tools``: each row's (default: the run's)."""
     from fastppo import dist as fdist
 
     completions = [list(ids) for ids in first]
     model_tokens = [[1] * len(ids) for ids in first]
-    messages = [[calling.parse(ids, prefix)] for ids, prefix in zip(first, prompts)]
+    row_tools = [None] * len(first) if tools is None else tools
+    messages = [[calling.parse(ids, prefix, row_tools[i])] for i, (ids, prefix) in enumerate(zip(first, prompts))]
     calls = failures = rounds = 0
     pending = [i for i, m in enumerate(messages) if m[-1].get("tool_calls")]
     while max_rounds is None or rounds < max_rounds:
         if not _anywhere(bool(pending), synced, fdist, device):
             break
-        done = calling.run([messages[i][-1]["tool_calls"] if i in pending else None for i in range(len(first))])
+        done = calling.run([messages[i][-1]["tool_calls"] if i in pending else None for i in range(len(first))],
+                           tools)
         calls, failures = calls + done.calls, failures + done.failures
         contexts, rows, rooms = [], [], []
         for i in pending:
@@ -277,7 +282,8 @@ def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[lis
             completions[i] += turn
             model_tokens[i] += [1] * len(turn)
             if turn:
-                messages[i].append(calling.parse(turn, prompts[i] + completions[i][:len(completions[i]) - len(turn)]))
+                messages[i].append(calling.parse(turn, prompts[i] + completions[i][:len(completions[i]) - len(turn)],
+                                                 row_tools[i]))
                 if messages[i][-1].get("tool_calls"):
                     pending.append(i)
         rounds += 1

@@ -65,7 +65,7 @@ class PPOTrainer:
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
                  optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None,
-                 reward_processing_classes=None, tools=None):
+                 reward_processing_classes=None, tools=None, environments=None):
         config = PPOConfig(output_dir=None) if args is None else args
         if not isinstance(config, PPOConfig):
             raise SettingsTypeError(f"args must be a fastppo.PPOConfig (TRL 0.26's fields; for legacy TRL's config use "
@@ -115,7 +115,13 @@ class PPOTrainer:
         self.processing_class = self.tokenizer = tokenizer
         self.stop_ids = stop_ids_of(config, tokenizer)
         # TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools)
-        self.tool_calling = None if not tools else ToolCalling(tools, tokenizer, config.chat_template_kwargs)
+        # TRL GRPO's environment_factory (fastppo.environments.Environments): an instance per rollout, reset before
+        # sampling, its methods the rollout's tools
+        self._environments = environments
+        self.environments: list = []  # the last batch's instances, one per rollout (TRL's attribute)
+        every_tool = list(tools or []) + [t for e in (environments.tools.values() if environments else ()) for t in e]
+        self.tool_calling = None if not every_tool else ToolCalling(list(tools or []), tokenizer,
+                                                                    config.chat_template_kwargs)
         if self.tool_calling is not None and not self.stop_ids:
             raise SettingsError("tools: a tool call ends the model's turn at its eos token; set stop_token='eos'")
         self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log,
@@ -126,7 +132,8 @@ class PPOTrainer:
         for reward in functions:
             for what, rows in (("train_dataset", self.prompt_rows), ("eval_dataset", self.eval_rows)):
                 if rows is not None:
-                    check_reward_fn_columns(reward.fn, reward_fn_name(reward.fn), rows, what)
+                    check_reward_fn_columns(reward.fn, reward_fn_name(reward.fn), rows, what,
+                                            ("environments",) if environments is not None else ())
         self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
         self.ds_config = None
         if ds_request is not None:
@@ -227,6 +234,13 @@ class PPOTrainer:
         if prompt_ids is None:  # each drawn prompt num_generations times, side by side: one group per prompt
             drawn = [i for i in next(self._batches) for _ in range(self.sizes.num_generations)]
             prompt_ids, rows = [self.prompts[i] for i in drawn], self.prompt_rows.select(drawn)
+        instances = row_tools = None
+        if self._environments is not None:  # each rollout's own environment, reset: the prompts it makes
+            if rows is None:
+                raise SettingsError("rollout(prompt_ids=...) with environments needs the rows (rows=...): each "
+                                    "rollout's environment is reset with its row")
+            prompt_ids, instances, row_tools = self._reset_environments(rows)
+            self.environments = instances
         queries, query_mask = left_pad(prompt_ids, tok.pad_token_id, config.pad_to_multiple_of)
         queries, query_mask = queries.to(self.device), query_mask.to(self.device)
         self.actor_critic.eval()
@@ -238,14 +252,15 @@ class PPOTrainer:
             responses = self._sample(queries, query_mask, config.response_length, temperature, synced)
             rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
             if self.tool_calling is not None:  # the turns after each tool call (fastppo.tools)
-                rollout, episodes = self._tool_episodes(rollout, queries, query_mask, temperature, synced)
+                rollout, episodes = self._tool_episodes(rollout, queries, query_mask, temperature, synced, row_tools)
         t1 = time.perf_counter()
         with self.autocast():
             scores, columns, prompts, completions = score_rewards(
                 self.rewards, rollout, self.tokenizer, rows, config.dataset_text_field,
                 config.local_rollout_forward_batch_size, config.padding_free, self.device,
                 context=dict(trainer_state=self.state, log_extra=self.reward_logs.log_extra,
-                             log_metric=self.reward_logs.log_metric),
+                             log_metric=self.reward_logs.log_metric,
+                             **({} if instances is None else {"environments": instances})),
                 completion_messages=None if episodes is None else episodes.messages,
                 unjudged_allowed=config.advantage_estimator in UNJUDGED_ESTIMATORS)
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
@@ -262,7 +277,29 @@ class PPOTrainer:
                                 **({"synced": True} if synced else {}), decoder=self._decoder(),
                                 truncation=self.actor_critic.truncation)
 
-    def _tool_episodes(self, rollout: Rollout, queries, query_mask, temperature: float, synced: bool):
+    def _reset_environments(self, rows):
+        """Each rollout's environment (``environments.Environments``), reset with its row; the prompts as they then
+        read (a reset's string appended to the last message), rendered with the rollout's tools; the environments
+        and each rollout's tools."""
+        records = [dict(row) for row in rows]
+        messages = [row.get("prompt") or [{"role": "user", "content": ""}] for row in records]
+        instances, names = self._environments.assign(records)
+        messages = self._environments.reset(instances, records, messages)
+        limit = self.config.max_prompt_length
+        ids = []
+        for m, name in zip(messages, names):
+            if self.tool_calling is not None:
+                prompt = self.tool_calling.prompt_ids(m, self._environments.tools[name])
+            else:
+                prompt = self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                                            **(self.config.chat_template_kwargs or {}))
+                prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "input_ids")
+                              else prompt)
+            ids.append(prompt if limit is None else prompt[-limit:])
+        return ids, instances, [self._environments.row_tools(i) for i in instances]
+
+    def _tool_episodes(self, rollout: Rollout, queries, query_mask, temperature: float, synced: bool,
+                       row_tools=None):
         """The rollout's first turns carried on through their tool calls (``tools.run_episodes``): the completions
         of every turn, the template's tool-message tokens in them left out of training (the rollout's train mask),
         within ``response_length``; TRL's ``tools/call_frequency`` and ``tools/failure_frequency`` logged (every
@@ -276,7 +313,8 @@ class PPOTrainer:
 
         prompts, first = rollout.token_ids()
         episodes = run_episodes(self.tool_calling, prompts, first, self.config.response_length, sample,
-                                getattr(self.config, "max_tool_calling_iterations", None), synced, self.device)
+                                getattr(self.config, "max_tool_calling_iterations", None), synced, self.device,
+                                row_tools)
         width = self.config.response_length
         responses = torch.full((len(first), width), pad, dtype=queries.dtype)
         real = torch.zeros(len(first), width, dtype=torch.bool)

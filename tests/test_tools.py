@@ -261,3 +261,103 @@ def test_a_template_without_tools_and_text_prompts_are_refused(tmp_path):
         GRPOTrainer(model=model, processing_class=tok, args=args, tools=[multiply],
                     reward_funcs=lambda completions, **k: [0.0] * len(completions),
                     train_dataset=datasets.Dataset.from_dict({"prompt": ["What is 3 times 4?"] * 2}))
+
+
+class Counter:
+    """An environment: a counter the model raises with its tool; the reward is the count."""
+
+    def __init__(self):
+        self.count, self.resets = 0, []
+
+    def reset(self, **row):
+        self.count = 0
+        self.resets.append(row)
+        return " Count to one."
+
+    def increment(self, step: int) -> int:
+        """Raises the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+def env_trainer(tmp_path, turns, factory=Counter, data="rows", reward_funcs=None, **kw):
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    dataset = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi."}]] * 3}) if data == "rows" \
+        else data
+    args = GRPOConfig(**{**dict(output_dir=str(tmp_path / "out"), num_generations=3, per_device_train_batch_size=3,
+                                max_completion_length=300, max_steps=1, bf16=False, gradient_checkpointing=False,
+                                report_to="none", disable_tqdm=True, save_strategy="no", learning_rate=0.1,
+                                logging_steps=1), **kw})
+    trainer = GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=dataset,
+                          environment_factory=factory, reward_funcs=reward_funcs)
+    trainer._sample = Script(tok, turns)
+    return trainer, tok
+
+
+def test_each_rollout_has_its_own_environment_its_tools_and_its_reward(tmp_path):
+    """TRL's test_train_with_environment_factory and test_train_with_environment_owned_reward: no reward_funcs (the
+    environment's get_reward is the reward, named after its class), no dataset (max_steps), a valid call, an unknown
+    tool, no call; each rollout's tool runs on its own instance; the reset's text ends the prompt."""
+    first = [call("increment", step=1) + "<|im_end|>", call("decrement", step=1) + "<|im_end|>", "No.<|im_end|>"]
+    trainer, tok = env_trainer(tmp_path, [first, ["Done.<|im_end|>", "Oops.<|im_end|>"]], data=None)
+    assert trainer.reward_func_names == ["Counter"]
+    batch = trainer.rollout()
+    counts = [e.count for e in trainer.environments]
+    assert counts == [1, 0, 0] and len({id(e) for e in trainer.environments}) == 3
+    assert batch.reward_columns["Counter"].tolist() == [1.0, 0.0, 0.0]
+    prompt = tok.decode(batch.rollout.token_ids()[0][0])
+    assert "<|im_start|>user\n Count to one.<|im_end|>" in prompt  # the (empty) user turn, the reset's text after it
+    assert '"name": "increment"' in prompt  # the method is shown as a tool
+    metrics = trainer.reward_logs.take_metrics(trainer.device)
+    assert metrics["tools/call_frequency"] == pytest.approx(2 / 3) and metrics["tools/failure_frequency"] == 0.5
+    trainer._sample = Script(tok, [first, ["Done.<|im_end|>", "Oops.<|im_end|>"]])
+    trainer.train()
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    assert row["rewards/Counter/mean"] == pytest.approx(1 / 3)
+
+
+def test_environments_by_name_and_beside_reward_funcs(tmp_path):
+    """A dict of factories chosen by each row's environment field (not passed to reset), and the get_reward of one
+    class beside a reward function: the others' rollouts are not judged by it."""
+
+    class Plain:
+        def reset(self, **row):
+            self.row = row
+
+    data = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi."}]] * 4,
+                                       "environment": ["count", "plain", "count", "plain"]})
+    turns = [[call("increment", step=2) + "<|im_end|>", "No.<|im_end|>", "No.<|im_end|>", "No.<|im_end|>"],
+             ["Done.<|im_end|>"]]
+    trainer, _ = env_trainer(tmp_path, turns, factory={"count": Counter, "plain": Plain}, data=data,
+                             reward_funcs=lambda completions, **k: [1.0] * len(completions), reward_weights=[0.5],
+                             num_generations=2, per_device_train_batch_size=4, shuffle_dataset=False)
+    assert trainer.reward_func_names == ["<lambda>", "Counter"] and trainer.config.reward_weights == [0.5, 1.0]
+    batch = trainer.rollout()
+    assert [type(e).__name__ for e in trainer.environments] == ["Counter", "Counter", "Plain", "Plain"]
+    column = batch.reward_columns["Counter"].tolist()
+    assert column[:2] == [2.0, 0.0] and all(v != v for v in column[2:])  # NaN: not judged
+    assert "environment" not in trainer.environments[2].row and "prompt" in trainer.environments[2].row
+    with pytest.raises(SettingsError, match="not among the environments"):
+        trainer._reset_environments([{"prompt": [{"role": "user", "content": "x"}], "environment": "other"}])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(factory=None, data=None), "`train_dataset` is required unless an `environment_factory`"),
+    (dict(factory={"a": Counter}, data=None), "requires a `train_dataset` with an `environment` column"),
+    (dict(data=None, max_steps=-1), "set max_steps"),
+    (dict(factory=lambda: object()), "must define a callable `reset`"),
+])
+def test_bad_environments_are_refused(tmp_path, kwargs, message):
+    with pytest.raises(SettingsError, match=message):
+        env_trainer(tmp_path, [], reward_funcs=lambda completions, **k: [0.0] * len(completions), **kwargs)
