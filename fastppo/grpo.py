@@ -297,9 +297,11 @@ class GRPOTrainer(PPOTrainer):
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None):
-        for name, value in (("rollout_func", rollout_func), ("quantization_config", quantization_config)):
-            if value is not None:
-                raise SettingsError(f"{name}: not supported yet by fastppo's GRPOTrainer")
+        if quantization_config is not None:
+            raise SettingsError("quantization_config: not supported yet by fastppo's GRPOTrainer")
+        if rollout_func is not None and not callable(rollout_func):
+            raise SettingsTypeError(f"rollout_func must be a callable (prompts, trainer) -> dict, got "
+                                    f"{type(rollout_func).__name__}")
         environments = None if environment_factory is None else Environments(environment_factory, tools or [])
         given = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
             else [reward_funcs]
@@ -340,7 +342,7 @@ class GRPOTrainer(PPOTrainer):
                          callbacks=callbacks, peft_config=peft_config,
                          model_args=model_args_of(args, model),
                          reward_processing_classes=reward_processing_classes, tools=tools,
-                         environments=environments)
+                         environments=environments, rollout_func=rollout_func)
         if args.model_init_kwargs and not isinstance(model, str):
             self.log("You passed `model_init_kwargs` to the GRPOConfig, but your model is already instantiated. The "
                      "`model_init_kwargs` will be ignored.")

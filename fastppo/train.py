@@ -837,6 +837,19 @@ class ScoredRollout:
     completions: list[str] | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     reward_columns: dict[str, torch.Tensor] = field(default_factory=dict)  # each reward's [B] (NaN: not judged)
+    # [B, T] the log-probs a caller's sampler reported (TRL GRPO's rollout_func), NaN where it reported none
+    sampling_logprobs: torch.Tensor | None = None
+
+
+def sampling_difference(sampled: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """TRL's ``sampling/sampling_logp_difference/{mean,max}``: |log π_θ_old − the sampler's log-prob| over the trained
+    tokens the sampler reported, every process's."""
+    shared = mask.bool() & ~torch.isnan(sampled)
+    gap = torch.where(shared, (old.float() - sampled.float()).abs(), torch.zeros((), device=old.device))
+    total = fdist.all_reduce(torch.stack([gap.sum(), shared.sum().float()]))
+    largest = fdist.all_reduce(gap.max().reshape(1), torch.distributed.ReduceOp.MAX if fdist.is_distributed() else None)
+    return {"sampling/sampling_logp_difference/mean": (total[0] / total[1].clamp(min=1)).item(),
+            "sampling/sampling_logp_difference/max": largest.item()}
 
 
 @dataclass(frozen=True)
@@ -935,6 +948,8 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
                              kl_in_reward=config.advantage_estimator == "rloo" and bool(kl_coef),
                              entropy_coef=learner.entropy_ctl.value if learner.entropy_ctl is not None
                              else config.entropy_coef or None)
+    if batch.sampling_logprobs is not None:  # how far a caller's sampler was from π_θ_old (TRL's vLLM metrics)
+        metrics.update(sampling_difference(batch.sampling_logprobs, experience.logprobs, rollout.response_mask))
     if config.critic_free:  # TRL GRPO's completion and reward metrics
         # the lengths count the model's own tokens (TRL's: a tool call's results are the template's, not the model's)
         metrics.update(completion_metrics(rollout.response_mask.sum(1), ~rollout.has_stop, batch.scores,

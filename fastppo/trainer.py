@@ -65,7 +65,7 @@ class PPOTrainer:
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
                  optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None,
-                 reward_processing_classes=None, tools=None, environments=None):
+                 reward_processing_classes=None, tools=None, environments=None, rollout_func=None):
         config = PPOConfig(output_dir=None) if args is None else args
         if not isinstance(config, PPOConfig):
             raise SettingsTypeError(f"args must be a fastppo.PPOConfig (TRL 0.26's fields; for legacy TRL's config use "
@@ -117,6 +117,10 @@ class PPOTrainer:
         # TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools)
         # TRL GRPO's environment_factory (fastppo.environments.Environments): an instance per rollout, reset before
         # sampling, its methods the rollout's tools
+        self.rollout_func = rollout_func  # TRL GRPO's: a caller's own sampling (PPOTrainer._custom_rollout)
+        if rollout_func is not None and (tools or environments is not None):
+            raise SettingsError("rollout_func with tools or environment_factory: not supported together yet (the "
+                                "rollout_func writes the whole episode, env_mask marking its environment's tokens)")
         self._environments = environments
         self.environments: list = []  # the last batch's instances, one per rollout (TRL's attribute)
         every_tool = list(tools or []) + [t for e in (environments.tools.values() if environments else ()) for t in e]
@@ -129,7 +133,7 @@ class PPOTrainer:
         self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log,
                                                           self.tool_calling)
                                              if eval_dataset is not None else (None, None))
-        for reward in functions:
+        for reward in functions if rollout_func is None else ():  # a rollout_func's fields are columns too
             for what, rows in (("train_dataset", self.prompt_rows), ("eval_dataset", self.eval_rows)):
                 if rows is not None:
                     check_reward_fn_columns(reward.fn, reward_fn_name(reward.fn), rows, what,
@@ -241,6 +245,10 @@ class PPOTrainer:
                                     "rollout's environment is reset with its row")
             prompt_ids, instances, row_tools = self._reset_environments(rows)
             self.environments = instances
+        sampling_logprobs = None
+        if self.rollout_func is not None:  # the caller samples: its ids become the rollout
+            rollout, rows, sampling_logprobs = self._custom_rollout(rows)
+            return self._scored(rollout, rows, t0, time.perf_counter(), None, None, sampling_logprobs)
         queries, query_mask = left_pad(prompt_ids, tok.pad_token_id, config.pad_to_multiple_of)
         queries, query_mask = queries.to(self.device), query_mask.to(self.device)
         self.actor_critic.eval()
@@ -253,7 +261,12 @@ class PPOTrainer:
             rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
             if self.tool_calling is not None:  # the turns after each tool call (fastppo.tools)
                 rollout, episodes = self._tool_episodes(rollout, queries, query_mask, temperature, synced, row_tools)
-        t1 = time.perf_counter()
+        return self._scored(rollout, rows, t0, time.perf_counter(), instances, episodes)
+
+    def _scored(self, rollout: Rollout, rows, t0: float, t1: float, instances, episodes,
+                sampling_logprobs=None) -> ScoredRollout:
+        """Step 1's scoring: the rewards of the rollout's completions, the missing-eos penalty, the timing."""
+        config, tok = self.config, self.tokenizer
         with self.autocast():
             scores, columns, prompts, completions = score_rewards(
                 self.rewards, rollout, self.tokenizer, rows, config.dataset_text_field,
@@ -268,7 +281,66 @@ class PPOTrainer:
                                      config.penalty_reward_value)
         seconds = {"generation": t1 - t0, "reward": time.perf_counter() - t1}
         return ScoredRollout(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds,
-                            columns)
+                             columns, sampling_logprobs)
+
+    ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+    def _custom_rollout(self, rows):
+        """TRL GRPO's ``rollout_func(prompts, trainer)``: called with this process's prompts (each row's ``prompt``,
+        as the dataset holds it, a group's num_generations copies side by side), it returns ``prompt_ids``,
+        ``completion_ids`` and ``logprobs`` (one list per prompt; None where it has none), optionally ``env_mask``
+        (1 on the model's tokens, 0 on its environment's: those are not trained), and any other keys, which reach
+        the reward functions as columns. Returns (the rollout, the rows with those columns, the sampler's log-probs
+        as [B, T], NaN where none)."""
+        records = [dict(row) for row in rows]
+        prompts = [row.get("prompt", row.get(self.config.dataset_text_field)) for row in records]
+        out = self.rollout_func(prompts, self)
+        if not isinstance(out, dict):
+            raise SettingsError(f"rollout_func must return a dict, got {type(out).__name__}")
+        missing = [k for k in self.ROLLOUT_FUNC_KEYS if k not in out]
+        if missing:
+            raise SettingsError(f"rollout_func must return keys {sorted(missing)} in its output dict.")
+        extra = {k: v for k, v in out.items() if k not in (*self.ROLLOUT_FUNC_KEYS, "env_mask")}
+        n, vocab = len(prompts), len(self.tokenizer)
+        columns = {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"],
+                   **({"env_mask": out["env_mask"]} if out.get("env_mask") is not None else {})}
+        for key, value in columns.items():
+            if not isinstance(value, (list, tuple)) or len(value) != n:
+                raise SettingsError(f"rollout_func's {key!r} must hold one list per prompt ({n}), got "
+                                    f"{len(value) if isinstance(value, (list, tuple)) else type(value).__name__}")
+        for key in ("prompt_ids", "completion_ids"):
+            bad = next(((i, t) for i, ids in enumerate(out[key]) for t in ids if not 0 <= int(t) < vocab), None)
+            if bad is not None:
+                raise SettingsError(f"rollout_func's {key}[{bad[0]}] holds token id {bad[1]}, outside the "
+                                    f"tokenizer's vocabulary (0..{vocab - 1})")
+        completions = [list(ids) for ids in out["completion_ids"]]
+        masks = out.get("env_mask") or [[1] * len(ids) for ids in completions]
+        if any(len(m) != len(ids) for m, ids in zip(masks, completions)):
+            raise SettingsError("rollout_func's env_mask must be as long as each completion's ids")
+        width = max(1, max(len(ids) for ids in completions))
+        pad = self.tokenizer.pad_token_id
+        queries, query_mask = left_pad([list(p) for p in out["prompt_ids"]], pad, self.config.pad_to_multiple_of)
+        responses = torch.full((n, width), pad, dtype=queries.dtype)
+        real = torch.zeros(n, width, dtype=torch.bool)
+        trained = torch.zeros(n, width, dtype=torch.bool)
+        sampled = torch.full((n, width), float("nan"))
+        for i, (ids, mask) in enumerate(zip(completions, masks)):
+            responses[i, :len(ids)] = torch.tensor(ids, dtype=queries.dtype)
+            real[i, :len(ids)] = True
+            trained[i, :len(ids)] = torch.tensor([bool(m) for m in mask])
+            row = (out["logprobs"] or [None] * n)[i]
+            if row is not None:
+                sampled[i, :len(row)] = torch.tensor([float("nan") if v is None else float(v) for v in row])
+        has_stop = torch.tensor([bool(ids) and ids[-1] in self.stop_ids for ids in completions])
+        d = self.device
+        rollout = assemble(queries.to(d), query_mask.to(d), responses.to(d), real.to(d), has_stop.to(d),
+                           trained.to(d))
+        for key, value in extra.items():  # TRL's extra fields: a list per prompt, or one value for all
+            if key in rows.column_names:
+                rows = rows.remove_columns(key)
+            rows = rows.add_column(key, list(value) if isinstance(value, (list, tuple)) and len(value) == n
+                                   else [value] * n)
+        return rollout, rows, sampled[:, :rollout.responses.shape[1]].to(d)
 
     def _sample(self, queries, query_mask, length: int, temperature: float, synced: bool) -> torch.Tensor:
         """[B, length] tokens sampled after the left-padded ``queries`` (``sample_responses``)."""

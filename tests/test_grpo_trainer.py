@@ -443,8 +443,6 @@ def test_bad_input_names_what_to_change(tmp_path, model_dir):
         GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=PPOConfig(output_dir=str(tmp_path / "p")))
     with pytest.raises(SettingsError, match="tools: len has no JSON schema transformers can build"):
         GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, tools=[len], train_dataset=tutorial_dataset())
-    with pytest.raises(SettingsError, match="rollout_func: not supported yet"):
-        GRPOTrainer(model=model_dir, reward_funcs=accuracy, args=args, rollout_func=lambda prompts, trainer: {})
     with pytest.raises(SettingsError, match="No reward source provided. Pass `reward_funcs`"):
         GRPOTrainer(model=model_dir, args=args, train_dataset=tutorial_dataset())
     with pytest.raises(SettingsError, match="`train_dataset` is required"):  # TRL's trainers have no default prompts

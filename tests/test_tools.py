@@ -5,6 +5,7 @@ the length budget, async tools, and bad input."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import datasets
 import pytest
@@ -361,3 +362,62 @@ def test_environments_by_name_and_beside_reward_funcs(tmp_path):
 def test_bad_environments_are_refused(tmp_path, kwargs, message):
     with pytest.raises(SettingsError, match=message):
         env_trainer(tmp_path, [], reward_funcs=lambda completions, **k: [0.0] * len(completions), **kwargs)
+
+
+def rollout_trainer(tmp_path, rollout_func, reward=None, **kw):
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    data = datasets.Dataset.from_dict({"prompt": ["2+2=", "3+3="]})
+    args = GRPOConfig(**{**dict(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=4,
+                                max_completion_length=32, max_steps=1, bf16=False, gradient_checkpointing=False,
+                                report_to="none", disable_tqdm=True, save_strategy="no", learning_rate=0.1,
+                                logging_steps=1, shuffle_dataset=False), **kw})
+    return GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=data, rollout_func=rollout_func,
+                       reward_funcs=reward or (lambda completions, **k: [float(len(c)) for c in completions])), tok
+
+
+def test_a_rollout_func_writes_the_rollout(tmp_path):
+    """TRL's rollout_func contract: called with the process's prompts (a group's copies side by side) and the
+    trainer; its ids are the rollout, its env_mask's 0s are not trained, its extra fields reach the reward functions,
+    and how far its log-probs are from π_θ_old is logged (TRL's sampling/ metrics)."""
+    seen, given = [], []
+
+    def rollout(prompts, trainer):
+        given.append(list(prompts))
+        tok = trainer.processing_class
+        completion = tok(" 4 [env] ok<|im_end|>", add_special_tokens=False)["input_ids"]
+        env = [1, 1] + [0] * 6 + [1] * (len(completion) - 8)
+        return {"prompt_ids": [tok(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                "completion_ids": [completion] * len(prompts), "logprobs": [[-1.0] * len(completion)] * len(prompts),
+                "env_mask": [env] * len(prompts), "answer": ["4", "4", "6", "6"], "source": "scripted"}
+
+    def reward(completions, answer, source, **kwargs):
+        seen.append((answer, source))
+        return [1.0] * len(completions)
+
+    trainer, tok = rollout_trainer(tmp_path, rollout, reward)
+    batch = trainer.rollout()
+    assert given == [["2+2=", "2+2=", "3+3=", "3+3="]]
+    assert seen == [(["4", "4", "6", "6"], ["scripted"] * 4)]
+    mask = batch.rollout.response_mask[0].tolist()
+    assert mask[:2] == [True, True] and not any(mask[2:8]) and all(mask[8:batch.rollout.lengths[0]])
+    assert batch.rollout.has_stop.all()
+    trainer.train()
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    assert row["sampling/sampling_logp_difference/mean"] > 0 and math.isfinite(row["loss"])
+
+
+@pytest.mark.parametrize("out,message", [
+    ({"prompt_ids": [[1]] * 4, "completion_ids": [[2]] * 4}, "rollout_func must return keys \\['logprobs'\\]"),
+    ({"prompt_ids": [[1]] * 4, "completion_ids": [[2]] * 3, "logprobs": None}, "'completion_ids' must hold one list "
+                                                                             "per prompt \\(4\\)"),
+    ({"prompt_ids": [[1]] * 4, "completion_ids": [[99999]] * 4, "logprobs": None}, "outside the tokenizer's"),
+    ([1, 2], "rollout_func must return a dict"),
+])
+def test_a_bad_rollout_func_output_is_refused_by_name(tmp_path, out, message):
+    trainer, _ = rollout_trainer(tmp_path, lambda prompts, trainer: out)
+    with pytest.raises(SettingsError, match=message):
+        trainer.rollout()
