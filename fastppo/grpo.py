@@ -175,19 +175,24 @@ class SyncReference(TrainerCallback):
 SAMPLING_KWARGS = ("top_k", "top_p", "min_p", "repetition_penalty")
 
 
+def keywords_setting(name: str, value) -> dict | None:
+    """A setting of keywords (TRL's ``generation_kwargs``, ``model_init_kwargs``): a dict, None, or its JSON from the
+    command line; anything else refused by name."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SettingsError(f"{name} must be a JSON object, got {value!r}: {e}") from None
+    if value is not None and not isinstance(value, dict):
+        raise SettingsError(f"{name} must be a dict of keywords, got {value!r}")
+    return value
+
+
 def apply_generation_kwargs(args) -> None:
     """TRL's ``generation_kwargs`` (a dict, or its JSON from the command line): the sampling settings among them set
     ``args``' own; every other key is refused by name (fastppo samples with its own decode loop, and its log-probs
     must be those of the distribution it samples from)."""
-    kwargs = args.generation_kwargs
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except json.JSONDecodeError as e:
-            raise SettingsError(f"generation_kwargs must be a JSON object, got {kwargs!r}: {e}") from None
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise SettingsError(f"generation_kwargs must be a dict, got {kwargs!r}")
-    for key, value in (kwargs or {}).items():
+    for key, value in (keywords_setting("generation_kwargs", args.generation_kwargs) or {}).items():
         if key in SAMPLING_KWARGS:
             setattr(args, key, value)
         elif key == "do_sample" and value is True:
@@ -258,14 +263,7 @@ def model_args_of(args, model) -> ModelConfig:
     from the command line), as from_pretrained keywords (``MODEL_INIT_KEYS``; dtype unset: fastppo's default, fp32
     for the policy, as TRL's). A key fastppo does not pass is refused by name; with a model object they are ignored, as TRL
     ignores them (GRPOTrainer warns, as TRL does)."""
-    kwargs = args.model_init_kwargs
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except json.JSONDecodeError as e:
-            raise SettingsError(f"model_init_kwargs must be a JSON object, got {kwargs!r}: {e}") from None
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise SettingsError(f"model_init_kwargs must be a dict of from_pretrained keywords, got {kwargs!r}")
+    kwargs = keywords_setting("model_init_kwargs", args.model_init_kwargs)
     fields = {"trust_remote_code": args.trust_remote_code}
     if not isinstance(model, str):
         return ModelConfig(**fields)
