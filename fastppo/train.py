@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch

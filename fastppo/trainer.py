@@ -114,15 +114,15 @@ class PPOTrainer:
         L.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
         self.processing_class = self.tokenizer = tokenizer
         self.stop_ids = stop_ids_of(config, tokenizer)
-        # TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools)
-        # TRL GRPO's environment_factory (fastppo.environments.Environments): an instance per rollout, reset before
-        # sampling, its methods the rollout's tools
         self.rollout_func = rollout_func  # TRL GRPO's: a caller's own sampling (PPOTrainer._custom_rollout)
         if rollout_func is not None and (tools or environments is not None):
             raise SettingsError("rollout_func with tools or environment_factory: not supported together yet (the "
                                 "rollout_func writes the whole episode, env_mask marking its environment's tokens)")
+        # TRL GRPO's environment_factory (fastppo.environments.Environments): an instance per rollout, reset before
+        # sampling, its methods the rollout's tools
         self._environments = environments
         self.environments: list = []  # the last batch's instances, one per rollout (TRL's attribute)
+        # TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools)
         every_tool = list(tools or []) + [t for e in (environments.tools.values() if environments else ()) for t in e]
         self.tool_calling = None if not every_tool else ToolCalling(list(tools or []), tokenizer,
                                                                     config.chat_template_kwargs)

@@ -421,3 +421,15 @@ def test_a_bad_rollout_func_output_is_refused_by_name(tmp_path, out, message):
     trainer, _ = rollout_trainer(tmp_path, lambda prompts, trainer: out)
     with pytest.raises(SettingsError, match=message):
         trainer.rollout()
+
+
+def test_a_rollout_func_with_tools_is_refused(tmp_path):
+    with pytest.raises(SettingsError, match="rollout_func with tools or environment_factory: not supported together"):
+        GRPOTrainer(
+            model=LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)),
+            processing_class=byte_tokenizer(), tools=[multiply], rollout_func=lambda prompts, trainer: {},
+            reward_funcs=lambda completions, **k: [0.0] * len(completions),
+            args=GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2,
+                            bf16=False),
+            train_dataset=datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi."}]] * 2}))
