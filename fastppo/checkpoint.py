@@ -133,6 +133,7 @@ def training_state(optimizer, lr_scheduler, kl_ctl, moments, state, zero, tag: s
         "moments": moments.state_dict() if moments is not None else None,
         "global_step": state.global_step, "episode": state.episode, "log_history": state.log_history,
         "prompt_batches_drawn": prompt_batches_drawn,
+        "num_input_tokens_seen": getattr(state, "num_input_tokens_seen", 0),  # TRL GRPO's logged num_tokens
         "entropy_ctl": None if entropy_ctl is None else entropy_ctl.state_dict(),
     }
 
@@ -170,6 +171,7 @@ def restore_training_state(path: str, policy, value_model, optimizer, lr_schedul
     if entropy_ctl is not None and saved.get("entropy_ctl") is not None:
         entropy_ctl.load_state_dict(saved["entropy_ctl"])
     state.global_step, state.episode = saved["global_step"], saved["episode"]
+    state.num_input_tokens_seen = saved.get("num_input_tokens_seen", 0)
     state.log_history = list(saved["log_history"])
     set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), map_location="cpu", weights_only=False),
                   shuffle)

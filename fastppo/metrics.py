@@ -40,6 +40,7 @@ class UpdateResult:
     optimizer_steps: torch.Tensor | float
     epochs_run: int
     logprobs: torch.Tensor | None = None  # [B, T] π_θ_old's log-probs where the update measured them (no step 2)
+    grad_norm: torch.Tensor | float = float("nan")  # the last optimizer step's gradient norm, before clipping
 
 
 # objective_sums' entries, in order
@@ -133,6 +134,8 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     if not critic:  # TRL GRPO's entropy and loss (a critic-free run logs TRL GRPO's names)
         metrics["entropy"] = _global_mean(by_slot, "entropy")
         metrics["loss"] = mean["loss"]  # each optimizer step's loss as minimised, averaged
+        metrics.update(extreme_clip_fractions(result.stats))
+        metrics["grad_norm"] = float(result.grad_norm)  # transformers': the last step's, before clipping
         if entropy_coef is not None:
             metrics["policy_loss"], metrics["entropy_coef"] = mean["policy_loss"], entropy_coef
     for name, (mean_r, std_r) in zip(columns, reward_moments(list(columns.values()))):
@@ -141,6 +144,22 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     for name in (() if critic else VALUE_METRICS) + (() if kl else ("objective/kl",)):
         del metrics[name]
     return metrics
+
+
+def extreme_clip_fractions(stats: torch.Tensor) -> dict[str, float]:
+    """TRL GRPO's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: for each micro-step, the smallest (largest)
+    process's share of clipped units below (above) the range, averaged over the micro-steps (two all-reduces)."""
+    units = stats[STAT["clip_units"]].flatten()
+    out = {}
+    for name, row, op, none in (("clip_ratio/low_min", "clip_low_sum", torch.distributed.ReduceOp.MIN, math.inf),
+                                ("clip_ratio/high_max", "clip_high_sum", torch.distributed.ReduceOp.MAX, -math.inf)):
+        share = stats[STAT[row]].flatten() / units  # NaN where the micro-step did not run, or had no unit
+        share = torch.nan_to_num(share, nan=none, posinf=none, neginf=none)  # TRL's nanmin/nanmax leave them out
+        if is_distributed():
+            share = all_reduce(share, op)
+        share = share[torch.isfinite(share)]
+        out[name] = share.mean().item() if share.numel() else float("nan")
+    return out
 
 
 def nan_std(r: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:

@@ -656,6 +656,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     on_device_skip = zero is None and bool(optimizer.defaults.get("fused")) and isinstance(
         optimizer, torch.optim.Adam | torch.optim.AdamW)
     skipped = torch.zeros((), device=device)
+    last_norm = float("nan")  # the last step's gradient norm (transformers' logged grad_norm)
     # no scoring forward ran (old_logprobs_in_update): every micro-batch is computed once, at θ_old, so its own
     # log-probs are π_θ_old's; they are kept for the metrics
     seen = torch.zeros_like(rollout.response_mask, dtype=torch.float32) if experience.logprobs is None else None
@@ -760,6 +761,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                     skipped += 1.0
                     log(f"non-finite loss or gradient at PPO epoch {epoch}, minibatch {mb}: "
                         "step skipped, weights unchanged")
+                last_norm = zero.grad_norm()
                 if after_step is not None:
                     after_step()
                 continue
@@ -767,6 +769,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            last_norm = grad_norm.detach()
             ok = (finite * torch.isfinite(grad_norm)).float()
             fdist.all_reduce_min(ok)
             if on_device_skip:
@@ -794,7 +797,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     taken = (max_steps if max_steps is not None and max_steps < epochs_run * sizes.num_mini_batches
              else epochs_run * sizes.num_mini_batches)
     steps = taken - skipped if train else skipped
-    return UpdateResult(stats, skipped, steps, epochs_run, seen)
+    return UpdateResult(stats, skipped, steps, epochs_run, seen, last_norm)
 
 
 def trained_mask(rollout: Rollout, mask_truncated_completions: bool) -> torch.Tensor:

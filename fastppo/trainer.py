@@ -551,6 +551,7 @@ class PPOTrainer:
         with stack:
             while state.global_step < sizes.total_steps:
                 update, before = self.iterations_done + 1, state.global_step  # this generation batch's number
+                started = time.perf_counter()
                 self.control = self.callback_handler.on_step_begin(config, state, self.control)
                 result = self.iteration()  # steps 1-6: rollout, scoring, rewards, GAE, update, metrics
                 last = state.global_step >= sizes.total_steps
@@ -566,7 +567,10 @@ class PPOTrainer:
                     "lr": result.lr,
                     "episode": state.episode,
                     **{f"time/{k}": v for k, v in result.seconds.items()},
+                    "epoch": state.epoch,  # transformers' Trainer.log adds it to every entry, TRL's PPO's too
                 }
+                if config.critic_free:  # what TRL GRPO's trainer logs beside its own metrics
+                    metrics.update(self._step_counters(result, state.global_step - before, started))
                 if config.adaptive_kl:
                     metrics["kl_coef"] = result.kl_coef
                 if progress is not None:
@@ -630,6 +634,18 @@ class PPOTrainer:
                 self.zero.destroy()
             dist.destroy_process_group()
         return state
+
+    def _step_counters(self, result: IterationResult, steps: int, started: float) -> dict[str, float]:
+        """transformers' ``learning_rate`` (after the batch's steps) and TRL GRPO's ``num_tokens`` (every process's
+        prompt and completion tokens so far: ``state.num_input_tokens_seen``) and ``step_time`` (the batch's
+        seconds over its training steps, each optimizer step's gradient_accumulation_steps micro-steps, as TRL
+        averages its steps' times)."""
+        seen = fdist.all_reduce(result.batch.rollout.attention_mask.sum().float().reshape(1)).item()
+        self.state.num_input_tokens_seen = getattr(self.state, "num_input_tokens_seen", 0) + int(seen)
+        micro_steps = max(steps, 1) * self.config.gradient_accumulation_steps
+        return {"learning_rate": self.optimizer.param_groups[0]["lr"],
+                "num_tokens": float(self.state.num_input_tokens_seen),
+                "step_time": (time.perf_counter() - started) / micro_steps}
 
     def _step_end_events(self, before: int) -> None:
         """``on_step_end`` for each global step the iteration took (one under TRL PPO's counting; each optimizer

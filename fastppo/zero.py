@@ -326,6 +326,11 @@ class ZeRO:
         self.engine.step()
         return self.engine.skipped_steps != before
 
+    def grad_norm(self) -> float:
+        """The last step's global gradient norm, as DeepSpeed measured it (NaN where it did not)."""
+        norm = self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
     # ------------------------------------------------------------------ generation
 
     def generation(self, lm: nn.Module, gather: bool) -> tuple[contextlib.AbstractContextManager, bool]:

@@ -170,6 +170,7 @@ def test_a_resume_between_generation_batches_equals_the_whole_run(tmp_path, mode
     assert digest(resumed.policy.state_dict()) == digest(whole.policy.state_dict())
     assert resumed.entropy_coef == whole.entropy_coef and resumed.lr_scheduler.last_epoch == 7
 
-    def losses(trainer):
-        return [(r["step"], r["loss"]) for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
-    assert losses(resumed) == losses(whole) and not math.isnan(losses(whole)[-1][1])
+    def logged(trainer):
+        return [(r["step"], r["loss"], r["num_tokens"], r["learning_rate"], r["epoch"])
+                for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
+    assert logged(resumed) == logged(whole) and not math.isnan(logged(whole)[-1][1])

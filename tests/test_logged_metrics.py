@@ -203,3 +203,18 @@ def test_a_critic_free_run_logs_trl_grpos_names(tmp_path, model_dir):
         if "reward" in row:
             assert names <= set(row)
             assert row["reward"] == pytest.approx(row["objective/scores"], rel=1e-5, abs=1e-6)
+
+
+def test_the_extreme_clip_fractions_are_trls():
+    """TRL GRPO's clip_ratio/low_min and high_max on one process: each micro-step's clipped share below (above) the
+    range, averaged over the micro-steps that had a unit (a micro-step that did not run, or with no unit, is left
+    out, as TRL's nanmin leaves it)."""
+    from fastppo.metrics import STAT_NAMES, extreme_clip_fractions
+
+    stats = torch.full((len(STAT_NAMES), 1, 2, 2), float("nan"))
+    stats[STAT["clip_units"], 0] = torch.tensor([[10.0, 4.0], [0.0, float("nan")]])
+    stats[STAT["clip_low_sum"], 0] = torch.tensor([[1.0, 2.0], [0.0, float("nan")]])
+    stats[STAT["clip_high_sum"], 0] = torch.tensor([[3.0, 0.0], [0.0, float("nan")]])
+    out = extreme_clip_fractions(stats)
+    assert out["clip_ratio/low_min"] == pytest.approx((0.1 + 0.5) / 2)
+    assert out["clip_ratio/high_max"] == pytest.approx((0.3 + 0.0) / 2)
