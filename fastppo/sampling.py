@@ -6,9 +6,11 @@ a negative one multiplied), then the temperature, then ``top_k`` (the k largest 
 (the smallest set of most likely tokens whose probability reaches p) and ``min_p`` (tokens at least min_p times
 the most likely one's probability); each keeps at least one token. TRL's old and new log-probs are then
 softmax(logits / T) of the model, not of that processed distribution: the completions come from one distribution
-and the ratio, the KL and the policy gradient are computed under another (``grpo_trainer.py``'s
-``_get_per_token_logps_and_entropies`` divides by the temperature only; its vLLM importance-sampling correction
-is the one place the sampler's own log-probs enter).
+and the ratio, the KL and the policy gradient are computed under another: TRL 1.16's ``grpo_trainer.py`` passes the
+settings to the sampler only (vLLM's at lines 1131-1135, transformers' generation config at 1160-1165), while
+``_get_per_token_logps_and_entropies`` (line 1419) takes its log-probs from the model's own forward
+(``outputs.log_probs``, line 1500) with no processing; its vLLM importance-sampling correction is the one place
+the sampler's own log-probs enter.
 
 fastppo draws from the processed distribution (``process_logits``) and trains it: every log-prob of the policy,
 old and new, is log softmax of the processed logits at the token (``processed_token_logprobs``), so the first
