@@ -259,6 +259,12 @@ class PPOConfig(TrainingArguments):
     )
 
     # ------------------------------------------------------------ fastppo: models and data
+    tools: str | None = field(  # str | list[str], as reward_fn
+        default=None,
+        metadata={"help": "fastppo: a tool as 'module:function' (type hints and a docstring), shown to the model by "
+                  "the chat template and called when it calls it, as TRL GRPO's tools= (fastppo.tools); repeat the "
+                  "flag for several. Needs conversational prompts.", "action": "append"},
+    )
     reward_fn: str | None = field(  # str | list[str]: see reward_model_path
         default=None,
         metadata={"help": "fastppo: the reward as 'module:function', called as TRL's GRPO calls reward functions "

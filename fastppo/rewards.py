@@ -81,16 +81,16 @@ class RewardFunctionError(RuntimeError):
     """The user's reward function raised."""
 
 
-def load_reward_fn(spec: str) -> Callable:
-    """``module:function`` to the function."""
+def load_reward_fn(spec: str, what: str = "reward_fn") -> Callable:
+    """``module:function`` to the function (``what``: the setting that named it, for the errors)."""
     module_name, _, fn_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise SettingsError(f"reward_fn {spec!r}: cannot import module {module_name!r}: {e}") from e
+        raise SettingsError(f"{what} {spec!r}: cannot import module {module_name!r}: {e}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise SettingsError(f"reward_fn {spec!r}: module {module_name!r} has no function {fn_name!r}")
+        raise SettingsError(f"{what} {spec!r}: module {module_name!r} has no function {fn_name!r}")
     return fn
 
 

@@ -28,7 +28,7 @@ from fastppo import dist as fdist
 from fastppo import loading as L
 from fastppo.build import build_learner, default_scheduler, start_runtime
 from fastppo.checks import check_settings
-from fastppo.config import ModelConfig, PPOConfig, Sizes, derive_sizes, every, user_path
+from fastppo.config import ModelConfig, PPOConfig, Sizes, as_list, derive_sizes, every, user_path
 from fastppo.data import left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
@@ -36,7 +36,7 @@ from fastppo.generation import sample_responses, stop_ids_of
 from fastppo.layout import lm_of, shared_mask_kind
 from fastppo.metrics import MetricsLogger, RewardLogs, plot_curves, print_samples
 from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, score_rewards
-from fastppo.rewards import check_reward_fn_columns, reward_fn_name
+from fastppo.rewards import check_reward_fn_columns, load_reward_fn, reward_fn_name
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.tools import ToolCalling, run_episodes
@@ -122,7 +122,10 @@ class PPOTrainer:
         # sampling, its methods the rollout's tools
         self._environments = environments
         self.environments: list = []  # the last batch's instances, one per rollout (TRL's attribute)
-        # TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools)
+        # TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools); the
+        # config's --tools ("module:function") where none are passed
+        if tools is None and config.tools:
+            tools = [load_reward_fn(spec, "tools") for spec in as_list(config.tools)]
         every_tool = list(tools or []) + [t for e in (environments.tools.values() if environments else ()) for t in e]
         self.tool_calling = None if not every_tool else ToolCalling(list(tools or []), tokenizer,
                                                                     config.chat_template_kwargs)

@@ -433,3 +433,29 @@ def test_a_rollout_func_with_tools_is_refused(tmp_path):
             args=GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2,
                             bf16=False),
             train_dataset=datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi."}]] * 2}))
+
+
+def test_tools_from_the_config_and_the_command_line(tmp_path, monkeypatch):
+    """PPOConfig's tools ('module:function', the CLI's repeatable --tools) load the functions, as TRL GRPO's tools=;
+    a spec that does not import is refused by name."""
+    from fastppo import PPOConfig, PPOTrainer
+    from helpers import cli_config
+
+    assert cli_config(["--tools", "math:gcd", "--tools", "test_tools:multiply"]).tools == ["math:gcd",
+                                                                                        "test_tools:multiply"]
+    tok = byte_tokenizer()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096))
+    data = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi."}]] * 2})
+
+    def config(tools):
+        return PPOConfig(output_dir=str(tmp_path / "out"), advantage_estimator="grpo", num_generations=2,
+                         per_device_train_batch_size=2, response_length=8, stop_token="eos", tools=tools, bf16=False)
+
+    trainer = PPOTrainer(args=config(["test_tools:multiply"]), processing_class=tok, model=model, train_dataset=data,
+                         reward_model=lambda completions, **k: [0.0] * len(completions))
+    assert trainer.tool_calling.tools == [multiply]
+    assert '"name": "multiply"' in tok.decode(trainer.prompts[0])
+    with pytest.raises(SettingsError, match="tools 'no_such_module:f': cannot import module"):
+        PPOTrainer(args=config(["no_such_module:f"]), processing_class=tok, model=model, train_dataset=data,
+                   reward_model=lambda completions, **k: [0.0] * len(completions))
