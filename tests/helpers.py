@@ -169,7 +169,7 @@ def metrics_without_clock(path) -> list[dict]:
     """A metrics.jsonl without its wall-clock fields (the only ones a resume or another engine may change)."""
     with open(path) as f:
         rows = [json.loads(line) for line in f]
-    return [{k: v for k, v in m.items() if not k.startswith("time/") and k != "eps"} for m in rows]
+    return [{k: v for k, v in m.items() if not k.startswith("time/") and k not in ("eps", "step_time")} for m in rows]
 
 
 def cli_trainer(argv):
