@@ -265,6 +265,11 @@ class PPOConfig(TrainingArguments):
                   "the chat template and called when it calls it, as TRL GRPO's tools= (fastppo.tools); repeat the "
                   "flag for several. Needs conversational prompts.", "action": "append"},
     )
+    tool_timeout: float | None = field(
+        default=None,
+        metadata={"help": "fastppo: seconds a tool call may take; one still running then returns an error to the "
+                  "model and counts as a failure (unset: no limit, as TRL)."},
+    )
     reward_fn: str | None = field(  # str | list[str]: see reward_model_path
         default=None,
         metadata={"help": "fastppo: the reward as 'module:function', called as TRL's GRPO calls reward functions "

@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Callable
 
@@ -100,9 +101,17 @@ class Environments:
 
 def _reward_of(kind: type) -> Callable:
     """An environment class's ``get_reward`` as a reward function: its score for the rollouts of that class, None
-    (not judged) for the others; named after the class, as TRL logs it."""
-    def get_reward(environments, **kwargs):
-        return [e.get_reward() if type(e) is kind else None for e in environments]
+    (not judged) for the others; named after the class, as TRL logs it. An ``async`` one is awaited, the rollouts'
+    calls together, beside the other async rewards."""
+    if inspect.iscoroutinefunction(kind.get_reward):
+        async def get_reward(environments, **kwargs):
+            async def one(e):
+                return await e.get_reward() if type(e) is kind else None
+
+            return list(await asyncio.gather(*map(one, environments)))
+    else:
+        def get_reward(environments, **kwargs):
+            return [e.get_reward() if type(e) is kind else None for e in environments]
 
     get_reward.__name__ = get_reward.__qualname__ = kind.__name__
     return get_reward

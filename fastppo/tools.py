@@ -20,9 +20,11 @@ As TRL does it (``grpo_trainer.py``'s ``_tool_call_loop``):
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,7 +72,11 @@ class ToolCalling:
     """The tools of a run and what the tokenizer's chat template makes of them: parsing a turn, running its calls,
     and the token ids of the tool messages."""
 
-    def __init__(self, tools: list[Callable], tokenizer, chat_template_kwargs: dict | None = None):
+    def __init__(self, tools: list[Callable], tokenizer, chat_template_kwargs: dict | None = None,
+                 timeout: float | None = None):
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise SettingsError(f"tool_timeout must be a number of seconds > 0, or unset, got {timeout!r}")
+        self.timeout = timeout  # a call still running then is a failure the model reads (fastppo's; TRL has none)
         self.tools = check_tools(tools)
         self.tokenizer = tokenizer
         self.template_kwargs = dict(chat_template_kwargs or {})
@@ -184,7 +190,7 @@ class ToolCalling:
                 try:
                     if tool is None:
                         raise ValueError(f"Tool {name} not found.")
-                    out = tool(**call["function"]["arguments"])
+                    out = _call(tool, call["function"]["arguments"], self.timeout)
                 except Exception as e:  # the model reads what went wrong, as TRL reports it
                     results[r][c] = (name, {"error": str(e)})
                     failures += 1
@@ -200,6 +206,37 @@ class ToolCalling:
         messages = [None if row is None else [{"role": "tool", "name": name, "content": str(out)}
                                               for name, out in row] for row in results]
         return ToolRound(messages, count, failures)
+
+
+def _call(tool: Callable, arguments, timeout: float | None):
+    """``tool(**arguments)``; with a ``timeout``, a plain tool runs in a daemon thread and one still running then
+    raises ``TimeoutError`` (the thread is left to finish on its own), and an ``async`` one is awaited for as long."""
+    if timeout is None:
+        return tool(**arguments)
+    if inspect.iscoroutinefunction(tool):
+        async def bounded():
+            try:
+                return await asyncio.wait_for(tool(**arguments), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"Tool {tool.__name__} did not return within {timeout} s") from None
+
+        return bounded()
+    box: dict = {}
+
+    def target():
+        try:
+            box["out"] = tool(**arguments)
+        except BaseException as e:  # raised again in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"fastppo-tool-{tool.__name__}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"Tool {tool.__name__} did not return within {timeout} s")
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
 
 
 def _checked_call(call) -> dict:

@@ -128,7 +128,7 @@ class PPOTrainer:
             tools = [load_reward_fn(spec, "tools") for spec in as_list(config.tools)]
         every_tool = list(tools or []) + [t for e in (environments.tools.values() if environments else ()) for t in e]
         self.tool_calling = None if not every_tool else ToolCalling(list(tools or []), tokenizer,
-                                                                    config.chat_template_kwargs)
+                                                                    config.chat_template_kwargs, config.tool_timeout)
         if self.tool_calling is not None and not self.stop_ids:
             raise SettingsError("tools: a tool call ends the model's turn at its eos token; set stop_token='eos'")
         self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log,

@@ -459,3 +459,52 @@ def test_tools_from_the_config_and_the_command_line(tmp_path, monkeypatch):
     with pytest.raises(SettingsError, match="tools 'no_such_module:f': cannot import module"):
         PPOTrainer(args=config(["no_such_module:f"]), processing_class=tok, model=model, train_dataset=data,
                    reward_model=lambda completions, **k: [0.0] * len(completions))
+
+
+def test_an_async_get_reward_is_awaited(tmp_path):
+    class AsyncCounter(Counter):
+        async def get_reward(self) -> float:
+            await asyncio.sleep(0.001)
+            return float(self.count) + 0.5
+
+    first = [call("increment", step=3) + "<|im_end|>", "No.<|im_end|>", "No.<|im_end|>"]
+    trainer, _ = env_trainer(tmp_path, [first, ["Done.<|im_end|>"]], factory=AsyncCounter, data=None)
+    batch = trainer.rollout()
+    assert trainer.reward_func_names == ["AsyncCounter"]
+    assert batch.reward_columns["AsyncCounter"].tolist() == [3.5, 0.5, 0.5]
+
+
+def test_a_tool_that_hangs_returns_an_error_after_the_timeout(tmp_path):
+    import time
+
+    def stuck(seconds: float) -> str:
+        """Sleeps.
+
+        Args:
+            seconds: How long.
+        """
+        time.sleep(seconds)
+        return "awake"
+
+    async def stuck_async(seconds: float) -> str:
+        """Sleeps, asynchronously.
+
+        Args:
+            seconds: How long.
+        """
+        await asyncio.sleep(seconds)
+        return "awake"
+
+    seen = []
+    first = [call("stuck", seconds=5) + "<|im_end|>", call("stuck_async", seconds=5) + "<|im_end|>"]
+    trainer, _ = make_trainer(tmp_path, [stuck, stuck_async], [first, ["Oh.<|im_end|>"] * 2], rows=2,
+                              max_completion_length=600, tool_timeout=0.2,
+                              reward=lambda completions, **k: seen.append(completions) or [0.0, 0.0])
+    started = time.perf_counter()
+    trainer.rollout()
+    assert time.perf_counter() - started < 3
+    assert seen[0][0][1]["content"] == "{'error': 'Tool stuck did not return within 0.2 s'}"
+    assert seen[0][1][1]["content"] == "{'error': 'Tool stuck_async did not return within 0.2 s'}"
+    assert trainer.reward_logs.take_metrics(trainer.device)["tools/failure_frequency"] == 1.0
+    with pytest.raises(SettingsError, match="tool_timeout must be a number of seconds > 0"):
+        ToolCalling([multiply], byte_tokenizer(), timeout=0)
