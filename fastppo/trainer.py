@@ -124,6 +124,9 @@ class PPOTrainer:
         self.environments: list = []  # the last batch's instances, one per rollout (TRL's attribute)
         # TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools); the
         # config's --tools ("module:function") where none are passed
+        if tools and config.tools:
+            raise SettingsError(f"tools given twice: as the trainer's tools= and as the config's tools "
+                                f"{as_list(config.tools)}; give them in one place")
         if tools is None and config.tools:
             tools = [load_reward_fn(spec, "tools") for spec in as_list(config.tools)]
         every_tool = list(tools or []) + [t for e in (environments.tools.values() if environments else ()) for t in e]

@@ -456,6 +456,9 @@ def test_tools_from_the_config_and_the_command_line(tmp_path, monkeypatch):
                          reward_model=lambda completions, **k: [0.0] * len(completions))
     assert trainer.tool_calling.tools == [multiply]
     assert '"name": "multiply"' in tok.decode(trainer.prompts[0])
+    with pytest.raises(SettingsError, match="tools given twice"):
+        PPOTrainer(args=config(["test_tools:multiply"]), processing_class=tok, model=model, train_dataset=data,
+                   reward_model=lambda completions, **k: [0.0] * len(completions), tools=[multiply])
     with pytest.raises(SettingsError, match="tools 'no_such_module:f': cannot import module"):
         PPOTrainer(args=config(["no_such_module:f"]), processing_class=tok, model=model, train_dataset=data,
                    reward_model=lambda completions, **k: [0.0] * len(completions))
