@@ -274,14 +274,17 @@ class Episodes:
 
 def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[list[int]], budget: int,
                  sample: Callable[[list[list[int]], int], list[list[int]]], max_rounds: int | None,
-                 synced: bool = False, device=None, tools: list[list[Callable]] | None = None) -> Episodes:
+                 synced: bool = False, device=None, tools: list[list[Callable]] | None = None,
+                 stop_ids: tuple[int, ...] = ()) -> Episodes:
     """Rounds of tool calls after each row's first turn ``first`` (cut after its stop token): the calls of every row
     that made some are run, the tool messages' tokens appended, and ``sample(contexts, length)`` writes the next
     turns (each cut after its stop token), until no row calls a tool or ``max_rounds`` rounds ran (None: no limit).
     The whole completion stays within ``budget`` tokens: a round whose tool messages would leave no room is rolled
     back for that row, and a turn is cut at the room left. ``synced`` (ZeRO-3, where every forward is a collective):
     every process runs the same rounds, sampling one throwaway row when it has none of its own (``device``: where
-    the process group's collectives run). ``tools``: each row's (default: the run's)."""
+    the process group's collectives run). ``tools``: each row's (default: the run's). ``stop_ids``: a turn that
+    did not end at one of them ran out of room, and its calls are not run (the template's tool turn follows an
+    ended turn)."""
     from fastppo import dist as fdist
 
     completions = [list(ids) for ids in first]
@@ -289,7 +292,12 @@ def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[lis
     row_tools = [None] * len(first) if tools is None else tools
     messages = [[calling.parse(ids, prefix, row_tools[i])] for i, (ids, prefix) in enumerate(zip(first, prompts))]
     calls = failures = rounds = 0
-    pending = [i for i, m in enumerate(messages) if m[-1].get("tool_calls")]
+    ended = set(stop_ids)
+
+    def calls_tools(message: dict, turn: list[int]) -> bool:
+        return bool(message.get("tool_calls")) and (not ended or (bool(turn) and turn[-1] in ended))
+
+    pending = [i for i, m in enumerate(messages) if calls_tools(m[-1], first[i])]
     while max_rounds is None or rounds < max_rounds:
         if not _anywhere(bool(pending), synced, fdist, device):
             break
@@ -321,7 +329,7 @@ def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[lis
             if turn:
                 messages[i].append(calling.parse(turn, prompts[i] + completions[i][:len(completions[i]) - len(turn)],
                                                  row_tools[i]))
-                if messages[i][-1].get("tool_calls"):
+                if calls_tools(messages[i][-1], turn):
                     pending.append(i)
         rounds += 1
     return Episodes(completions, model_tokens, messages, calls, failures)

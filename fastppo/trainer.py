@@ -392,7 +392,7 @@ class PPOTrainer:
         prompts, first = rollout.token_ids()
         episodes = run_episodes(self.tool_calling, prompts, first, self.config.response_length, sample,
                                 getattr(self.config, "max_tool_calling_iterations", None), synced, self.device,
-                                row_tools)
+                                row_tools, tuple(stops))
         width = self.config.response_length
         responses = torch.full((len(first), width), pad, dtype=queries.dtype)
         real = torch.zeros(len(first), width, dtype=torch.bool)

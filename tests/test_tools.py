@@ -511,3 +511,15 @@ def test_a_tool_that_hangs_returns_an_error_after_the_timeout(tmp_path):
     assert trainer.reward_logs.take_metrics(trainer.device)["tools/failure_frequency"] == 1.0
     with pytest.raises(SettingsError, match="tool_timeout must be a number of seconds > 0"):
         ToolCalling([multiply], byte_tokenizer(), timeout=0)
+
+
+def test_a_call_in_a_turn_that_ran_out_of_room_is_not_run(tmp_path):
+    """A turn cut by the length budget (no stop token at its end) holds a whole call: it is not run (the tool turn
+    of the template follows an ended turn)."""
+    cut = call("multiply", a=3, b=4) + " and more text that runs out"
+    tok = byte_tokenizer()
+    budget = len(tok(cut, add_special_tokens=False)["input_ids"]) - 3
+    trainer, _ = make_trainer(tmp_path, [multiply], [[cut] * 2], rows=2, max_completion_length=budget)
+    batch = trainer.rollout()
+    assert trainer._sample.rows == [2] and not batch.rollout.has_stop.any()
+    assert trainer.reward_logs.take_metrics(trainer.device)["tools/call_frequency"] == 0.0
