@@ -361,6 +361,9 @@ class PPOTrainer:
         and each rollout's tools."""
         records = [dict(row) for row in rows]
         messages = [row.get("prompt") or [{"role": "user", "content": ""}] for row in records]
+        if not all(isinstance(m, list) and m and isinstance(m[-1], dict) for m in messages):
+            raise SettingsError("environment_factory needs conversational prompts (lists of chat messages: a reset's "
+                                "text is appended to the last one)")
         instances, names = self._environments.assign(records)
         messages = self._environments.reset(instances, records, messages)
         limit = self.config.max_prompt_length

@@ -523,3 +523,15 @@ def test_a_call_in_a_turn_that_ran_out_of_room_is_not_run(tmp_path):
     batch = trainer.rollout()
     assert trainer._sample.rows == [2] and not batch.rollout.has_stop.any()
     assert trainer.reward_logs.take_metrics(trainer.device)["tools/call_frequency"] == 0.0
+
+
+def test_environments_need_conversational_prompts(tmp_path):
+    class Plain:
+        def reset(self, **row):
+            return " more"
+
+    data = datasets.Dataset.from_dict({"prompt": ["a text prompt", "another"]})
+    trainer, _ = env_trainer(tmp_path, [], factory=Plain, data=data, num_generations=2, per_device_train_batch_size=2,
+                             reward_funcs=lambda completions, **k: [0.0] * len(completions))
+    with pytest.raises(SettingsError, match="environment_factory needs conversational prompts"):
+        trainer.rollout()
