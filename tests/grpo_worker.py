@@ -1,9 +1,10 @@
 """One torchrun rank of a GRPOTrainer evaluation, for the multi-process tests.
 
     torchrun --nproc_per_node 2 tests/grpo_worker.py MODEL_DIR OUTPUT_DIR
+    torchrun --nproc_per_node 2 tests/grpo_worker.py tools OUTPUT_DIR
 
 Evaluates 5 prompts (4 completions each, 8 per process per batch: a short last batch) and writes this rank's
-metrics to ``eval<RANK>.json`` in the output directory.
+metrics to ``eval<RANK>.json`` in the output directory; ``tools``: ``tools_run``.
 """
 import faulthandler
 import json
@@ -17,7 +18,40 @@ import datasets  # noqa: E402
 from fastppo import GRPOConfig, GRPOTrainer  # noqa: E402
 
 
+def tools_run(out: str) -> None:
+    """``tools``: one training step with tools; rank 0's completions call a tool (one round), rank 1's do not: the
+    processes sample a different number of times (no collective among them) and log the same tool metrics."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from test_tools import Script, byte_tokenizer, call, multiply
+
+    rank = int(os.environ["RANK"])
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
+                                         eos_token_id=tok.eos_token_id))
+    data = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Question {i}?"}] for i in range(4)]})
+    args = GRPOConfig(output_dir=out, num_generations=2, per_device_train_batch_size=2, max_completion_length=300,
+                      max_steps=1, bf16=False, gradient_checkpointing=False, disable_tqdm=True, save_strategy="no",
+                      report_to="none", logging_steps=1, learning_rate=0.1)
+    trainer = GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=data, tools=[multiply],
+                          reward_funcs=lambda completions, **k: [float(len(c)) for c in completions])
+    turns = [[call("multiply", a=2, b=3) + "<|im_end|>"] * 2, ["Six.<|im_end|>"] * 2] if rank == 0 else \
+        [["No tools.<|im_end|>"] * 2]
+    trainer._sample = Script(tok, turns)
+    trainer.train()
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    with open(os.path.join(out, f"tools{rank}.json"), "w") as f:
+        json.dump({"rows": trainer._sample.rows, "call_frequency": row["tools/call_frequency"],
+                   "failure_frequency": row["tools/failure_frequency"], "loss": row["loss"]}, f)
+
+
 def main() -> None:
+    if sys.argv[1] == "tools":
+        return tools_run(sys.argv[2])
     model, out = sys.argv[1], sys.argv[2]
     prompts = datasets.Dataset.from_dict({"prompt": ["the movie was", "i think the plot is", "overall the cast",
                                                      "the ending felt", "a story of"]})

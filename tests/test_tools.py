@@ -535,3 +535,24 @@ def test_environments_need_conversational_prompts(tmp_path):
                              reward_funcs=lambda completions, **k: [0.0] * len(completions))
     with pytest.raises(SettingsError, match="environment_factory needs conversational prompts"):
         trainer.rollout()
+
+
+@pytest.mark.slow
+def test_tool_episodes_on_two_processes(tmp_path):
+    """torchrun, 2 CPU processes (DDP): one process's completions call a tool and sample twice, the other's once;
+    neither waits on the other, and both log every process's calls over every process's completions."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_worker.py")
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           worker, "tools", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.load(open(tmp_path / f"tools{r}.json")) for r in range(2)]
+    assert ranks[0]["rows"] == [2, 2] and ranks[1]["rows"] == [2]
+    for rank in ranks:  # 2 calls among the 4 completions of both processes, none failed
+        assert rank["call_frequency"] == pytest.approx(0.5) and rank["failure_frequency"] == 0.0
+    assert ranks[0]["loss"] == ranks[1]["loss"]  # the step's loss, over every process
