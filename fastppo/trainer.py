@@ -323,30 +323,22 @@ class PPOTrainer:
         masks = out.get("env_mask") or [[1] * len(ids) for ids in completions]
         if any(len(m) != len(ids) for m, ids in zip(masks, completions)):
             raise SettingsError("rollout_func's env_mask must be as long as each completion's ids")
-        width = max(1, max(len(ids) for ids in completions))
-        pad = self.tokenizer.pad_token_id
-        queries, query_mask = left_pad([list(p) for p in out["prompt_ids"]], pad, self.config.pad_to_multiple_of)
-        responses = torch.full((n, width), pad, dtype=queries.dtype)
-        real = torch.zeros(n, width, dtype=torch.bool)
-        trained = torch.zeros(n, width, dtype=torch.bool)
-        sampled = torch.full((n, width), float("nan"))
-        for i, (ids, mask) in enumerate(zip(completions, masks)):
-            responses[i, :len(ids)] = torch.tensor(ids, dtype=queries.dtype)
-            real[i, :len(ids)] = True
-            trained[i, :len(ids)] = torch.tensor([bool(m) for m in mask])
-            row = (out["logprobs"] or [None] * n)[i]
+        queries, query_mask = left_pad([list(p) for p in out["prompt_ids"]], self.tokenizer.pad_token_id,
+                                       self.config.pad_to_multiple_of)
+        rollout = self._rollout_of(queries.to(self.device), query_mask.to(self.device), completions, masks)
+        sampled = torch.full(rollout.responses.shape, float("nan"))
+        for i, row in enumerate(out["logprobs"] or [None] * n):
+            if row is not None and len(row) != len(completions[i]):
+                raise SettingsError(f"rollout_func's logprobs[{i}] holds {len(row)} values for "
+                                    f"{len(completions[i])} completion tokens")
             if row is not None:
                 sampled[i, :len(row)] = torch.tensor([float("nan") if v is None else float(v) for v in row])
-        has_stop = torch.tensor([bool(ids) and ids[-1] in self.stop_ids for ids in completions])
-        d = self.device
-        rollout = assemble(queries.to(d), query_mask.to(d), responses.to(d), real.to(d), has_stop.to(d),
-                           trained.to(d))
         for key, value in extra.items():  # TRL's extra fields: a list per prompt, or one value for all
             if key in rows.column_names:
                 rows = rows.remove_columns(key)
             rows = rows.add_column(key, list(value) if isinstance(value, (list, tuple)) and len(value) == n
                                    else [value] * n)
-        return rollout, rows, sampled[:, :rollout.responses.shape[1]].to(d)
+        return rollout, rows, sampled.to(self.device)
 
     def _sample(self, queries, query_mask, length: int, temperature: float, synced: bool) -> torch.Tensor:
         """[B, length] tokens sampled after the left-padded ``queries`` (``sample_responses``)."""
@@ -396,23 +388,29 @@ class PPOTrainer:
         episodes = run_episodes(self.tool_calling, prompts, first, self.config.response_length, sample,
                                 getattr(self.config, "max_tool_calling_iterations", None), synced, self.device,
                                 row_tools, tuple(stops))
-        width = self.config.response_length
-        responses = torch.full((len(first), width), pad, dtype=queries.dtype)
-        real = torch.zeros(len(first), width, dtype=torch.bool)
-        trained = torch.zeros(len(first), width, dtype=torch.bool)
-        for i, (ids, model_tokens) in enumerate(zip(episodes.completions, episodes.model_tokens)):
-            responses[i, :len(ids)] = torch.tensor(ids, dtype=queries.dtype)
-            real[i, :len(ids)] = True
-            trained[i, :len(ids)] = torch.tensor(model_tokens, dtype=torch.bool)
-        has_stop = torch.tensor([bool(ids) and ids[-1] in stops for ids in episodes.completions])
         counts = fdist.all_reduce(torch.tensor([float(episodes.calls), float(episodes.failures), float(len(first))],
                                                device=self.device))
         calls, failures, completions = counts.tolist()
         self.reward_logs.log_metric("tools/call_frequency", calls / completions)
         self.reward_logs.log_metric("tools/failure_frequency", failures / calls if calls else 0.0)
+        return self._rollout_of(queries, query_mask, episodes.completions, episodes.model_tokens), episodes
+
+    def _rollout_of(self, queries, query_mask, completions: list[list[int]], trained: list[list[int]]) -> Rollout:
+        """The rollout of completions given as token lists (a multi-turn episode's, a rollout_func's) after the
+        left-padded ``queries``: ``trained`` marks each completion's tokens to train (0: a tool's or environment's),
+        and a completion has stopped where its last token is a stop token."""
+        n, width = len(completions), max(1, max(map(len, completions), default=1))
+        responses = torch.full((n, width), self.tokenizer.pad_token_id, dtype=queries.dtype)
+        real = torch.zeros(n, width, dtype=torch.bool)
+        mask = torch.zeros(n, width, dtype=torch.bool)
+        for i, (ids, marks) in enumerate(zip(completions, trained)):
+            responses[i, :len(ids)] = torch.tensor(ids, dtype=queries.dtype)
+            real[i, :len(ids)] = True
+            mask[i, :len(ids)] = torch.tensor([bool(m) for m in marks], dtype=torch.bool)
+        has_stop = torch.tensor([bool(ids) and ids[-1] in self.stop_ids for ids in completions])
         device = queries.device
         return assemble(queries, query_mask, responses.to(device), real.to(device), has_stop.to(device),
-                        trained.to(device)), episodes
+                        mask.to(device))
 
     def _decoder(self) -> StaticDecoder | None:
         """The compiled decode step of the policy (``compiled_decode``), built on first use and kept: its compiled

@@ -416,6 +416,8 @@ def test_a_rollout_func_writes_the_rollout(tmp_path):
                                                                              "per prompt \\(4\\)"),
     ({"prompt_ids": [[1]] * 4, "completion_ids": [[99999]] * 4, "logprobs": None}, "outside the tokenizer's"),
     ([1, 2], "rollout_func must return a dict"),
+    ({"prompt_ids": [[1]] * 4, "completion_ids": [[2, 3]] * 4, "logprobs": [[-1.0]] * 4}, "logprobs\\[0\\] holds 1 "
+                                                                                         "values for 2"),
 ])
 def test_a_bad_rollout_func_output_is_refused_by_name(tmp_path, out, message):
     trainer, _ = rollout_trainer(tmp_path, lambda prompts, trainer: out)
