@@ -148,6 +148,13 @@ def prompt_messages(messages: list[dict]) -> tuple[list[dict], bool]:
     return list(messages[:end]), end < len(messages)
 
 
+def chat_token_ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:
+    """``messages`` through the tokenizer's chat template, as token ids (transformers returns a list, or a
+    ``BatchEncoding`` with ``input_ids``, by version)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+
 def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dataset",
                      chat_template_kwargs: dict | None = None, tools=None) -> list[list[int]]:
     """Token ids of every prompt (empty ones included): token-id lists as they are, chat messages through
@@ -182,13 +189,12 @@ def tokenize_prompts(dataset, column: str, tokenizer, log=None, what: str = "dat
         if isinstance(value, list) and value and isinstance(value[0], dict):
             value, answered = prompt_messages(value)
             cut += answered
-            if tools is not None:
-                tokens = tools.prompt_ids(value) if value else []
+            if not value:
+                tokens = []
+            elif tools is not None:
+                tokens = tools.prompt_ids(value)
             else:
-                tokens = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
-                                                       **(chat_template_kwargs or {})) if value else []
-            if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
-                tokens = tokens["input_ids"]
+                tokens = chat_token_ids(tokenizer, value, add_generation_prompt=True, **(chat_template_kwargs or {}))
         elif tools is not None:
             raise SettingsError(f"{what}: tools need conversational prompts (lists of chat messages: the chat "
                                 f"template shows the tools to the model), but row {row} of column {column!r} is "

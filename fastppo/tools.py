@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastppo.data import chat_token_ids
 from fastppo.errors import SettingsError
 from fastppo.rewards import run_concurrently
 
@@ -112,9 +113,7 @@ class ToolCalling:
     def prompt_ids(self, messages: list[dict], tools: list[Callable] | None = None) -> list[int]:
         """A conversational prompt with the tools (default: the run's) shown to the model, and the generation
         prompt (no tools: none shown, as TRL renders ``tools or None``)."""
-        ids = self.tokenizer.apply_chat_template(messages, tools=(self.tools if tools is None else tools) or None,
-                                                 add_generation_prompt=True, tokenize=True, **self.template_kwargs)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+        return self._ids(messages, tools=(self.tools if tools is None else tools) or None, add_generation_prompt=True)
 
     def suffix_ids(self, tool_messages: list[dict]) -> list[int]:
         """The template's tokens after a tool-calling turn's end-of-sequence token: the tool messages and the next
@@ -134,8 +133,7 @@ class ToolCalling:
         return after[len(before):]
 
     def _ids(self, messages, **kwargs) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **{**self.template_kwargs, **kwargs})
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+        return chat_token_ids(self.tokenizer, messages, **{**self.template_kwargs, **kwargs})
 
     # ------------------------------------------------------------------ a turn
 

@@ -29,7 +29,7 @@ from fastppo import loading as L
 from fastppo.build import build_learner, default_scheduler, start_runtime
 from fastppo.checks import check_settings
 from fastppo.config import ModelConfig, PPOConfig, Sizes, as_list, derive_sizes, every, user_path
-from fastppo.data import left_pad, load_prompts, prompt_batches
+from fastppo.data import chat_token_ids, left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import sample_responses, stop_ids_of
@@ -364,10 +364,8 @@ class PPOTrainer:
             if self.tool_calling is not None:
                 prompt = self.tool_calling.prompt_ids(m, self._environments.tools[name])
             else:
-                prompt = self.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
-                                                            **(self.config.chat_template_kwargs or {}))
-                prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "input_ids")
-                              else prompt)
+                prompt = chat_token_ids(self.tokenizer, m, add_generation_prompt=True,
+                                        **(self.config.chat_template_kwargs or {}))
             ids.append(prompt if limit is None else prompt[-limit:])
         return ids, instances, [self._environments.row_tools(i) for i in instances]
 
