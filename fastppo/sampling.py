@@ -157,14 +157,17 @@ def processed_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: t
 @dataclass(frozen=True)
 class History:
     """What a layout's rows held before each response token (the repetition penalty's history): the rows'
-    ``query_responses`` [b, L], where they are real, and the context length C (response column c follows the
+    ``query_responses`` [b, L], where they are real (``real``, or the rollout's attention mask and the layout's rows
+    in it: ``index``, read only when a penalty asks), and the context length C (response column c follows the
     positions before C + c)."""
 
     ids: torch.Tensor
     real: torch.Tensor
     context_length: int
+    index: torch.Tensor | None = None  # the rows of ``real`` that are the layout's (None: all, in order)
 
     def seen(self, rows: torch.Tensor, cols: torch.Tensor, vocab: int) -> torch.Tensor:
         """[n, V] bool: for each token (row, response column), the real tokens before it."""
+        real = (self.real if self.index is None else self.real.index_select(0, self.index)).bool()
         before = torch.arange(self.ids.shape[1], device=self.ids.device)[None] < (self.context_length + cols)[:, None]
-        return seen_tokens(self.ids.index_select(0, rows), self.real.index_select(0, rows) & before, vocab)
+        return seen_tokens(self.ids.index_select(0, rows), real.index_select(0, rows) & before, vocab)

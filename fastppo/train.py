@@ -101,8 +101,7 @@ class Rollout:
         args = (ids, self.context_length, [self.query_lengths[r] for r in rows], [self.response_lengths[r] for r in rows])
         layout = make_layout(*args, packed) if shared is None else make_shared_layout(*args, *shared)
         # what preceded each token, for a repetition penalty of the sampled distribution (sampling.History)
-        return dataclasses.replace(layout, history=History(ids, self.attention_mask.index_select(0, index).bool(),
-                                                           self.context_length))
+        return dataclasses.replace(layout, history=History(ids, self.attention_mask, self.context_length, index))
 
     def groups_share_prompts(self, k: int) -> bool:
         """Whether each ``k`` consecutive rows hold one prompt (the trainer draws each prompt k times side by side; a
