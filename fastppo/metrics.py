@@ -148,17 +148,18 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
 
 def extreme_clip_fractions(stats: torch.Tensor) -> dict[str, float]:
     """TRL GRPO's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: for each micro-step, the smallest (largest)
-    process's share of clipped units below (above) the range, averaged over the micro-steps (two all-reduces)."""
+    process's share of clipped units below (above) the range, averaged over the micro-steps (one all-reduce: the
+    largest high share is minus the smallest of its negation)."""
     units = stats[STAT["clip_units"]].flatten()
+    # NaN where the micro-step did not run or had no unit: +inf, which a MIN passes over (TRL's nanmin, nanmax)
+    shares = torch.stack([stats[STAT["clip_low_sum"]].flatten() / units, -stats[STAT["clip_high_sum"]].flatten() / units])
+    shares = torch.nan_to_num(shares, nan=math.inf, posinf=math.inf, neginf=math.inf)
+    if is_distributed():
+        shares = all_reduce(shares, torch.distributed.ReduceOp.MIN)
     out = {}
-    for name, row, op, none in (("clip_ratio/low_min", "clip_low_sum", torch.distributed.ReduceOp.MIN, math.inf),
-                                ("clip_ratio/high_max", "clip_high_sum", torch.distributed.ReduceOp.MAX, -math.inf)):
-        share = stats[STAT[row]].flatten() / units  # NaN where the micro-step did not run, or had no unit
-        share = torch.nan_to_num(share, nan=none, posinf=none, neginf=none)  # TRL's nanmin/nanmax leave them out
-        if is_distributed():
-            share = all_reduce(share, op)
+    for name, share, sign in (("clip_ratio/low_min", shares[0], 1.0), ("clip_ratio/high_max", shares[1], -1.0)):
         share = share[torch.isfinite(share)]
-        out[name] = share.mean().item() if share.numel() else float("nan")
+        out[name] = sign * share.mean().item() if share.numel() else float("nan")
     return out
 
 
