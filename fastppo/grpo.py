@@ -463,17 +463,9 @@ class GRPOTrainer(PPOTrainer):
             raise SettingsError(f"per_device_eval_batch_size ({rows_per_batch}) must be divisible by "
                                 f"num_generations_eval ({k}): an eval batch holds whole groups")
         ids, rows = self._eval_prompts(sets)
-        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(self.config.seed)).tolist()
-        world, rank, per_rank = self.dist.world_size, self.dist.rank, rows_per_batch // k
+        world = self.dist.world_size
         start, batches = time.perf_counter(), []
-        for first in range(0, len(order), per_rank * world):
-            # each process its share of the batch's prompts; with several, a short last batch is filled from the
-            # start of the order (accelerate's even batches, which TRL's eval loader has): every process runs the
-            # same batches, whose metrics are all-reduced
-            prompts = order[first:first + per_rank * world]
-            if world > 1:
-                prompts = [order[(first + j) % len(order)] for j in range(per_rank * world)]
-            drawn = [i for i in prompts[rank * per_rank:(rank + 1) * per_rank] for _ in range(k)]
+        for drawn in self._eval_batches(len(ids), k, rows_per_batch // k):
             n = len(drawn)
             sizes = Sizes(world_size=world, local_batch_size=n, batch_size=n * world, local_mini_batch_size=n,
                           mini_batch_size=n * world, micro_batch_size=n, micro_steps=1, num_mini_batches=1,
@@ -524,16 +516,25 @@ class GRPOTrainer(PPOTrainer):
             raise SettingsError("get_eval_dataloader needs one eval dataset: pass it (or its name in the trainer's "
                                 "dict of eval sets)")
         k = self.config.num_generations_eval or self.config.num_generations
-        per_rank, world = self.config.per_device_eval_batch_size // k, self.dist.world_size
         ids, rows = self._eval_prompts(data)
-        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(self.config.seed)).tolist()
-        drawn = []
-        for first in range(0, len(order), per_rank * world):
-            prompts = ([order[(first + j) % len(order)] for j in range(per_rank * world)] if world > 1
-                       else order[first:first + per_rank])
-            drawn += [i for i in prompts[self.dist.rank * per_rank:(self.dist.rank + 1) * per_rank] for _ in range(k)]
+        drawn = [i for batch in self._eval_batches(len(ids), k, self.config.per_device_eval_batch_size // k)
+                 for i in batch]
         return self._row_loader(rows, drawn, self.config.per_device_eval_batch_size,
                                 isinstance(data, datasets.IterableDataset))
+
+    def _eval_batches(self, num_prompts: int, k: int, per_rank: int) -> list[list[int]]:
+        """The eval prompts in a seeded order, ``per_rank`` prompts a batch on this process, each ``k`` times side by
+        side. With several processes each takes its share of every batch, and a short last batch is filled from the
+        start of the order (accelerate's even batches, which TRL's eval loader has): every process runs the same
+        batches, whose metrics are all-reduced."""
+        order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(self.config.seed)).tolist()
+        world, rank = self.dist.world_size, self.dist.rank
+        batches = []
+        for first in range(0, num_prompts, per_rank * world):
+            prompts = ([order[(first + j) % num_prompts] for j in range(per_rank * world)] if world > 1
+                       else order[first:first + per_rank])
+            batches.append([i for i in prompts[rank * per_rank:(rank + 1) * per_rank] for _ in range(k)])
+        return batches
 
     def _row_loader(self, rows, drawn: list[int], batch_size: int, streamed: bool) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(rows, batch_size=batch_size, sampler=drawn, collate_fn=list,
