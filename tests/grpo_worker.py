@@ -24,7 +24,7 @@ def tools_run(out: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from test_tools import Script, byte_tokenizer, call, multiply
+    from tool_script import Script, byte_tokenizer, call, multiply
 
     rank = int(os.environ["RANK"])
     tok = byte_tokenizer()
