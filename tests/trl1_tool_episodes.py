@@ -80,7 +80,7 @@ SCENARIOS = {
     ]),
     "length_budget": ([multiply], None, [{"prompt": [{"role": "user", "content": "Multiply."}]}], 2,
                       {"max_completion_length": 100}, [
-        [call("multiply", a=2, b=3) + END,  # 77 tokens: with its tool message it would pass 100, so it is not run
+        [call("multiply", a=2, b=3) + END,  # 77 tokens: with its tool message it would pass 100: the round is rolled back
          "Six." + END],
     ]),
     "environment": ([], Counter, [{"prompt": [{"role": "user", "content": "Hi."}]}], 3, {}, [
