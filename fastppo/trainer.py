@@ -115,9 +115,6 @@ class PPOTrainer:
         self.processing_class = self.tokenizer = tokenizer
         self.stop_ids = stop_ids_of(config, tokenizer)
         self.rollout_func = rollout_func  # TRL GRPO's: a caller's own sampling (PPOTrainer._custom_rollout)
-        if rollout_func is not None and (tools or environments is not None):
-            raise SettingsError("rollout_func with tools or environment_factory: not supported together yet (the "
-                                "rollout_func writes the whole episode, env_mask marking its environment's tokens)")
         # TRL GRPO's environment_factory (fastppo.environments.Environments): an instance per rollout, reset before
         # sampling, its methods the rollout's tools
         self._environments = environments
@@ -244,30 +241,38 @@ class PPOTrainer:
         if prompt_ids is None:  # each drawn prompt num_generations times, side by side: one group per prompt
             drawn = [i for i in next(self._batches) for _ in range(self.sizes.num_generations)]
             prompt_ids, rows = [self.prompts[i] for i in drawn], self.prompt_rows.select(drawn)
-        instances = row_tools = None
+        instances = row_tools = messages = None
         if self._environments is not None:  # each rollout's own environment, reset: the prompts it makes
             if rows is None:
                 raise SettingsError("rollout(prompt_ids=...) with environments needs the rows (rows=...): each "
                                     "rollout's environment is reset with its row")
-            prompt_ids, instances, row_tools = self._reset_environments(rows)
+            prompt_ids, instances, row_tools, messages = self._reset_environments(rows)
             self.environments = instances
-        sampling_logprobs = None
-        if self.rollout_func is not None:  # the caller samples: its ids become the rollout
-            rollout, rows, sampling_logprobs = self._custom_rollout(rows)
-            return self._scored(rollout, rows, t0, time.perf_counter(), None, None, sampling_logprobs)
-        queries, query_mask = left_pad(prompt_ids, tok.pad_token_id, config.pad_to_multiple_of)
-        queries, query_mask = queries.to(self.device), query_mask.to(self.device)
+        sampling_logprobs = episodes = None
+        if self.rollout_func is not None:  # the caller samples (the first turn, with tools): its ids are the rollout
+            rollout, rows, sampling_logprobs = self._custom_rollout(rows, messages)
+            if self.tool_calling is None:
+                return self._scored(rollout, rows, t0, time.perf_counter(), instances, None, sampling_logprobs)
+            c = rollout.context_length
+            queries, query_mask = rollout.query_responses[:, :c], rollout.attention_mask[:, :c]
+        else:
+            queries, query_mask = left_pad(prompt_ids, tok.pad_token_id, config.pad_to_multiple_of)
+            queries, query_mask = queries.to(self.device), query_mask.to(self.device)
         self.actor_critic.eval()
         context, synced = (contextlib.nullcontext(), False) if self.zero is None else \
             self.zero.generation(self._lm(), config.ds3_gather_for_generation)
         temperature = config.temperature if temperature is None else temperature
-        episodes = None
         with self.autocast(), context:
-            responses = self._sample(queries, query_mask, config.response_length, temperature, synced)
-            rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
+            if self.rollout_func is None:
+                responses = self._sample(queries, query_mask, config.response_length, temperature, synced)
+                rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
             if self.tool_calling is not None:  # the turns after each tool call (fastppo.tools)
                 rollout, episodes = self._tool_episodes(rollout, queries, query_mask, temperature, synced, row_tools)
-        return self._scored(rollout, rows, t0, time.perf_counter(), instances, episodes)
+        if sampling_logprobs is not None:  # the caller's first turn has them; the later turns' are not known (NaN)
+            width = rollout.responses.shape[1]
+            sampling_logprobs = torch.cat([sampling_logprobs, sampling_logprobs.new_full(
+                (sampling_logprobs.shape[0], width - sampling_logprobs.shape[1]), float("nan"))], 1)[:, :width]
+        return self._scored(rollout, rows, t0, time.perf_counter(), instances, episodes, sampling_logprobs)
 
     def _scored(self, rollout: Rollout, rows, t0: float, t1: float, instances, episodes,
                 sampling_logprobs=None) -> ScoredRollout:
@@ -291,25 +296,27 @@ class PPOTrainer:
 
     ROLLOUT_FUNC_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
-    def _custom_rollout(self, rows):
+    def _custom_rollout(self, rows, messages=None):
         """TRL GRPO's ``rollout_func(prompts, trainer)``: called with this process's prompts (each row's ``prompt``,
-        as the dataset holds it, a group's num_generations copies side by side), it returns ``prompt_ids``,
-        ``completion_ids`` and ``logprobs`` (one list per prompt; None where it has none), optionally ``env_mask``
-        (1 on the model's tokens, 0 on its environment's: those are not trained), and any other keys, which reach
-        the reward functions as columns. Returns (the rollout, the rows with those columns, the sampler's log-probs
-        as [B, T], NaN where none)."""
+        as the dataset holds it, a group's num_generations copies side by side; ``messages`` in its place when
+        environments were reset), it returns ``prompt_ids``, ``completion_ids`` and ``logprobs`` (one list per
+        prompt; None where it has none), optionally ``env_mask`` (1 on the model's tokens, 0 on its environment's:
+        those are not trained), and any other keys, which reach the reward functions as columns. With tools, as in
+        TRL, the completion is the episode's first turn and is trained whole: an ``env_mask`` is then only a column.
+        Returns (the rollout, the rows with those columns, the sampler's log-probs as [B, T], NaN where none)."""
         records = [dict(row) for row in rows]
-        prompts = [row.get("prompt", row.get(self.config.dataset_text_field)) for row in records]
+        prompts = messages or [row.get("prompt", row.get(self.config.dataset_text_field)) for row in records]
         out = self.rollout_func(prompts, self)
         if not isinstance(out, dict):
             raise SettingsError(f"rollout_func must return a dict, got {type(out).__name__}")
         missing = [k for k in self.ROLLOUT_FUNC_KEYS if k not in out]
         if missing:
             raise SettingsError(f"rollout_func must return keys {sorted(missing)} in its output dict.")
-        extra = {k: v for k, v in out.items() if k not in (*self.ROLLOUT_FUNC_KEYS, "env_mask")}
+        env_mask = out.get("env_mask") if self.tool_calling is None else None
+        extra = {k: v for k, v in out.items() if k not in self.ROLLOUT_FUNC_KEYS and (k != "env_mask" or env_mask is None)}
         n, vocab = len(prompts), len(self.tokenizer)
         columns = {"prompt_ids": out["prompt_ids"], "completion_ids": out["completion_ids"],
-                   **({"env_mask": out["env_mask"]} if out.get("env_mask") is not None else {})}
+                   **({"env_mask": env_mask} if env_mask is not None else {})}
         for key, value in columns.items():
             if not isinstance(value, (list, tuple)) or len(value) != n:
                 raise SettingsError(f"rollout_func's {key!r} must hold one list per prompt ({n}), got "
@@ -320,7 +327,7 @@ class PPOTrainer:
                 raise SettingsError(f"rollout_func's {key}[{bad[0]}] holds token id {bad[1]}, outside the "
                                     f"tokenizer's vocabulary (0..{vocab - 1})")
         completions = [list(ids) for ids in out["completion_ids"]]
-        masks = out.get("env_mask") or [[1] * len(ids) for ids in completions]
+        masks = env_mask or [[1] * len(ids) for ids in completions]
         if any(len(m) != len(ids) for m, ids in zip(masks, completions)):
             raise SettingsError("rollout_func's env_mask must be as long as each completion's ids")
         queries, query_mask = left_pad([list(p) for p in out["prompt_ids"]], self.tokenizer.pad_token_id,
@@ -349,8 +356,8 @@ class PPOTrainer:
 
     def _reset_environments(self, rows):
         """Each rollout's environment (``environments.Environments``), reset with its row; the prompts as they then
-        read (a reset's string appended to the last message), rendered with the rollout's tools; the environments
-        and each rollout's tools."""
+        read (a reset's string appended to the last message), rendered with the rollout's tools; the environments,
+        each rollout's tools and the prompts' messages."""
         records = [dict(row) for row in rows]
         messages = [row.get("prompt") or [{"role": "user", "content": ""}] for row in records]
         if not all(isinstance(m, list) and m and isinstance(m[-1], dict) for m in messages):
@@ -367,7 +374,7 @@ class PPOTrainer:
                 prompt = chat_token_ids(self.tokenizer, m, add_generation_prompt=True,
                                         **(self.config.chat_template_kwargs or {}))
             ids.append(prompt if limit is None else prompt[-limit:])
-        return ids, instances, [self._environments.row_tools(i) for i in instances]
+        return ids, instances, [self._environments.row_tools(i) for i in instances], messages
 
     def _tool_episodes(self, rollout: Rollout, queries, query_mask, temperature: float, synced: bool,
                        row_tools=None):

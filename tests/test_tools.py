@@ -331,16 +331,56 @@ def test_a_bad_rollout_func_output_is_refused_by_name(tmp_path, out, message):
         trainer.rollout()
 
 
-def test_a_rollout_func_with_tools_is_refused(tmp_path):
-    with pytest.raises(SettingsError, match="rollout_func with tools or environment_factory: not supported together"):
-        GRPOTrainer(
-            model=LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32,
-                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)),
-            processing_class=byte_tokenizer(), tools=[multiply], rollout_func=lambda prompts, trainer: {},
-            reward_funcs=lambda completions, **k: [0.0] * len(completions),
-            args=GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2,
-                            bf16=False),
-            train_dataset=datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi."}]] * 2}))
+def test_a_rollout_func_writes_the_first_turn_and_tools_carry_it_on(tmp_path):
+    """TRL's composition: the rollout_func's completion is the episode's first turn, the trainer's sampler writes
+    the turns after its tool calls. The first turn is trained whole (an env_mask is then a column only, as in TRL),
+    and the sampler's log-probs are known for the first turn only: NaN after it, left out of TRL's sampling/ metrics
+    (TRL 1.16 itself fails here on its transformers generation, which returns none for the later turns)."""
+    seen = []
+
+    def rollout(prompts, trainer):
+        tok = trainer.processing_class
+        texts = [tok.apply_chat_template(p, tools=[multiply], add_generation_prompt=True, tokenize=False)
+                 for p in prompts]
+        first = [tok(call("multiply", a=3, b=4) + "<|im_end|>", add_special_tokens=False)["input_ids"],
+                 tok("No.<|im_end|>", add_special_tokens=False)["input_ids"]]
+        return {"prompt_ids": [tok(t, add_special_tokens=False)["input_ids"] for t in texts], "completion_ids": first,
+                "logprobs": [[-1.0] * len(ids) for ids in first], "env_mask": [[0] * len(ids) for ids in first]}
+
+    def reward(completions, env_mask, **kwargs):
+        seen.append((completions, env_mask))
+        return [1.0, 0.0]
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2,
+                      max_completion_length=200, max_steps=1, bf16=False, gradient_checkpointing=False,
+                      report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1)
+    trainer = GRPOTrainer(model=model, processing_class=tok, args=args, tools=[multiply], rollout_func=rollout,
+                          reward_funcs=reward, train_dataset=datasets.Dataset.from_dict(
+                              {"prompt": [[{"role": "user", "content": "What is 3 times 4?"}]] * 2}))
+    trainer._sample = Script(tok, [["It is 12.<|im_end|>"]] * 2)  # this rollout, then train()'s
+    batch = trainer.rollout()
+    assert trainer._sample.rows == [1]  # the sampler writes only the turn after the call
+    completions, env_mask = seen[0]
+    assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant"]
+    assert completions[0][1]["content"] == "12" and completions[1] == [{"role": "assistant", "content": "No."}]
+    assert env_mask[0][0] == 0  # handed on as a column
+    first = len(tok(call("multiply", a=3, b=4) + "<|im_end|>", add_special_tokens=False)["input_ids"])
+    second = len(tok("It is 12.<|im_end|>", add_special_tokens=False)["input_ids"])
+    length = int(batch.rollout.lengths[0])
+    trained = batch.rollout.response_mask[0, :length].tolist()
+    assert trained[:first] == [True] * first and trained[length - second:] == [True] * second
+    assert not any(trained[first:length - second])  # the tool message's template tokens
+    sampled = batch.sampling_logprobs
+    assert sampled.shape == batch.rollout.responses.shape
+    assert (sampled[0, :first] == -1.0).all() and sampled[0, first:].isnan().all()
+    trainer.train()
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    assert math.isfinite(row["sampling/sampling_logp_difference/mean"]) and math.isfinite(row["loss"])
 
 
 def test_tools_from_the_config_and_the_command_line(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
 ``tests/trl1_tool_episodes.py`` runs in TRL 1.16's environment and puts each scenario (valid calls, a wrong
 argument name, a tool that raises, malformed JSON, an unknown tool, two calls in one turn, an async tool, the round
-limit, a tool message that would pass ``max_completion_length``, an environment whose state carries across calls with its ``get_reward``, environments chosen by name)
+limit, a ``rollout_func`` writing the first turn of an environment's episodes, a tool message that would pass ``max_completion_length``, an environment whose state carries across calls with its ``get_reward``, environments chosen by name)
 through TRL's unedited trainer and through fastppo's, twice for fastppo (the tokenizer's ``response_template``,
 and fastppo's own parser). Compared exactly: the prompt ids, every episode's token ids (the model's turns and the
 chat template's tool messages), the train mask (TRL's ``tool_mask``), the rows each generation call is asked for,
@@ -21,7 +21,8 @@ import pytest
 from test_trl1_integration import ROOT, trl1_dir
 
 SCRIPT = ROOT / "tests" / "trl1_tool_episodes.py"
-SCENARIOS = ("tools", "async", "round_limit", "length_budget", "environment", "environments_by_name")
+SCENARIOS = ("tools", "async", "round_limit", "length_budget", "environment", "environments_by_name",
+             "rollout_func_environment")
 SIDES = ("fastppo", "fastppo_own_parser")
 EXACT = ("prompt_ids", "completion_ids", "mask", "rows_per_call", "reward_completions", "rewards", "reward_names")
 
@@ -62,5 +63,7 @@ def test_the_scenarios_bite(record):
     assert trl["length_budget"]["rows_per_call"] == [2] and trl["length_budget"]["mask"][0].count(0) == 0
     assert trl["environment"]["reward_names"] == ["Counter"]
     assert [r[0] for r in trl["environment"]["rewards"]] == [2.0, 5.0, 0.0]  # 1 + 1 across rounds; 2 + 3 in one
+    assert trl["rollout_func_environment"]["rows_per_call"] == [2, 1]  # the rollout_func's turn, then TRL's
+    assert [r[0] for r in trl["rollout_func_environment"]["rewards"]] == [4.0, 0.0]
     by_name = trl["environments_by_name"]["rewards"]
     assert [r[1] for r in by_name] == [2.0, 0.0, None, None]  # Plain's rollouts not judged by Counter

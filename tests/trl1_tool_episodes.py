@@ -97,6 +97,28 @@ SCENARIOS = {
 }
 
 
+# with a rollout_func: it writes each row's first turn (its prompt rendered with the environment's tool, as a
+# rollout_func renders them), the trainer's generation the turns after a tool call
+ROLLOUT_FUNC_SCENARIOS = {"rollout_func_environment"}
+SCENARIOS["rollout_func_environment"] = ([], Counter, [{"prompt": [{"role": "user", "content": "Hi."}]}], 2, {}, [
+    [call("increment", step=4) + END, "No." + END],
+    ["Done." + END],
+])
+
+
+def first_turns(tok, turns: list[str]):
+    """A rollout_func writing ``turns`` after the prompts it is handed (after the environments' reset)."""
+    def rollout_func(prompts, trainer):
+        texts = [tok.apply_chat_template(p, tools=[Counter().increment], add_generation_prompt=True, tokenize=False)
+                 for p in prompts]
+        prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        completion_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in turns]
+        # no sampler log-probs: TRL's transformers generation has none for the later turns, and with the first
+        # turn's given TRL 1.16 fails in _tool_call_loop (post_tool_logprobs is None)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+    return rollout_func
+
+
 def tiny_model(tok):
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -137,9 +159,11 @@ def run_trl(name: str, tok, out_dir: str) -> dict:
     dataset = datasets.Dataset.from_list(rows)
     args = GRPOConfig(**settings(out_dir, len(rows), k, overrides))
     reward_funcs = [recorder(seen)] if factory is None or name == "environments_by_name" else None
+    custom = name in ROLLOUT_FUNC_SCENARIOS
     trainer = GRPOTrainer(model=tiny_model(tok), processing_class=tok, args=args, train_dataset=dataset,
-                          reward_funcs=reward_funcs, tools=tools or None, environment_factory=factory)
-    calls = []
+                          reward_funcs=reward_funcs, tools=tools or None, environment_factory=factory,
+                          rollout_func=first_turns(tok, turns[0]) if custom else None)
+    calls = [None] if custom else []  # the rollout_func wrote the first turn
 
     def scripted_generate(input_ids, **kwargs):
         texts = turns[len(calls)]
@@ -170,7 +194,7 @@ def run_trl(name: str, tok, out_dir: str) -> dict:
     with patch.object(trainer.model, "generate", side_effect=scripted_generate):
         trainer._generate_and_score_completions(inputs)
     metrics = trainer._metrics["train"]
-    record.update(rows_per_call=calls, reward_completions=seen[0] if seen else None,
+    record.update(rows_per_call=[len(rows) * k if c is None else c for c in calls], reward_completions=seen[0] if seen else None,
                   call_frequency=metrics["tools/call_frequency"][-1] if tools or factory else None,
                   failure_frequency=metrics["tools/failure_frequency"][-1] if tools or factory else None,
                   reward_names=list(trainer.reward_func_names))
@@ -187,17 +211,20 @@ def run_fastppo(name: str, tok, out_dir: str, response_template) -> dict:
     args = GRPOConfig(**settings(out_dir, len(rows), k, overrides), max_steps=1, disable_tqdm=True,
                       gradient_checkpointing=False)
     reward_funcs = [recorder(seen)] if factory is None or name == "environments_by_name" else None
+    custom = name in ROLLOUT_FUNC_SCENARIOS
     trainer = GRPOTrainer(model=tiny_model(tok), processing_class=tok, args=args,
                           train_dataset=datasets.Dataset.from_list(rows), reward_funcs=reward_funcs,
-                          tools=tools or None, environment_factory=factory)
-    trainer._sample = Script(tok, turns)
+                          tools=tools or None, environment_factory=factory,
+                          rollout_func=first_turns(tok, turns[0]) if custom else None)
+    trainer._sample = Script(tok, turns[1:] if custom else turns)
     batch = trainer.rollout()
     prompts, completions = batch.rollout.token_ids()
     mask = [batch.rollout.response_mask[i, :len(c)].int().tolist() for i, c in enumerate(completions)]
     metrics = trainer.reward_logs.take_metrics(trainer.device)
     columns = [batch.reward_columns[n].tolist() for n in trainer.reward_func_names]
     return {"prompt_ids": prompts, "completion_ids": completions, "mask": mask,
-            "rewards": clean([list(r) for r in zip(*columns)]), "rows_per_call": trainer._sample.rows,
+            "rewards": clean([list(r) for r in zip(*columns)]),
+            "rows_per_call": [len(rows) * k] * custom + trainer._sample.rows,
             "reward_completions": seen[0] if seen else None,
             "call_frequency": metrics.get("tools/call_frequency"),
             "failure_frequency": metrics.get("tools/failure_frequency"),
