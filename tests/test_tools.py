@@ -504,3 +504,39 @@ def test_tool_episodes_on_two_processes(tmp_path):
     for rank in ranks:  # 2 calls among the 4 completions of both processes, none failed
         assert rank["call_frequency"] == pytest.approx(0.5) and rank["failure_frequency"] == 0.0
     assert ranks[0]["loss"] == ranks[1]["loss"]  # the step's loss, over every process
+
+
+def test_episodes_are_trained_exactly_on_the_models_tokens(tmp_path):
+    """Episodes of three, two and one turns in one batch: π_θ_old's log-probs of the model's tokens equal a plain
+    forward of each whole episode (what the update's first ratio compares against), the KL is 0 on the tool
+    messages' tokens and not on the model's, and the packed (padding-free) and padded layouts give the same."""
+    from fastppo.train import compute_experience
+
+    turns = [[call("multiply", a=3, b=4) + "<|im_end|>", call("multiply", a=12, b=2) + "<|im_end|>",
+              "Twenty-four.<|im_end|>"],
+             [call("multiply", a=12, b=2) + "<|im_end|>", "It is 24.<|im_end|>"], ["24.<|im_end|>"]]
+    trainer, tok = make_trainer(tmp_path, [multiply], turns, beta=0.04, temperature=0.7, max_completion_length=400)
+    batch = trainer.rollout()
+    assert trainer._sample.rows == [3, 2, 1]
+    rollout = batch.rollout
+    with torch.no_grad():  # a reference that differs from the policy: a KL to see
+        for p in trainer.reference.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    experience = {packed: compute_experience(trainer.actor_critic, trainer.reference, rollout, 0.7, "k3", 2,
+                                             packed=packed) for packed in (False, True)}
+    for a, b in zip(experience[False].__dict__.values(), experience[True].__dict__.values()):
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    prompts, completions = rollout.token_ids()
+    trained, kl = rollout.response_mask, experience[True].kl
+    model = trainer.actor_critic.policy
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float() / 0.7
+        plain = logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+        n = len(completion)
+        mine = trained[i, :n]
+        torch.testing.assert_close(experience[True].logprobs[i, :n][mine], plain[mine], atol=1e-5, rtol=1e-5)
+        assert (kl[i, :n][~mine] == 0).all() and (kl[i, :n][mine] != 0).any()
+    untrained = [int((~trained[i, :len(c)]).sum()) for i, c in enumerate(completions)]
+    assert untrained[0] > untrained[1] > untrained[2] == 0  # two tool messages, one, none
