@@ -2,9 +2,10 @@
 
     torchrun --nproc_per_node 2 tests/grpo_worker.py MODEL_DIR OUTPUT_DIR
     torchrun --nproc_per_node 2 tests/grpo_worker.py tools OUTPUT_DIR
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/grpo_worker.py tools_zero3 OUTPUT_DIR
 
 Evaluates 5 prompts (4 completions each, 8 per process per batch: a short last batch) and writes this rank's
-metrics to ``eval<RANK>.json`` in the output directory; ``tools``: ``tools_run``.
+metrics to ``eval<RANK>.json`` in the output directory; ``tools``, ``tools_zero3``: ``tools_run``.
 """
 import faulthandler
 import json
@@ -18,13 +19,32 @@ import datasets  # noqa: E402
 from fastppo import GRPOConfig, GRPOTrainer  # noqa: E402
 
 
-def tools_run(out: str) -> None:
+def tools_run(out: str, zero3: bool = False) -> None:
     """``tools``: one training step with tools; rank 0's completions call a tool (one round), rank 1's do not: the
-    processes sample a different number of times (no collective among them) and log the same tool metrics."""
+    processes sample a different number of times (no collective among them) and log the same tool metrics.
+    ``tools_zero3``: the same under ZeRO-3 without gathered weights for generation, where every forward is a
+    collective: the real sampler runs under the script (its texts are kept), and rank 1 must join rank 0's round
+    with a throwaway row."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tool_script import Script, byte_tokenizer, call, multiply
+
+    class SampledScript(Script):
+        """The scripted texts, after the trainer's own sampler ran on the same contexts; a call past the script is
+        a throwaway row (the sampler's tokens returned)."""
+
+        def __init__(self, tok, turns, sample):
+            super().__init__(tok, turns)
+            self.sample, self.synced = sample, []
+
+        def __call__(self, queries, mask, length, temperature, synced):
+            self.synced.append(synced)
+            sampled = self.sample(queries, mask, length, temperature, synced)
+            if len(self.rows) == len(self.turns):
+                self.rows.append(queries.shape[0])
+                return sampled
+            return super().__call__(queries, mask, length, temperature, synced)
 
     rank = int(os.environ["RANK"])
     tok = byte_tokenizer()
@@ -36,22 +56,26 @@ def tools_run(out: str) -> None:
     data = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Question {i}?"}] for i in range(4)]})
     args = GRPOConfig(output_dir=out, num_generations=2, per_device_train_batch_size=2, max_completion_length=300,
                       max_steps=1, bf16=False, gradient_checkpointing=False, disable_tqdm=True, save_strategy="no",
-                      report_to="none", logging_steps=1, learning_rate=0.1)
+                      report_to="none", logging_steps=1, learning_rate=0.1,
+                      **({"deepspeed": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+                          "ds3_gather_for_generation": False} if zero3 else {}))
     trainer = GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=data, tools=[multiply],
                           reward_funcs=lambda completions, **k: [float(len(c)) for c in completions])
     turns = [[call("multiply", a=2, b=3) + "<|im_end|>"] * 2, ["Six.<|im_end|>"] * 2] if rank == 0 else \
         [["No tools.<|im_end|>"] * 2]
-    trainer._sample = Script(tok, turns)
+    trainer._sample = SampledScript(tok, turns, trainer._sample) if zero3 else Script(tok, turns)
     trainer.train()
     row = next(r for r in trainer.state.log_history if "loss" in r)
     with open(os.path.join(out, f"tools{rank}.json"), "w") as f:
-        json.dump({"rows": trainer._sample.rows, "call_frequency": row["tools/call_frequency"],
+        json.dump({"rows": trainer._sample.rows, "synced": getattr(trainer._sample, "synced", None),
+                   "zero_stage": trainer.zero.stage if trainer.zero is not None else None,
+                   "call_frequency": row["tools/call_frequency"],
                    "failure_frequency": row["tools/failure_frequency"], "loss": row["loss"]}, f)
 
 
 def main() -> None:
-    if sys.argv[1] == "tools":
-        return tools_run(sys.argv[2])
+    if sys.argv[1] in ("tools", "tools_zero3"):
+        return tools_run(sys.argv[2], zero3=sys.argv[1] == "tools_zero3")
     model, out = sys.argv[1], sys.argv[2]
     prompts = datasets.Dataset.from_dict({"prompt": ["the movie was", "i think the plot is", "overall the cast",
                                                      "the ending felt", "a story of"]})

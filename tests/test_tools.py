@@ -506,6 +506,32 @@ def test_tool_episodes_on_two_processes(tmp_path):
     assert ranks[0]["loss"] == ranks[1]["loss"]  # the step's loss, over every process
 
 
+@pytest.mark.slow
+def test_tool_episodes_under_zero3_without_gathered_weights(tmp_path):
+    """ZeRO-3 on 2 CPU processes with ds3_gather_for_generation=False (every forward a collective): rank 0's
+    completions call a tool, rank 1's do not; rank 1 joins rank 0's round with a throwaway row (the real sampler
+    runs under the script on both), and both finish the step with the same loss and tool metrics. Without the
+    synced rounds rank 0's second sampling waits on a collective rank 1 never joins (Gloo times out)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_worker.py")
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           worker, "tools_zero3", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.load(open(tmp_path / f"tools{r}.json")) for r in range(2)]
+    assert [r["zero_stage"] for r in ranks] == [3, 3]
+    assert ranks[0]["rows"] == [2, 2] and ranks[1]["rows"] == [2, 1]  # rank 1's second call: one throwaway row
+    assert all(r["synced"] == [True, True] for r in ranks)
+    for rank in ranks:
+        assert rank["call_frequency"] == pytest.approx(0.5) and rank["failure_frequency"] == 0.0
+    assert ranks[0]["loss"] == ranks[1]["loss"]
+
+
 def test_episodes_are_trained_exactly_on_the_models_tokens(tmp_path):
     """Episodes of three, two and one turns in one batch: π_θ_old's log-probs of the model's tokens equal a plain
     forward of each whole episode (what the update's first ratio compares against), the KL is 0 on the tool
