@@ -19,7 +19,7 @@ from tool_script import Counter, Script, byte_tokenizer, call, multiply, slow_ad
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
-def make_trainer(tmp_path, tools, turns, reward=None, rows=3, **kw):
+def make_trainer(tmp_path, tools, turns, reward=None, rows=3, trainer_kw=None, **kw):
     tok = byte_tokenizer()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -31,7 +31,8 @@ def make_trainer(tmp_path, tools, turns, reward=None, rows=3, **kw):
                                 report_to="none", disable_tqdm=True, save_strategy="no", learning_rate=0.1,
                                 logging_steps=1), **kw})
     trainer = GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=data, tools=tools,
-                          reward_funcs=reward or (lambda completions, **k: [float(len(c)) for c in completions]))
+                          reward_funcs=reward or (lambda completions, **k: [float(len(c)) for c in completions]),
+                          **(trainer_kw or {}))
     trainer._sample = Script(tok, turns)
     return trainer, tok
 
@@ -566,3 +567,83 @@ def test_episodes_are_trained_exactly_on_the_models_tokens(tmp_path):
         assert (kl[i, :n][~mine] == 0).all() and (kl[i, :n][mine] != 0).any()
     untrained = [int((~trained[i, :len(c)]).sum()) for i, c in enumerate(completions)]
     assert untrained[0] > untrained[1] > untrained[2] == 0  # two tool messages, one, none
+
+
+STEP_TURNS = [[call("multiply", a=3, b=4) + "<|im_end|>", "No.<|im_end|>", call("multiply", a=1, b=2) + "<|im_end|>"],
+              ["Twelve.<|im_end|>", "Two.<|im_end|>"]]  # one step's turns: two rows call, one does not
+
+
+@pytest.mark.parametrize("setting", [
+    dict(loss_type="grpo"), dict(loss_type="dr_grpo"), dict(loss_type="cispo", epsilon_high=5.0),
+    dict(loss_type="sapo"), dict(loss_type="vespo"), dict(importance_sampling_level="sequence"),
+    dict(beta=0.04, num_iterations=2), dict(scale_rewards="batch", mask_truncated_completions=True),
+])
+def test_tool_episodes_train_under_each_loss_setting(tmp_path, setting):
+    """Every policy-loss setting reads the same train mask: two steps over tool episodes run, the loss is finite
+    and the weights move."""
+    trainer, _ = make_trainer(tmp_path, [multiply], STEP_TURNS * 2, max_steps=2, **setting)
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
+    assert trainer.state.global_step == 2 and losses and all(math.isfinite(x) for x in losses)
+    assert any(not torch.equal(p, trainer.model.get_parameter(n)) for n, p in before.items())
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus", "gae"])
+def test_tool_episodes_train_under_each_estimator(tmp_path, estimator):
+    """PPOConfig's estimators over tool episodes (gae with its value model: the tool messages are holes in the
+    response, verl's multi-turn GAE), one iteration."""
+    from transformers import LlamaForSequenceClassification
+
+    from fastppo import PPOConfig, PPOTrainer
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    shape = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, num_labels=1)
+    model = LlamaForCausalLM(shape)
+    value = {"value_model": LlamaForSequenceClassification(shape)} if estimator == "gae" else {}
+    k = 1 if estimator == "gae" else 3
+    config = PPOConfig(output_dir=str(tmp_path / "out"), advantage_estimator=estimator, num_generations=k,
+                       per_device_train_batch_size=3, response_length=200, stop_token="eos", bf16=False,
+                       total_episodes=3, num_sample_generations=0, save_strategy="no", report_to=[],
+                       disable_tqdm=True, gradient_checkpointing=False)
+    trainer = PPOTrainer(args=config, processing_class=tok, model=model, tools=[multiply],
+                         train_dataset=datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "3x4?"}]] * 3}),
+                         reward_model=lambda completions, **kw: [float(len(c)) for c in completions], **value)
+    trainer._sample = Script(tok, STEP_TURNS)
+    trainer.train()
+    assert trainer._sample.rows == [3, 2]
+    assert (trainer.value_model is not None) == (estimator == "gae")
+    row = next(r for r in trainer.state.log_history if "loss" in r or "loss/policy_avg" in r)
+    assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+
+
+def test_tool_episodes_with_lora_train_only_the_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer, _ = make_trainer(tmp_path, [multiply], STEP_TURNS, trainer_kw={"peft_config": config})
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    moved = {n for n, p in before.items() if not torch.equal(p, trainer.model.get_parameter(n))}
+    assert moved and all("lora_" in n for n in moved)
+
+
+def test_a_resumed_tool_run_equals_the_whole_run(tmp_path):
+    """Two steps of tool episodes, against one step, a checkpoint, and a resumed second step: bitwise equal."""
+    from helpers import digest
+
+    whole, _ = make_trainer(tmp_path / "whole", [multiply], STEP_TURNS * 2, max_steps=2, learning_rate=1e-2)
+    whole.train()
+    cut, _ = make_trainer(tmp_path / "cut", [multiply], STEP_TURNS, max_steps=2, learning_rate=1e-2,
+                          save_strategy="steps", save_steps=1)
+    cut._sample.turns = STEP_TURNS  # one step's turns only: the run stops when the script runs out
+    with pytest.raises(IndexError):
+        cut.train()
+    resumed, _ = make_trainer(tmp_path / "cut", [multiply], STEP_TURNS, max_steps=2, learning_rate=1e-2,
+                              resume_from_checkpoint="latest")
+    resumed.train()
+    assert resumed.state.global_step == 2 and resumed._sample.rows == [3, 2]
+    assert digest(resumed.policy.state_dict()) == digest(whole.policy.state_dict())
+
