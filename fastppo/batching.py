@@ -11,18 +11,21 @@ from fastppo.config import Sizes
 __all__ = ["micro_batches", "token_budget_batches"]
 
 
-def micro_batches(order: list[int], sizes: Sizes, lengths: Sequence[int], group_by_length: bool) -> list[list[list[int]]]:
+def micro_batches(order: list[int], sizes: Sizes, lengths: Sequence[int], group_by_length: bool,
+                  group_size: int = 1) -> list[list[list[int]]]:
     """The rows of each micro-batch of each minibatch of one epoch, from the epoch's random order.
 
     Minibatches are consecutive slices of the order (TRL's). ``group_by_length``: within a minibatch,
     rows of similar length share a micro-batch (less padding to compute on); the minibatch, and so
-    the optimizer step's rows, is the same random draw.
+    the optimizer step's rows, is the same random draw. ``group_size`` > 1: the order holds groups of that many
+    consecutive rows (a shared prompt's), which stay together, sorted by their summed length.
     """
     out = []
     for mb in range(sizes.num_mini_batches):
         rows = order[mb * sizes.local_mini_batch_size : (mb + 1) * sizes.local_mini_batch_size]
         if group_by_length and sizes.micro_steps > 1:
-            rows = sorted(rows, key=lambda r: lengths[r])
+            groups = [rows[i:i + group_size] for i in range(0, len(rows), group_size)]
+            rows = [r for g in sorted(groups, key=lambda g: sum(lengths[r] for r in g)) for r in g]
         out.append([rows[k * sizes.micro_batch_size : (k + 1) * sizes.micro_batch_size]
                     for k in range(sizes.micro_steps)])
     return out

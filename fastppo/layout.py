@@ -11,6 +11,7 @@ decoder (``decoder_hidden``), the LM head and the value head compute nothing on 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -228,6 +229,26 @@ def four_d_mask(allowed: torch.Tensor, mask_kind: str, dtype: torch.dtype = torc
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min)
     raise ValueError(f"no 4-D attention mask for attention {mask_kind!r}")
+
+
+def shared_layout_saves_work(model: nn.Module, query_lengths: Sequence[int], response_lengths: Sequence[int],
+                             group_size: int) -> bool:
+    """Whether ``make_shared_layout`` costs ``model`` fewer FLOPs than one row per completion: each token costs the
+    decoder's weights twice (2 FLOPs per parameter, embeddings and LM head aside: the head runs on the same
+    response tokens either way), each (query, key) pair of a row 4 · hidden · layers (QKᵀ and PV; an explicit mask
+    is computed densely, so a row of L tokens costs L² pairs). The shared row saves (k − 1) copies of the prompt
+    but its L² grows with k times the completions' length: long completions in large groups are cheaper unshared."""
+    config = causal_lm_of(model).config
+    per_token = 2 * sum(getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters()
+                        if "embed" not in n and "lm_head" not in n)
+    per_pair = 4 * config.hidden_size * config.num_hidden_layers
+    rows = [q + r for q, r in zip(query_lengths, response_lengths)]
+    unshared = sum(n * per_token + n * n * per_pair for n in rows)
+    shared = 0
+    for g in range(0, len(rows), group_size):
+        n = query_lengths[g] + sum(response_lengths[g:g + group_size])
+        shared += n * per_token + n * n * per_pair
+    return shared < unshared
 
 
 def make_shared_layout(query_responses: torch.Tensor, context_length: int, query_lengths: list[int],

@@ -50,7 +50,7 @@ from fastppo.metrics import (STAT, STAT_NAMES, UpdateResult, completion_metrics,
 from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, policy_loss_weights, reads_whole_sequences,
                                   surrogate_options)
 from fastppo.layout import (gathered, head_input, head_precision, lm_head_of, make_layout, make_shared_layout,
-                            shared_mask_kind)
+                            shared_layout_saves_work, shared_mask_kind)
 from fastppo.rewards import transform_scores
 from fastppo.sampling import History, Truncation
 
@@ -187,22 +187,44 @@ class Experience:
     kl: torch.Tensor  # per-token KL estimate (0 without a reference)
 
 
-def reference_sharing(config: PPOConfig, reference, rollout: Rollout, chunk: int):
-    """How the reference's forward shares each group's prompt (``share_prompts``): (group size, mask kind, mask
-    dtype) for ``Rollout.layout``, or None (no reference, one completion per prompt, a chunk that would split a
-    group, an attention that takes no group mask, or rows that are not groups of one prompt)."""
+def prompt_sharing(config: PPOConfig, model: nn.Module, rollout: Rollout, rows_per_forward: int):
+    """How ``model``'s forwards over ``rows_per_forward`` rows at a time share each group's prompt
+    (``share_prompts``): (group size, mask kind, mask dtype) for ``Rollout.layout``, or None (one completion per
+    prompt, batches that would split a group, an attention that takes no group mask, rows that are not groups of one
+    prompt, or, with share_prompts unset, a shared layout that would cost more: ``shared_layout_saves_work``)."""
     k = config.num_generations
-    if reference is None or config.share_prompts is False or k < 2 or chunk % k:
+    if config.share_prompts is False or k < 2 or rows_per_forward % k:
         return None
-    kind = shared_mask_kind(reference.model)
+    kind = shared_mask_kind(model)
     if kind is None or not rollout.groups_share_prompts(k):
         return None
-    return k, kind, next(reference.model.parameters()).dtype
+    if config.share_prompts is None and not shared_layout_saves_work(model, rollout.query_lengths,
+                                                                     rollout.response_lengths, k):
+        return None  # unset: only where it is less work (share_prompts=True shares anyway)
+    return k, kind, next(model.parameters()).dtype
+
+
+def reference_sharing(config: PPOConfig, reference, rollout: Rollout, chunk: int):
+    """``prompt_sharing`` of the reference's forward (None without a reference)."""
+    return None if reference is None else prompt_sharing(config, reference.model, rollout, chunk)
+
+
+def update_sharing(config: PPOConfig, sizes: Sizes, actor_critic, rollout: Rollout):
+    """``prompt_sharing`` of the trained forward (the update's forward and backward, and π_θ_old's forward, which must
+    see the same layout for the first ratio to be 1): the critic-free estimators only (a value model reads its own
+    layout), micro-batches and minibatches of whole groups (the minibatch order then draws groups, each group's rows
+    kept together, and group_by_length sorts groups), and row-count micro-batches (a token budget packs rows of any
+    group)."""
+    k = config.num_generations
+    if (actor_critic.critic or config.max_tokens_per_micro_batch is not None or sizes.micro_batch_size % k
+            or sizes.local_mini_batch_size % k):
+        return None
+    return prompt_sharing(config, actor_critic.policy, rollout, sizes.micro_batch_size)
 
 
 def compute_experience(actor_critic, reference, rollout: Rollout, temperature: float, kl_estimator: str, chunk: int,
                        packed: bool = False, seconds: dict | None = None, policy: bool = True,
-                       shared: tuple | None = None) -> Experience:
+                       shared: tuple | None = None, policy_shared: tuple | None = None) -> Experience:
     """Step 2: log π_θ_old and V (one call of the trained module), log π_ref and the per-token KL, in
     chunks of ``chunk`` rows, under ``torch.inference_mode``.
 
@@ -211,7 +233,8 @@ def compute_experience(actor_critic, reference, rollout: Rollout, temperature: f
     ``reference=None``: no KL anywhere (critic-free at kl_coef = beta = 0): π_ref is never run, the KL is 0.
     ``policy=False``: π_θ_old is not run here (``old_logprobs_in_update``): its log-probs and KL come back None
     and 0, and the update fills them in. ``shared`` (``reference_sharing``): the reference runs each group's
-    prompt once (its layout's outputs land in the same order, so the full KL's hidden states still pair up).
+    prompt once (its layout's outputs land in the same order, so the full KL's hidden states still pair up);
+    ``policy_shared`` (``update_sharing``, with a ``chunk`` of whole groups): π_θ_old too, as the update will.
     """
     full = kl_estimator == "full" and reference is not None and policy
     logprobs, ref_logprobs, values, kls = [], [], [], []
@@ -219,7 +242,7 @@ def compute_experience(actor_critic, reference, rollout: Rollout, temperature: f
     with torch.inference_mode():
         for i in range(0, rollout.query_responses.shape[0], chunk):
             rows = range(i, min(i + chunk, rollout.query_responses.shape[0]))
-            layout = rollout.layout(rows, packed)
+            layout = rollout.layout(rows, packed, shared=policy_shared)
             t0 = time.perf_counter()
             if policy:
                 out = actor_critic(layout, temperature, return_hidden=full)
@@ -227,7 +250,7 @@ def compute_experience(actor_critic, reference, rollout: Rollout, temperature: f
             else:
                 logp, value, hidden = None, None, None
             t1 = time.perf_counter()
-            ref_layout = layout if shared is None else rollout.layout(rows, shared=shared)
+            ref_layout = layout if shared is None or shared == policy_shared else rollout.layout(rows, shared=shared)
             ref_logp, ref_state = reference(ref_layout, temperature, with_hidden=full) if reference else (None, None)
             if reference is None or logp is None:
                 kls.append(torch.zeros(layout.shape, device=rollout.response_mask.device))
@@ -623,7 +646,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                sizes: Sizes, generator: torch.Generator, autocast: Callable = contextlib.nullcontext,
                log: Callable[[str], None] = print, zero=None, train: bool = True, max_steps: int | None = None,
                entropy_ctl: AdaptiveEntropyController | None = None,
-               after_step: Callable[[], None] | None = None) -> UpdateResult:
+               after_step: Callable[[], None] | None = None, shared: tuple | None = None) -> UpdateResult:
     """Step 5: num_ppo_epochs × num_mini_batches optimizer steps, each over micro_steps micro-batches.
 
     ``max_steps``: stop after this many (the run's last steps, where TRL GRPO's max_steps ends inside a generation
@@ -631,6 +654,9 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     ``after_step``: called after each optimizer step (TRL GRPO's schedule, stepped per optimizer step). Where
     ``sizes.counts_optimizer_steps`` (TRL GRPO's loop), the rows are shuffled once and every epoch walks the same
     minibatches in the same order, as TRL's buffered generation batch is revisited.
+
+    ``shared`` (``update_sharing``): each micro-batch's forward runs each group's prompt once, the minibatch order
+    drawing whole groups.
 
     ``train=False`` (an evaluation, under the caller's ``torch.no_grad``): one epoch of the same forwards and
     losses with the model in eval mode, and no backward or step: the stats are the loss and metrics at θ_old
@@ -680,8 +706,9 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
             epochs_run = epoch
             break
         if order is None or not sizes.counts_optimizer_steps:
-            order = torch.randperm(sizes.local_batch_size, generator=generator).tolist()
-        for mb, micro in enumerate(micro_batches(order, sizes, total_lengths, config.group_by_length)):
+            order = shuffled_rows(sizes.local_batch_size, 1 if shared is None else shared[0], generator)
+        for mb, micro in enumerate(micro_batches(order, sizes, total_lengths, config.group_by_length,
+                                                 1 if shared is None else shared[0])):
             if steps_left <= 0:
                 break
             steps_left -= 1
@@ -694,7 +721,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                                              rollout.response_lengths, budget, config.padding_free)
             finite = torch.ones((), device=device)
             for k, rows in enumerate(micro):
-                layout = rollout.layout(rows, config.padding_free)
+                layout = rollout.layout(rows, config.padding_free, shared=shared)
                 index = torch.as_tensor(rows, device=device)
                 old_logprobs, old_values, advantages, returns, mask, ref_logprobs = (
                     None if t is None else t.index_select(0, index) for t in (
@@ -797,6 +824,15 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
              else epochs_run * sizes.num_mini_batches)
     steps = taken - skipped if train else skipped
     return UpdateResult(stats, skipped, steps, epochs_run, seen, last_norm)
+
+
+def shuffled_rows(rows: int, group_size: int, generator: torch.Generator) -> list[int]:
+    """A random order of ``rows`` rows; with ``group_size`` > 1, of their groups (each ``group_size`` consecutive
+    rows), every group's rows kept together in their order."""
+    if group_size == 1:
+        return torch.randperm(rows, generator=generator).tolist()
+    groups = torch.randperm(rows // group_size, generator=generator).tolist()
+    return [g * group_size + j for g in groups for j in range(group_size)]
 
 
 def trained_mask(rollout: Rollout, mask_truncated_completions: bool) -> torch.Tensor:
@@ -906,11 +942,15 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     learner.actor_critic.eval()
     scoring_seconds = {}
     in_update = old_logprobs_in_update(config)
-    shared = reference_sharing(config, learner.reference, rollout, config.local_rollout_forward_batch_size)
+    chunk = config.local_rollout_forward_batch_size
+    shared = reference_sharing(config, learner.reference, rollout, chunk)
+    update_shared = update_sharing(config, sizes, learner.actor_critic, rollout)
     with learner.autocast():
         experience = compute_experience(learner.actor_critic, learner.reference, rollout, config.temperature,
-                                   config.kl_estimator, config.local_rollout_forward_batch_size, config.padding_free,
-                                   scoring_seconds, policy=not in_update, shared=shared)
+                                   config.kl_estimator, chunk, config.padding_free, scoring_seconds,
+                                   policy=not in_update, shared=shared,
+                                   policy_shared=update_shared if update_shared and chunk % update_shared[0] == 0
+                                   else None)
     t_forward = time.perf_counter()
     # 3. rewards: R_t = −β·KL_t, + the (transformed) score on the last trained token
     moments = learner.moments if train else copy.deepcopy(learner.moments)  # an evaluation moves no moment
@@ -937,7 +977,7 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
             else None
         update = ppo_update(learner.model, learner.optimizer, rollout, experience, targets, config, sizes, order,
                             learner.autocast, learner.log, zero=learner.zero, train=train, max_steps=max_steps,
-                            entropy_ctl=learner.entropy_ctl, after_step=per_step)
+                            entropy_ctl=learner.entropy_ctl, after_step=per_step, shared=update_shared)
     t2 = time.perf_counter()
     if in_update:  # π_θ_old's log-probs, and the KL they make with π_ref, as step 2 would have measured them
         experience = with_old_logprobs(experience, update.logprobs, rollout.response_mask, config.kl_estimator)

@@ -184,10 +184,15 @@ class PPOTrainer:
             learner.actor_critic, learner.model, learner.reference, learner.optimizer, learner.lr_scheduler,
             learner.kl_ctl, learner.moments, learner.shuffle, learner.zero, learner.entropy_ctl)
         self.model = self._public_model()
-        if config.share_prompts and self.reference is not None and shared_mask_kind(self.reference.model) is None:
-            raise SettingsError(f"share_prompts: the reference model's attention "
-                                f"({getattr(self.reference.model.config, '_attn_implementation', None)!r}) takes no "
-                                "group mask (sdpa and eager do); leave share_prompts unset or false")
+        if config.share_prompts:
+            sharing = [(what, model) for what, model in (
+                ("reference model", None if self.reference is None else self.reference.model),
+                ("policy", self.actor_critic.policy if config.critic_free else None)) if model is not None]
+            for what, model in sharing:
+                if shared_mask_kind(model) is None:
+                    raise SettingsError(f"share_prompts: the {what}'s attention "
+                                        f"({getattr(model.config, '_attn_implementation', None)!r}) takes no group "
+                                        "mask (sdpa and eager do); leave share_prompts unset or false")
         self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
                                                         None if self.zero is None else self.zero.stage, self._lm(),
                                                         self.log, iterations=self.sizes.num_total_batches,
