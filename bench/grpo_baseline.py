@@ -7,12 +7,13 @@ peak memory.
     python bench/grpo_baseline.py --smoke              # the embedded tiny model, 1 iteration, beta 0 (a test)
     python bench/grpo_baseline.py --rounds 1 --iterations 5 --betas 0 --sides fastppo,fastppo-eager,trl \
         --prompts_per_step 8 --num_generations 8 --max_completion_length 64      # a GPU lease's case
+    python bench/grpo_baseline.py --num_generations 8 --max_completion_length 64 --context_words 360  # long prompts
 
 Per round, for each case (beta 0.0: no reference model on either side; beta 0.04: both load one) and each side
 (``fastppo``: padded rows, the like-for-like row, on a GPU its decode step replayed as a CUDA graph;
 ``fastppo-padfree``: ``padding_free=True``; asked for by ``--sides``, ``fastppo-eager``: the eager decode loop on a
-GPU too, ``fastppo-inductor``: the decode step ``torch.compile``d, and ``fastppo-noshare``: the reference's forward
-without ``share_prompts``; ``trl``), this
+GPU too, ``fastppo-inductor``: the decode step ``torch.compile``d, and ``fastppo-noshare``: no forward runs a group's
+prompt once (``share_prompts=False``); ``trl``), this
 script starts ``python bench/grpo_baseline.py --child SIDE --case JSON``, which builds the trainer, trains
 ``--iterations`` iterations (one generation batch and one optimizer step each) and exits. Measured:
 
@@ -105,6 +106,7 @@ class GRPOCase:
     seed: int = 0
     threads: int = 0  # torch.set_num_threads in the child; 0: torch's default on both sides
     device: str = "cpu"  # "cpu": fp32 on both sides; "cuda": bf16 autocast over fp32 weights (TRL's GPU default)
+    context_words: int = 0  # > 0: each chat prompt opens with a passage of this many words (the long-prompt case)
 
     @property
     def completions_per_step(self) -> int:
@@ -117,7 +119,8 @@ class GRPOCase:
                 f"({self.prompts_per_step} prompts x k={self.num_generations}), max_completion_length "
                 f"{self.max_completion_length}, T {self.temperature}, lr {self.learning_rate:g} (linear decay), "
                 f"beta {self.beta:g}, epsilon {self.epsilon:g}, seed {self.seed}, threads "
-                f"{self.threads or 'torch default'}")
+                f"{self.threads or 'torch default'}"
+                + (f", each prompt after a {self.context_words}-word passage" if self.context_words else ""))
 
 
 # what each side imports, imported before the memory baseline (as trl_baseline.PREIMPORTS)
@@ -133,11 +136,23 @@ def prompts(case: GRPOCase) -> list:
     """The dataset's ``prompt`` column: chat messages (both sides apply the chat template with
     ``add_generation_prompt=True``) for SmolLM2, the built-in text prompts for the embedded model."""
     if case.model == "smollm2":
-        return [[{"role": "user", "content": text}] for text in CHAT_PROMPTS]
+        lead = f"Read this passage, then answer.\n\n{passage(case.context_words)}\n\n" if case.context_words else ""
+        return [[{"role": "user", "content": lead + text}] for text in CHAT_PROMPTS]
     from fastppo.embedded import PROMPTS_PATH
 
     with open(PROMPTS_PATH) as f:
         return [json.loads(line)["prompt"] for line in f if line.strip()][:16]
+
+
+PASSAGE = ("The river rises in the hills north of the town and runs south through farmland before it reaches the "
+           "sea. In spring the snow melts and the water climbs over its banks, so the farmers plant late and "
+           "harvest in the dry weeks of autumn. A stone bridge, built two centuries ago, carries the only road "
+           "across, and the market on its eastern end opens every Saturday morning.").split()
+
+
+def passage(words: int) -> str:
+    """``words`` words of a fixed text, repeated as needed: the same long context on both sides."""
+    return " ".join(PASSAGE[i % len(PASSAGE)] for i in range(words))
 
 
 def model_path(case: GRPOCase) -> str:
@@ -596,6 +611,8 @@ def _parse(argv=None):
     p.add_argument("--prompts_per_step", type=int, default=defaults.prompts_per_step,
                    help=f"prompts per optimizer step (at most {len(CHAT_PROMPTS)}, the prompt set's size)")
     p.add_argument("--max_completion_length", type=int, default=defaults.max_completion_length)
+    p.add_argument("--context_words", type=int, default=0,
+                   help="open each chat prompt with a passage of this many words (about 1.3 tokens each)")
     p.add_argument("--smoke", action="store_true",
                    help="the embedded tiny model, 1 iteration, 1 round, beta 0, fastppo and trl: checks the bench runs")
     p.add_argument("--json", help="write the raw results here")
@@ -631,7 +648,7 @@ def main(argv=None) -> None:
                          f"got {args.prompts_per_step}")
     cases = [GRPOCase(model=args.model, iterations=args.iterations, beta=float(b), threads=args.threads,
                       device=device, num_generations=args.num_generations, prompts_per_step=args.prompts_per_step,
-                      max_completion_length=args.max_completion_length)
+                      max_completion_length=args.max_completion_length, context_words=args.context_words)
              for b in args.betas.split(",")]
     if args.model == "smollm2":
         smollm2_dir()  # converted once here, so that no child's time includes it

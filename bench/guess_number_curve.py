@@ -2,8 +2,8 @@
 (CPU): the environment holds a hidden number from 1 to ``HIGHEST`` and its one tool, ``guess``, answers "higher",
 "lower" or "correct". The reward is the environment's ``get_reward``: 1 once a guess was correct, 0.25 for a game
 with well-formed guesses that never found it, 0 without one (the quarter teaches the call format first). One guess
-finds the number a quarter of the time; the policy earns more only by reading the answer and guessing again. Writes the reward and TRL's tool metrics per step as JSON and one plot (the figure
-in docs/migrating.md):
+finds the number a quarter of the time; the policy earns more only by reading the answer and guessing again.
+Writes the reward and TRL's tool metrics per step as JSON and one plot (the figure in docs/migrating.md):
 
     python bench/guess_number_curve.py --out bench/guess_number_curve.json --plot bench/guess_number_curve.png
 

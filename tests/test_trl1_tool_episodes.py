@@ -1,10 +1,11 @@
 """fastppo's tool-calling episodes equal TRL 1.16 GRPOTrainer's own on the same scripted turns.
 
-``tests/trl1_tool_episodes.py`` runs in TRL 1.16's environment and puts each scenario (valid calls, a wrong
-argument name, a tool that raises, malformed JSON, an unknown tool, two calls in one turn, an async tool, the round
-limit, a ``rollout_func`` writing the first turn of an environment's episodes, a tool message that would pass ``max_completion_length``, an environment whose state carries across calls with its ``get_reward``, environments chosen by name)
-through TRL's unedited trainer and through fastppo's, twice for fastppo (the tokenizer's ``response_template``,
-and fastppo's own parser). Compared exactly: the prompt ids, every episode's token ids (the model's turns and the
+``tests/trl1_tool_episodes.py`` runs in TRL 1.16's environment and puts each scenario through TRL's unedited trainer
+and through fastppo's, twice for fastppo (the tokenizer's ``response_template``, and fastppo's own parser): valid
+calls, a wrong argument name, a tool that raises, malformed JSON, an unknown tool, two calls in one turn, an async
+tool, the round limit, a tool message that would pass ``max_completion_length``, an environment whose state carries
+across calls with its ``get_reward``, environments chosen by name, and a ``rollout_func`` writing the first turn of
+an environment's episodes. Compared exactly: the prompt ids, every episode's token ids (the model's turns and the
 chat template's tool messages), the train mask (TRL's ``tool_mask``), the rows each generation call is asked for,
 the completions (as messages) handed to the reward functions, and every reward column; TRL's tool metrics to
 float32 rounding (TRL logs them as float32).
