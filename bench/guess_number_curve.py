@@ -7,8 +7,8 @@ Writes the reward and TRL's tool metrics per step as JSON and one plot (the figu
 
     python bench/guess_number_curve.py --out bench/guess_number_curve.json --plot bench/guess_number_curve.png
 
-SmolLM2's own chat template renders no tools, so the tokenizer gets a short Qwen-2.5-style one (below), as a user
-would give it; the prompt holds one played game as an example (SmolLM2-135M writes a well-formed call in about one
+SmolLM2's own chat template renders no tools, so the tokenizer gets ``fastppo.tools.CHATML_TOOL_TEMPLATE``, a
+short one in Qwen 2.5's tool format, as a user would give it; the prompt holds one played game as an example (SmolLM2-135M writes a well-formed call in about one
 sample of ten without it, in about a third with it).
 """
 from __future__ import annotations
@@ -27,20 +27,6 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 HIGHEST = 4
 RULES = (f"I am thinking of a number from 1 to {HIGHEST}. Find it with the guess tool: it answers higher, lower or "
          "correct.")
-# Qwen 2.5's tool format, short: the tools in a system turn, each call a <tool_call> JSON block, each result a user
-# turn holding a <tool_response>
-TOOL_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>"
-    "<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}{% if m.tool_calls %}"
-    "{% for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
-    "\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 class GuessNumber:
     """One game: ``reset`` takes the row's hidden number; ``guess`` is the tool; ``get_reward`` scores the game."""
 
@@ -79,10 +65,11 @@ def run(steps: int, output_dir: str, prompts_per_step: int, k: int, learning_rat
 
     from e2e_common import smollm2_dir
     from fastppo import GRPOConfig, GRPOTrainer
+    from fastppo.tools import CHATML_TOOL_TEMPLATE
 
     path = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.chat_template = CHATML_TOOL_TEMPLATE  # SmolLM2's own renders no tools
     rng = random.Random(0)
     rows = steps * prompts_per_step
     dataset = datasets.Dataset.from_dict({

@@ -37,6 +37,20 @@ from fastppo.rewards import run_concurrently
 # fastppo's parser of Qwen's and Hermes' tool calls, for a tokenizer without a response template of its own
 TOOL_CALL = re.compile(r"<tool_call>\s*(.+?)\s*</tool_call>", re.S)
 
+# A short ChatML template that renders tools in Qwen 2.5's format (the tools' schemas in a system turn, each call a
+# <tool_call> JSON block, each result a user turn holding a <tool_response>), which fastppo's parser reads: for a model
+# whose own template renders no tools (SmolLM2's), set as ``tokenizer.chat_template``
+CHATML_TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 
 def check_tools(tools) -> list[Callable]:
     """The ``tools`` list, each a function (sync or ``async``) whose JSON schema transformers can build (type hints

@@ -10,18 +10,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-# Qwen 2.5's tool format in a short template: the tools in a system turn, each call a <tool_call> JSON block, a tool
-# result a user turn of <tool_response>
-TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>"
-    "<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}{% if m.tool_calls %}"
-    "{% for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
-    "\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+from fastppo.tools import CHATML_TOOL_TEMPLATE
+
+TEMPLATE = CHATML_TOOL_TEMPLATE  # Qwen 2.5's tool format in a short ChatML template
 
 
 def byte_tokenizer(template=TEMPLATE):
