@@ -34,7 +34,8 @@ from fastppo.static_decode import StaticDecoder, accepts_logits_to_keep
 @torch.no_grad()
 def sample_responses(lm, queries, query_mask, response_length: int, temperature: float,
                      stop_ids: list[int], pad_id: int, chunk: int, synced: bool = False,
-                     decoder: StaticDecoder | None = None, truncation: Truncation | None = None) -> torch.Tensor:
+                     decoder: StaticDecoder | None = None, truncation: Truncation | None = None,
+                     group_size: int = 1) -> torch.Tensor:
     """[B, T] sampled tokens (T = ``response_length``), ``chunk`` rows at a time; after a row's first stop
     token every position holds ``pad_id``. With no stop ids every row has exactly T tokens.
 
@@ -46,13 +47,20 @@ def sample_responses(lm, queries, query_mask, response_length: int, temperature:
     static KV cache, and the same random state draws the same tokens.
 
     ``truncation``: draw from ``sampling.process_logits``' distribution (a repetition penalty reads each row's real
-    prompt tokens and the tokens drawn so far)."""
+    prompt tokens and the tokens drawn so far).
+
+    ``group_size``: where each ``group_size`` consecutive rows of a chunk hold one prompt (``prompt_groups``), the
+    eager loop runs each prompt's forward (the prefill) once and copies its KV cache to the group's rows: the first
+    token's logits are the unshared prefill's up to rounding (measured: 1.2e-7 on the embedded model, in fp32), the
+    later ones the same, so a draw moves only where the uniform lands within rounding of a boundary (the compiled
+    decode prefills every row: on a GPU the prefill is a small share of the decode)."""
     # in training mode with gradient checkpointing transformers silently turns the KV cache off, and a decode
     # loop that feeds one token at a time then forgets the prompt: sample in eval mode, whatever the caller's
     training = lm.training
     lm.eval()
     try:
-        sample = _sample_chunk if decoder is None else partial(_sample_chunk_static, decoder)
+        sample = partial(_sample_chunk, group_size=group_size) if decoder is None else \
+            partial(_sample_chunk_static, decoder)
         out = [sample(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, temperature,
                       stop_ids, pad_id, synced, truncation) for i in range(0, queries.shape[0], chunk)]
     finally:
@@ -93,10 +101,21 @@ def _history(queries, query_mask, truncation, vocab: int):
     return seen_tokens(queries, query_mask.bool(), vocab)
 
 
-def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: float, stop_ids: list[int],
-                  pad_id: int, synced: bool = False, truncation: Truncation | None = None) -> torch.Tensor:
+def prompt_groups(queries, query_mask, group_size: int) -> int:
+    """``group_size`` where every ``group_size`` consecutive rows hold one prompt (the same real tokens, the same
+    padding), else 1."""
     b = queries.shape[0]
-    seen = None
+    if group_size < 2 or b % group_size:
+        return 1
+    ids = (queries * query_mask).view(b // group_size, group_size, -1)
+    mask = query_mask.view(b // group_size, group_size, -1)
+    return group_size if bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all()) else 1
+
+
+def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: float, stop_ids: list[int],
+                  pad_id: int, synced: bool = False, truncation: Truncation | None = None,
+                  group_size: int = 1) -> torch.Tensor:
+    b = queries.shape[0]
     stops = _stop_tensor(stop_ids, queries)
     keep = {"logits_to_keep": 1} if accepts_logits_to_keep(lm) else {}
     cache = DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
@@ -106,16 +125,24 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
     inputs = queries * query_mask  # padding is never attended: fed as id 0 (TRL's), whatever the pad id
     tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=queries.device)
     done = torch.zeros(b, dtype=torch.bool, device=queries.device)
+    if response_length == 0:
+        return tokens
+    g = prompt_groups(queries, query_mask, group_size)  # the prefill: each prompt once, its cache copied g times
+    logits = lm(input_ids=inputs[::g], attention_mask=mask[::g], position_ids=positions[::g], **{keyword: cache},
+                use_cache=True, **keep).logits[:, -1]
+    if g > 1:
+        cache.batch_repeat_interleave(g)
+        logits = logits.repeat_interleave(g, 0)
+    seen = _history(queries, query_mask, truncation, logits.shape[-1])
     for t in range(response_length):
-        logits = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, **{keyword: cache},
-                    use_cache=True, **keep).logits[:, -1]
-        seen = _history(queries, query_mask, truncation, logits.shape[-1]) if t == 0 else seen
         tokens[:, t], done, finished = draw_tokens(logits, temperature, done, stops, pad_id, synced, truncation, seen)
-        if finished:
+        if finished or t + 1 == response_length:
             break
         inputs = torch.where(done, 0, tokens[:, t])[:, None]  # a stopped row's input is never read again
         mask = torch.cat([mask, mask.new_ones(b, 1)], 1)
         positions = positions[:, -1:] + 1
+        logits = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, **{keyword: cache},
+                    use_cache=True, **keep).logits[:, -1]
     return tokens
 
 

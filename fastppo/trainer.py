@@ -357,7 +357,8 @@ class PPOTrainer:
         return sample_responses(self._lm(), queries, query_mask, length, temperature, self.stop_ids,
                                 self.tokenizer.pad_token_id, self.config.local_rollout_forward_batch_size,
                                 **({"synced": True} if synced else {}), decoder=self._decoder(),
-                                truncation=self.actor_critic.truncation)
+                                truncation=self.actor_critic.truncation,
+                                group_size=1 if self.config.share_prompts is False else self.sizes.num_generations)
 
     def _reset_environments(self, rows):
         """Each rollout's environment (``environments.Environments``), reset with its row; the prompts as they then

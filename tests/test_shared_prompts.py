@@ -223,3 +223,29 @@ def test_the_prompt_is_shared_where_it_saves_work(prompt, completion, k, shares)
         lm = LlamaForCausalLM(shape)
     assert shared_layout_saves_work(lm, [prompt] * k, [completion] * k, k) is shares
 
+
+
+def test_the_sampler_prefills_each_prompt_once_and_draws_the_same_tokens(model_dir):
+    """The eager decode with group_size k: one prefill row per prompt, its KV cache copied to the group's k rows;
+    the same random state draws the same tokens as the unshared prefill. Rows that are not groups of one prompt
+    (a chunk that splits a group, or other prompts) prefill every row."""
+    from fastppo.generation import prompt_groups, sample_responses
+
+    lm = model(model_dir, torch.float32, "sdpa")
+    rollout = grouped_rollout(lm.config.vocab_size, 4, [5, 2], [1] * 8, seed=8)
+    c = rollout.context_length
+    queries, mask = rollout.query_responses[:, :c], rollout.attention_mask[:, :c]
+    prefill_rows = []
+    hook = lm.register_forward_pre_hook(lambda m, a, kw: prefill_rows.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        drawn = {}
+        for group, chunk in ((1, 8), (4, 8), (1, 6), (4, 6)):
+            prefill_rows.clear()
+            torch.manual_seed(0)
+            drawn[group, chunk] = sample_responses(lm, queries, mask, 12, 1.0, [], 0, chunk, group_size=group)
+            drawn[group, chunk, "prefill"] = [s[0] for s in prefill_rows if s[1] > 1]
+    finally:
+        hook.remove()
+    assert drawn[1, 8, "prefill"] == [8] and drawn[4, 8, "prefill"] == [2] and drawn[4, 6, "prefill"] == [6, 2]
+    assert torch.equal(drawn[4, 8], drawn[1, 8]) and torch.equal(drawn[4, 6], drawn[1, 6])
+    assert prompt_groups(queries, mask, 4) == 4 and prompt_groups(queries[1:5], mask[1:5], 4) == 1
