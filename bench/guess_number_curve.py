@@ -108,7 +108,7 @@ def plot(result: dict, path: str) -> None:
 
     steps = [h["step"] for h in result["history"]]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.plot(steps, [h["reward"] for h in result["history"]], label="reward (number found)")
+    ax.plot(steps, [h["reward"] for h in result["history"]], label="reward (get_reward: 1 found, 0.25 guessed)")
     ax.plot(steps, [h["call_frequency"] for h in result["history"]], label="tools/call_frequency", alpha=0.7)
     ax.plot(steps, [h["failure_frequency"] for h in result["history"]], label="tools/failure_frequency", alpha=0.7)
     ax.set_xlabel(f"step ({result['prompts_per_step']} games × {result['num_generations']} completions)")
