@@ -11,7 +11,7 @@ decoder (``decoder_hidden``), the LM head and the value head compute nothing on 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -229,6 +229,26 @@ def four_d_mask(allowed: torch.Tensor, mask_kind: str, dtype: torch.dtype = torc
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min)
     raise ValueError(f"no 4-D attention mask for attention {mask_kind!r}")
+
+
+def group_sharing(share_prompts: bool | None, group_size: int, model: nn.Module, rows_per_forward: int,
+                  query_lengths: Sequence[int], response_lengths: Sequence[int], grouped: Callable[[], bool]):
+    """How ``model``'s forwards over ``rows_per_forward`` rows at a time run each group's prompt once
+    (``share_prompts``): (group size, mask kind, mask dtype) for ``make_shared_layout``, or None where they cannot or
+    should not: sharing off, one completion per prompt, batches that would split a group, an attention that takes no
+    group mask, rows that are not groups of one prompt (``grouped()``, asked last: it may sync the device), or, with
+    ``share_prompts`` unset, a shared layout that would cost more (``shared_layout_saves_work``)."""
+    k = group_size
+    if share_prompts is False or k < 2 or rows_per_forward % k:
+        return None
+    kind = shared_mask_kind(model)
+    if kind is None:
+        return None
+    if share_prompts is None and not shared_layout_saves_work(model, query_lengths, response_lengths, k):
+        return None
+    if not grouped():
+        return None
+    return k, kind, next(model.parameters()).dtype
 
 
 def shared_layout_saves_work(model: nn.Module, query_lengths: Sequence[int], response_lengths: Sequence[int],

@@ -166,14 +166,15 @@ def check_model_scores(name: str, scores: torch.Tensor) -> torch.Tensor:
 
 def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: str, chunk: int,
                   packed: bool, device, context: dict | None = None, unjudged_allowed: bool = False,
-                  completion_messages: list[list[dict]] | None = None
+                  completion_messages: list[list[dict]] | None = None, sharing: Callable | None = None
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str] | None, list[str] | None]:
     """Step 1's scores: each reward on the rollout (a model on the policy's token ids, or on its own tokens when it
     has its own tokenizer; the functions on the texts, as TRL GRPO calls them, ``context``'s keywords added:
     ``trainer_state``, ``log_extra``, ``log_metric``), then Σ wᵢ·rᵢ (``combine_rewards``). Returns (scores [B],
     each reward's column [B] by name (NaN where a function did not judge), prompts, completions (texts, when
     decoded)). ``completion_messages``: each completion's messages where the rollout made them (its assistant turns
-    and tool results), what a function of conversational data gets as its completion."""
+    and tool results), what a function of conversational data gets as its completion. ``sharing(model)``: how a
+    reward model on the policy's token ids runs each group's prompt once (``train.prompt_sharing``), or None."""
     columns, prompts, completions, texts = {}, None, None, None
     if any(r.fn is not None or r.tokenizer is not None for r in rewards):  # else no decode at all
         prompt_ids, completion_ids = rollout.token_ids()
@@ -196,8 +197,9 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
         if reward.fn is not None:
             continue
         if reward.tokenizer is None:  # the policy's tokenizer: its token ids, read at the last token, no decode
+            shared = None if sharing is None else sharing(reward.model)
             columns[reward.name] = check_model_scores(reward.name, reward_model_scores(reward.model, rollout, chunk,
-                                                                                       packed))
+                                                                                       packed, shared))
         else:
             columns[reward.name] = check_model_scores(reward.name, retokenized_scores(
                 reward, texts, completions, messages, chunk, device))

@@ -208,14 +208,16 @@ def _scores_of(out, name: str, completions: list, device) -> torch.Tensor:
     return scores.to(device)
 
 
-def reward_model_scores(reward_model, rollout, chunk: int, packed: bool = False) -> torch.Tensor:
+def reward_model_scores(reward_model, rollout, chunk: int, packed: bool = False,
+                        shared: tuple | None = None) -> torch.Tensor:
     """[B] score of a sequence-classification model, read at each row's last real token (the stop token
-    when there is one); its head runs on those B hidden states only."""
+    when there is one); its head runs on those B hidden states only. ``shared`` (``train.prompt_sharing``, with
+    ``chunk`` a multiple of its group size): each group's prompt runs once."""
     backbone, head = backbone_and_head(reward_model)
     scores = []
     with torch.inference_mode():
         for i in range(0, rollout.query_responses.shape[0], chunk):
-            layout = rollout.layout(range(i, min(i + chunk, rollout.query_responses.shape[0])), packed)
+            layout = rollout.layout(range(i, min(i + chunk, rollout.query_responses.shape[0])), packed, shared=shared)
             hidden = backbone(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
                               position_ids=layout.position_ids, use_cache=False).last_hidden_state
             last = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.last)

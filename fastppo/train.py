@@ -49,8 +49,8 @@ from fastppo.metrics import (STAT, STAT_NAMES, UpdateResult, completion_metrics,
                              objective_sums)
 from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, policy_loss_weights, reads_whole_sequences,
                                   surrogate_options)
-from fastppo.layout import (gathered, head_input, head_precision, lm_head_of, make_layout, make_shared_layout,
-                            shared_layout_saves_work, shared_mask_kind)
+from fastppo.layout import (gathered, group_sharing, head_input, head_precision, lm_head_of, make_layout,
+                            make_shared_layout)
 from fastppo.rewards import transform_scores
 from fastppo.sampling import History, Truncation
 
@@ -188,20 +188,10 @@ class Experience:
 
 
 def prompt_sharing(config: PPOConfig, model: nn.Module, rollout: Rollout, rows_per_forward: int):
-    """How ``model``'s forwards over ``rows_per_forward`` rows at a time share each group's prompt
-    (``share_prompts``): (group size, mask kind, mask dtype) for ``Rollout.layout``, or None (one completion per
-    prompt, batches that would split a group, an attention that takes no group mask, rows that are not groups of one
-    prompt, or, with share_prompts unset, a shared layout that would cost more: ``shared_layout_saves_work``)."""
-    k = config.num_generations
-    if config.share_prompts is False or k < 2 or rows_per_forward % k:
-        return None
-    kind = shared_mask_kind(model)
-    if kind is None or not rollout.groups_share_prompts(k):
-        return None
-    if config.share_prompts is None and not shared_layout_saves_work(model, rollout.query_lengths,
-                                                                     rollout.response_lengths, k):
-        return None  # unset: only where it is less work (share_prompts=True shares anyway)
-    return k, kind, next(model.parameters()).dtype
+    """``layout.group_sharing`` of ``model``'s forwards over the rollout, by the config's ``share_prompts`` and
+    ``num_generations``."""
+    return group_sharing(config.share_prompts, config.num_generations, model, rows_per_forward, rollout.query_lengths,
+                         rollout.response_lengths, lambda: rollout.groups_share_prompts(config.num_generations))
 
 
 def reference_sharing(config: PPOConfig, reference, rollout: Rollout, chunk: int):

@@ -41,7 +41,7 @@ from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.tools import ToolCalling, run_episodes
 from fastppo.train import (UNJUDGED_ESTIMATORS, IterationResult, Learner, Rollout, ScoredRollout, apply_eos_penalties,
-                           assemble, contains_stop, eos_count, make_rollout, ppo_iteration)
+                           assemble, contains_stop, eos_count, make_rollout, ppo_iteration, prompt_sharing)
 
 
 SETTINGS_LOG = logging.getLogger("fastppo.checks")
@@ -291,7 +291,8 @@ class PPOTrainer:
                              log_metric=self.reward_logs.log_metric,
                              **({} if instances is None else {"environments": instances})),
                 completion_messages=None if episodes is None else episodes.messages,
-                unjudged_allowed=config.advantage_estimator in UNJUDGED_ESTIMATORS)
+                unjudged_allowed=config.advantage_estimator in UNJUDGED_ESTIMATORS,
+                sharing=lambda model: prompt_sharing(config, model, rollout, config.local_rollout_forward_batch_size))
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
         scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,
                                      config.penalty_reward_value)

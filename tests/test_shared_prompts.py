@@ -249,3 +249,45 @@ def test_the_sampler_prefills_each_prompt_once_and_draws_the_same_tokens(model_d
     assert drawn[1, 8, "prefill"] == [8] and drawn[4, 8, "prefill"] == [2] and drawn[4, 6, "prefill"] == [6, 2]
     assert torch.equal(drawn[4, 8], drawn[1, 8]) and torch.equal(drawn[4, 6], drawn[1, 6])
     assert prompt_groups(queries, mask, 4) == 4 and prompt_groups(queries[1:5], mask[1:5], 4) == 1
+
+
+def test_a_reward_model_on_the_policys_tokens_scores_each_prompt_once(model_dir):
+    """A sequence-classification reward model on the policy's token ids, read at each completion's last token: the
+    shared layout's scores are the unshared ones (float64: 1e-12), with a third of the decoder tokens here."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from fastppo.rewards import reward_model_scores
+
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_config(
+        AutoConfig.from_pretrained(model_dir, num_labels=1), dtype=torch.float64).eval()
+    rollout = grouped_rollout(rm.config.vocab_size, 4, [9, 6], [2, 1, 3, 2, 3, 3, 1, 2], seed=9)
+    plain = reward_model_scores(rm, rollout, 8)
+    shared = reward_model_scores(rm, rollout, 4, shared=(4, shared_mask_kind(rm), torch.float64))
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-12)
+    assert plain.std() > 0  # the rows score differently
+    assert rollout.layout(None, shared=(4, "bool", torch.float64)).input_ids.numel() * 2 < \
+        rollout.layout(None, False).input_ids.numel()
+
+
+def test_a_lora_policys_update_shares_the_prompt_with_the_same_adapter_gradients(model_dir):
+    """A PEFT (LoRA) policy in the trained forward: the adapter's gradients on the shared layout are the unshared
+    ones (float32, to rounding of each gradient's scale)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                   init_lora_weights=False))
+    actor = PolicyAndValue(lm, None, critic=False)
+    rollout = grouped_rollout(base.config.vocab_size, 3, [4, 7], [2, 5, 1, 3, 3, 2], seed=10)
+    grads = []
+    for shared in (None, (3, shared_mask_kind(lm), torch.float32)):
+        lm.zero_grad()
+        out = actor(rollout.layout(None, shared=shared), 1.0)
+        (out.logprobs * rollout.response_mask).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in lm.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[0])
+    for name, g in grads[0].items():
+        scale = g.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=2e-5 * max(scale, 1.0), msg=name)
