@@ -76,22 +76,32 @@ def run(estimator: str, iterations: int, output_dir: str, loss_type: str | None 
             "history": history}
 
 
-def plot(results: list[dict], path: str) -> None:
+def save_curves(path: str, lines: list[tuple[str, list, list, float]], xlabel: str, ylabel: str | None,
+                title: str) -> None:
+    """One plot of ``lines`` (label, x, y, alpha) as a PNG: the bench's curve figures share this look."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for r in results:
-        ax.plot([h["iteration"] for h in r["history"]], [h["score"] for h in r["history"]], label=r["estimator"])
-    ax.set_xlabel(f"iteration ({BATCH} completions each)")
-    ax.set_ylabel("mean reward (− words per completion)")
-    ax.set_title("SmolLM2-135M-Instruct, CPU: " + ", ".join(r["estimator"] for r in results), fontsize=8)
+    for label, xs, ys, alpha in lines:
+        ax.plot(xs, ys, label=label, alpha=alpha)
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def plot(results: list[dict], path: str) -> None:
+    save_curves(path, [(r["estimator"], [h["iteration"] for h in r["history"]], [h["score"] for h in r["history"]], 1.0)
+                       for r in results],
+                f"iteration ({BATCH} completions each)", "mean reward (− words per completion)",
+                "SmolLM2-135M-Instruct, CPU: " + ", ".join(r["estimator"] for r in results))
 
 
 def main() -> None:

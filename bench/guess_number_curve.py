@@ -101,22 +101,15 @@ def run(steps: int, output_dir: str, prompts_per_step: int, k: int, learning_rat
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    from critic_free_curves import save_curves
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h["step"] for h in result["history"]]
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.plot(steps, [h["reward"] for h in result["history"]], label="reward (get_reward: 1 found, 0.25 guessed)")
-    ax.plot(steps, [h["call_frequency"] for h in result["history"]], label="tools/call_frequency", alpha=0.7)
-    ax.plot(steps, [h["failure_frequency"] for h in result["history"]], label="tools/failure_frequency", alpha=0.7)
-    ax.set_xlabel(f"step ({result['prompts_per_step']} games × {result['num_generations']} completions)")
-    ax.set_title(f"guess a number from 1 to {result['highest']}, SmolLM2-135M-Instruct, CPU", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    history = result["history"]
+    steps = [h["step"] for h in history]
+    save_curves(path, [("reward (get_reward: 1 found, 0.25 guessed)", steps, [h["reward"] for h in history], 1.0),
+                       ("tools/call_frequency", steps, [h["call_frequency"] for h in history], 0.7),
+                       ("tools/failure_frequency", steps, [h["failure_frequency"] for h in history], 0.7)],
+                f"step ({result['prompts_per_step']} games × {result['num_generations']} completions)", None,
+                f"guess a number from 1 to {result['highest']}, SmolLM2-135M-Instruct, CPU")
 
 
 def main() -> None:
