@@ -79,3 +79,36 @@ def test_two_rank_resume_equals_an_uninterrupted_run(tmp_path):
             torch.testing.assert_close(resumed[name], p, atol=0, rtol=0, msg=name)
     assert (metrics_without_clock(tmp_path / "cut" / "metrics.jsonl")
             == metrics_without_clock(tmp_path / "whole" / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_two_ranks_share_each_groups_prompt_and_stay_in_sync(tmp_path):
+    """GRPO on 2 DDP ranks with share_prompts=True (every forward and the update's backward share each group's
+    prompt) against share_prompts=False: the same samples, the same entropies in the update's forward and the same
+    KL to the reference after one step (to fp32 rounding), and each run's ranks end with identical weights (DDP
+    all-reduces the shared layout's gradients)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1",
+               FASTPPO_CACHE=os.environ.get("FASTPPO_CACHE", str(tmp_path / "cache")))
+    runs = {}
+    for share in (True, False):
+        config = dict(_save_final=True, advantage_estimator="grpo", num_generations=2, per_device_train_batch_size=4,
+                      gradient_accumulation_steps=1, num_mini_batches=1, num_ppo_epochs=1, response_length=6,
+                      total_episodes=16, num_sample_generations=0, disable_tqdm=True,
+                      local_rollout_forward_batch_size=4, learning_rate=1e-3, beta=0.04, logging_steps=1,
+                      share_prompts=share)
+        out = tmp_path / f"share-{share}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               PPO_WORKER, json.dumps(config), str(out), "0", "fresh"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[share] = [torch.load(out / f"final{r}.pt") for r in range(2)]
+    for ranks in runs.values():
+        for name, p in ranks[0]["policy"].items():
+            torch.testing.assert_close(p, ranks[1]["policy"][name], atol=0, rtol=0, msg=name)
+    first, second = ({share: ranks[0]["log_history"][i] for share, ranks in runs.items()} for i in (0, 1))
+    assert first[True]["objective/scores"] == first[False]["objective/scores"]  # the same samples
+    # the update's forward on the shared rows: its entropies; then the KL to the reference after one step taken
+    # with the shared rows' gradients (measured 2e-6 apart)
+    assert first[True]["policy/entropy_avg"] == pytest.approx(first[False]["policy/entropy_avg"], rel=1e-6)
+    assert second[True]["objective/kl"] == pytest.approx(second[False]["objective/kl"], rel=1e-4)
+    assert abs(second[False]["objective/kl"]) > 1e-3
