@@ -127,7 +127,10 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
     done = torch.zeros(b, dtype=torch.bool, device=queries.device)
     if response_length == 0:
         return tokens
-    g = prompt_groups(queries, query_mask, group_size)  # the prefill: each prompt once, its cache copied g times
+    # the prefill: each prompt once, its cache copied g times, where every layer of the cache can be copied (a hybrid
+    # model's linear-attention or SSM layers, NemotronH's, cannot)
+    repeatable = all(hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", ()))
+    g = prompt_groups(queries, query_mask, group_size) if repeatable else 1
     logits = lm(input_ids=inputs[::g], attention_mask=mask[::g], position_ids=positions[::g], **{keyword: cache},
                 use_cache=True, **keep).logits[:, -1]
     if g > 1:

@@ -291,3 +291,28 @@ def test_a_lora_policys_update_shares_the_prompt_with_the_same_adapter_gradients
         scale = g.abs().max().item()
         assert scale > 0, name
         torch.testing.assert_close(grads[1][name], g, rtol=0, atol=2e-5 * max(scale, 1.0), msg=name)
+
+
+def test_a_cache_whose_layers_cannot_be_copied_prefills_every_row(model_dir, monkeypatch):
+    """A hybrid model's cache layers (NemotronH's linear attention) have no batch_repeat_interleave: the sampler then
+    prefills every row, and draws what it draws unshared."""
+    from transformers.cache_utils import DynamicLayer
+
+    from fastppo.generation import sample_responses
+
+    lm = model(model_dir, torch.float32, "sdpa")
+    rollout = grouped_rollout(lm.config.vocab_size, 4, [5, 2], [1] * 8, seed=8)
+    c = rollout.context_length
+    queries, mask = rollout.query_responses[:, :c], rollout.attention_mask[:, :c]
+    torch.manual_seed(0)
+    want = sample_responses(lm, queries, mask, 6, 1.0, [], 0, 8)
+    monkeypatch.delattr(DynamicLayer, "batch_repeat_interleave")
+    rows = []
+    hook = lm.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        torch.manual_seed(0)
+        got = sample_responses(lm, queries, mask, 6, 1.0, [], 0, 8, group_size=4)
+    finally:
+        hook.remove()
+    assert rows[0][0] == 8 and torch.equal(got, want)
+
