@@ -691,14 +691,14 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     steps_left = math.inf if max_steps is None or not train else max_steps
     model.train(train)
     order = None
+    group = 1 if shared is None else shared[0]  # the rows the order keeps together
     for epoch in range(epochs_run):
         if steps_left <= 0:
             epochs_run = epoch
             break
         if order is None or not sizes.counts_optimizer_steps:
-            order = shuffled_rows(sizes.local_batch_size, 1 if shared is None else shared[0], generator)
-        for mb, micro in enumerate(micro_batches(order, sizes, total_lengths, config.group_by_length,
-                                                 1 if shared is None else shared[0])):
+            order = shuffled_rows(sizes.local_batch_size, group, generator)
+        for mb, micro in enumerate(micro_batches(order, sizes, total_lengths, config.group_by_length, group)):
             if steps_left <= 0:
                 break
             steps_left -= 1
