@@ -52,15 +52,16 @@ def sample_responses(lm, queries, query_mask, response_length: int, temperature:
     ``group_size``: where each ``group_size`` consecutive rows of a chunk hold one prompt (``prompt_groups``), the
     eager loop runs each prompt's forward (the prefill) once and copies its KV cache to the group's rows: the first
     token's logits are the unshared prefill's up to rounding (measured: 1.2e-7 on the embedded model, in fp32), the
-    later ones the same, so a draw moves only where the uniform lands within rounding of a boundary (the compiled
-    decode prefills every row: on a GPU the prefill is a small share of the decode)."""
+    later ones the same, so a draw moves only where the uniform lands within rounding of a boundary. The compiled
+    decode does the same: the group's prompt prefilled once, its keys and values written to the group's rows of the
+    static cache (``StaticDecoder.fill_shared``)."""
     # in training mode with gradient checkpointing transformers silently turns the KV cache off, and a decode
     # loop that feeds one token at a time then forgets the prompt: sample in eval mode, whatever the caller's
     training = lm.training
     lm.eval()
     try:
         sample = partial(_sample_chunk, group_size=group_size) if decoder is None else \
-            partial(_sample_chunk_static, decoder)
+            partial(_sample_chunk_static, decoder, group_size=group_size)
         out = [sample(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, temperature,
                       stop_ids, pad_id, synced, truncation) for i in range(0, queries.shape[0], chunk)]
     finally:
@@ -112,13 +113,17 @@ def prompt_groups(queries, query_mask, group_size: int) -> int:
     return group_size if bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all()) else 1
 
 
+def _new_dynamic_cache(lm) -> DynamicCache:
+    return DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
+
+
 def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: float, stop_ids: list[int],
                   pad_id: int, synced: bool = False, truncation: Truncation | None = None,
                   group_size: int = 1) -> torch.Tensor:
     b = queries.shape[0]
     stops = _stop_tensor(stop_ids, queries)
     keep = {"logits_to_keep": 1} if accepts_logits_to_keep(lm) else {}
-    cache = DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
+    cache = _new_dynamic_cache(lm)
     keyword = cache_keyword(lm)  # cache (transformers 5.2x on) or past_key_values (earlier)
     mask = query_mask
     positions = (query_mask.cumsum(1) - 1).clamp(min=0)  # a left-padded prompt starts at position 0
@@ -151,7 +156,7 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
 
 def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, response_length: int, temperature: float,
                          stop_ids: list[int], pad_id: int, synced: bool = False,
-                         truncation: Truncation | None = None) -> torch.Tensor:
+                         truncation: Truncation | None = None, group_size: int = 1) -> torch.Tensor:
     """``_sample_chunk`` with the prompt's forward eager into the decoder's static cache and every later token's
     forward through its compiled step; rows past ``B`` are the bucket's padding and are never sampled."""
     b, width = queries.shape
@@ -159,8 +164,15 @@ def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, respon
     inputs, mask, positions, cache, key = decoder.prepare(queries, query_mask, response_length)
     tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=queries.device)
     done = torch.zeros(b, dtype=torch.bool, device=queries.device)
-    logits = lm(input_ids=inputs, attention_mask=mask[:, :width], position_ids=positions,
-                **{cache_keyword(lm): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+    g = prompt_groups(queries, query_mask, group_size) if decoder.can_fill_shared(cache) else 1
+    if g > 1:  # each prompt's forward once, into a dynamic cache whose rows are then written g times
+        prefill = _new_dynamic_cache(lm)
+        logits = lm(input_ids=inputs[:b:g], attention_mask=mask[:b:g, :width], position_ids=positions[:b:g],
+                    **{cache_keyword(lm): prefill}, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = logits[decoder.fill_shared(cache, prefill, b, inputs.shape[0], g)]
+    else:
+        logits = lm(input_ids=inputs, attention_mask=mask[:, :width], position_ids=positions,
+                    **{cache_keyword(lm): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
     seen = _history(queries, query_mask, truncation, logits.shape[-1])
     for t in range(response_length):
         tokens[:, t], done, finished = draw_tokens(logits[:b], temperature, done, stops, pad_id, synced, truncation,

@@ -48,6 +48,18 @@ import types
 
 import torch
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
+
+try:  # the static layers whose columns are not the positions one to one (names as in transformers 5.x)
+    from transformers.cache_utils import StaticSlidingWindowLayer as _Sliding
+    _WINDOWED_STATIC_LAYERS: tuple[type, ...] = (_Sliding,)
+except ImportError:  # pragma: no cover - older transformers
+    _WINDOWED_STATIC_LAYERS = ()
+try:
+    from transformers.cache_utils import StaticIndexedLayer as _Indexed
+    _WINDOWED_STATIC_LAYERS += (_Indexed,)
+except ImportError:  # pragma: no cover
+    pass
 
 from fastppo.errors import SettingsError
 from fastppo.layout import cache_keyword, causal_lm_of, four_d_mask, shared_mask_kind
@@ -260,6 +272,31 @@ class StaticDecoder:
         else:
             cache.reset()
         return cache
+
+    @staticmethod
+    def can_fill_shared(cache: StaticCache) -> bool:
+        """Whether ``fill_shared`` can write this cache: every layer a plain full-attention static layer (a sliding
+        window's or an indexed layer's positions are not the prompt's columns one to one)."""
+        return all(isinstance(layer, StaticLayer) and not isinstance(layer, _WINDOWED_STATIC_LAYERS)
+                   for layer in cache.layers)
+
+    @staticmethod
+    def fill_shared(cache: StaticCache, prefill, rows: int, bucket: int, group_size: int) -> torch.Tensor:
+        """Writes the keys and values of ``prefill`` (a dynamic cache of one row per prompt, ``rows // group_size``
+        prompts) into the reset static ``cache`` of ``bucket`` rows: each prompt's to its ``group_size`` consecutive
+        rows, and the bucket's padding rows past ``rows`` the last prompt's (``prepare`` repeats the last real row
+        there). Returns the index of each static row's prompt, to spread the prefill's logits the same way. The
+        layers' own ``update`` writes them, so the fill level and dtype promotion are what a prefill leaves."""
+        if len(prefill.layers) != len(cache.layers):
+            raise RuntimeError(f"the prefill filled {len(prefill.layers)} cache layers; the static cache has "
+                               f"{len(cache.layers)}")
+        device = prefill.layers[0].keys.device
+        index = torch.arange(rows, device=device) // group_size
+        index = torch.cat([index, index[-1:].expand(bucket - rows)])
+        positions = torch.arange(prefill.layers[0].keys.shape[-2], device=device)
+        for static, layer in zip(cache.layers, prefill.layers):
+            static.update(layer.keys[index], layer.values[index], {"cache_position": positions})
+        return index
 
     def cache_length(self, width: int, response_length: int) -> int:
         """The static cache length for prompts ``width`` wide and ``response_length`` new tokens."""

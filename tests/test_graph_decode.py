@@ -138,3 +138,40 @@ def test_the_trainer_refuses_a_backend_it_cannot_run(tmp_path, model_dir, backen
                      report_to=[], num_sample_generations=0, disable_tqdm=True, use_cpu=True)
     with pytest.raises(SettingsError, match=match):
         PPOTrainer(args=args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_each_prompt_is_prefilled_once_and_the_tokens_are_the_unshared_ones(model_dir, device, attention):
+    """group_size k: one prefill row per prompt, its keys and values written to the group's k rows of the static
+    cache (and to the bucket's padding rows: 3 prompts × 2 = 6 rows in a bucket of 8); the same random state draws
+    what the unshared prefill draws, with stop ids that end some rows, and a chunk that splits a group (or rows that
+    are not groups) prefills every row."""
+    from fastppo.generation import sample_responses
+
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention).to(device)
+    gen = torch.Generator().manual_seed(13)
+    ids, mask = left_padded(3, 10, lm.config.vocab_size, [0, 4, 7], device, gen)
+    ids, mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
+    stops = frequent_tokens(lm, ids, mask)
+    decoder = graph_decoder(lm, device)
+    prefill_rows: list[int] = []
+    hook = lm.register_forward_pre_hook(
+        lambda m, a, kw: prefill_rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] > 1 else None,
+        with_kwargs=True)
+    drawn = {}
+    try:
+        for group, chunk in ((1, 6), (2, 6), (1, 3), (2, 3)):
+            prefill_rows.clear()
+            torch.manual_seed(3)
+            drawn[group, chunk] = sample_responses(lm, ids, mask, 12, 1.0, stops, 0, chunk, decoder=decoder,
+                                                   group_size=group)
+            drawn[group, chunk, "prefill"] = list(prefill_rows)
+    finally:
+        hook.remove()
+    assert drawn[1, 6, "prefill"] == [8] and drawn[2, 6, "prefill"] == [3] and drawn[2, 3, "prefill"] == [4, 4]
+    assert torch.equal(drawn[2, 6], drawn[1, 6])
+    assert torch.equal(drawn[2, 3], drawn[1, 3])  # a chunk's draws come from the stream chunk by chunk
+    stopped = torch.isin(drawn[1, 6], torch.tensor(stops, device=device)).any(1)
+    assert stopped.any() and not stopped.all()
+    assert not torch.equal(drawn[1, 6][0], drawn[1, 6][1])  # a group's rows draw apart after the shared prefill
