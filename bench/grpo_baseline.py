@@ -485,8 +485,9 @@ def compare(cases: list[GRPOCase], rounds: int, sides=DEFAULT_SIDES, log=print,
                 try:
                     res = run_child(side, case, timeout=side_seconds)
                 except RuntimeError as e:
+                    lines = str(e).splitlines()
                     log(f"round {r + 1}/{rounds} beta {case.beta:g} {side:<16} FAILED or past its {side_seconds:g} s: "
-                        f"{str(e).splitlines()[0]}")
+                        f"{lines[0]}" + "".join(f"\n    {line}" for line in lines[-30:]))  # the stderr's tail
                     continue
                 results[_case_key(case)][side].append(res)
                 log(f"round {r + 1}/{rounds} beta {case.beta:g} {side:<16} process {res['process_wall_s']:7.1f} s  "

@@ -316,3 +316,38 @@ def test_a_cache_whose_layers_cannot_be_copied_prefills_every_row(model_dir, mon
         hook.remove()
     assert rows[0][0] == 8 and torch.equal(got, want)
 
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_trained_forward_and_every_gradient_are_the_unshared_ones_on_each_device(model_dir, device):
+    """The update's forward (``PolicyAndValue``: on CUDA the fused Triton log-prob and entropy kernels over the
+    shared layout's gathered rows) and the backward through it: log-probs, entropies and each parameter's gradient
+    equal to the unshared layout's to float32 rounding, on each device."""
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    actor = PolicyAndValue(lm, None, critic=False)
+    plain = grouped_rollout(lm.config.vocab_size, 4, [6, 3], [5, 2, 7, 1, 3, 3, 6, 4], seed=11)
+    rollout = assemble(*(t.to(device) for t in (plain.query_responses[:, :plain.context_length],
+                                                plain.attention_mask[:, :plain.context_length],
+                                                plain.query_responses[:, plain.context_length:],
+                                                plain.response_mask, plain.has_stop)))
+    results = []
+    for shared in (None, (4, shared_mask_kind(lm), torch.float32)):
+        lm.zero_grad()
+        out = actor(rollout.layout(None, shared=shared), 0.7, return_entropy=True)
+        loss = (out.logprobs * rollout.response_mask).sum() + 0.1 * (out.entropy * rollout.response_mask).sum()
+        loss.backward()
+        results.append((out.logprobs.detach(), out.entropy.detach(), {n: p.grad.clone() for n, p in
+                                                                       lm.named_parameters()}))
+    (want_lp, want_ent, want_grads), (lp, ent, grads) = results
+    mask = rollout.response_mask
+    torch.testing.assert_close(lp[mask], want_lp[mask], rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent[mask], want_ent[mask], rtol=0, atol=2e-5)
+    assert want_lp[mask].abs().max() > 1.0
+    for name, g in want_grads.items():
+        scale = g.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=2e-5 * max(scale, 1.0), msg=name)

@@ -147,12 +147,21 @@ def test_same_tokens_as_eager_on_smollm2_chat_prompts(smollm2, device):
     assert (eager == eos).any(), "a one-word answer should end in eos within 24 tokens"
 
 
-def test_the_trainer_with_compiled_decode_trains_exactly_as_without(tmp_path, model_dir, capsys):
+# grpo: groups of 2 rows of one prompt, whose prompt the compiled decode prefills once (StaticDecoder.fill_shared)
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_the_trainer_with_compiled_decode_trains_exactly_as_without(tmp_path, model_dir, capsys, estimator,
+                                                                   monkeypatch):
+    grouped = {"advantage_estimator": "grpo", "num_generations": 2} if estimator == "grpo" else {}
+    shared_fills = []
+    fill = StaticDecoder.fill_shared
+    monkeypatch.setattr(StaticDecoder, "fill_shared",
+                        staticmethod(lambda *a: shared_fills.append(a[-1]) or fill(*a)))
+
     def train(compiled: bool):
         args = PPOConfig(output_dir=str(tmp_path / str(compiled)), sft_model_path=model_dir, reward_model_path=None,
                          compiled_decode=compiled, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                          num_ppo_epochs=1, response_length=8, total_episodes=12, seed=5, save_strategy="no",
-                         report_to=[], num_sample_generations=0, disable_tqdm=True, stop_token="eos")
+                         report_to=[], num_sample_generations=0, disable_tqdm=True, stop_token="eos", **grouped)
         trainer = PPOTrainer(args=args)
         trainer.train()
         return trainer
@@ -164,6 +173,7 @@ def test_the_trainer_with_compiled_decode_trains_exactly_as_without(tmp_path, mo
     assert list(compiled._static_decoder.compile_seconds) == [(4, 64)]
     console = capsys.readouterr().out  # the compile time, once, on the trainer's console (not a hidden log record)
     assert console.count("the decode step (batch 4, cache 64 positions) in") == 1, console
+    assert shared_fills == ([2] * 3 if estimator == "grpo" else [])  # each iteration's 2 prompts prefilled once
     for (name, a), b in zip(eager.actor_critic.state_dict().items(), compiled.actor_critic.state_dict().values()):
         assert torch.equal(a, b), name
 
