@@ -354,10 +354,11 @@ class PPOConfig(TrainingArguments):
     )
     share_prompts: bool | None = field(
         default=None,
-        metadata={"help": "fastppo: the reference's forward, and with the critic-free estimators the update's "
-                  "forward and backward and π_θ_old's forward, run each group's prompt once (num_generations > 1: "
-                  "one row per group, each completion attending to the shared prompt; the same log-probs and "
-                  "gradients up to rounding, fewer tokens). Unset: on where the model's attention takes the group "
+        metadata={"help": "fastppo: the sampler's prefill, the reference's forward, the update's forward and "
+                  "backward (a value model's too) and π_θ_old's forward run each group's prompt once "
+                  "(num_generations > 1: one row per group, each completion attending to the shared prompt; the "
+                  "same log-probs, values and gradients up to rounding, fewer tokens). Unset: on where the model's "
+                  "attention takes the group "
                   "mask (sdpa, eager) and the shared rows cost fewer FLOPs; true: wherever it can, and refuses a "
                   "model whose attention cannot."},
     )

@@ -50,7 +50,7 @@ from fastppo.metrics import (STAT, STAT_NAMES, UpdateResult, completion_metrics,
 from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, policy_loss_weights, reads_whole_sequences,
                                   surrogate_options)
 from fastppo.layout import (gathered, group_sharing, head_input, head_precision, lm_head_of, make_layout,
-                            make_shared_layout)
+                            make_shared_layout, shared_mask_kind)
 from fastppo.rewards import transform_scores
 from fastppo.sampling import History, Truncation
 
@@ -201,15 +201,20 @@ def reference_sharing(config: PPOConfig, reference, rollout: Rollout, chunk: int
 
 def update_sharing(config: PPOConfig, sizes: Sizes, actor_critic, rollout: Rollout):
     """``prompt_sharing`` of the trained forward (the update's forward and backward, and π_θ_old's forward, which must
-    see the same layout for the first ratio to be 1): the critic-free estimators only (a value model reads its own
-    layout), micro-batches and minibatches of whole groups (the minibatch order then draws groups, each group's rows
-    kept together, and group_by_length sorts groups), and row-count micro-batches (a token budget packs rows of any
-    group)."""
+    see the same layout for the first ratio to be 1): micro-batches and minibatches of whole groups (the minibatch
+    order then draws groups, each group's rows kept together, and group_by_length sorts groups), and row-count
+    micro-batches (a token budget packs rows of any group). A separate value model reads the same layout, so its
+    attention must take the same mask, in the same dtype (a value head on the policy's trunk reads its hidden
+    states)."""
     k = config.num_generations
-    if (actor_critic.critic or config.max_tokens_per_micro_batch is not None or sizes.micro_batch_size % k
-            or sizes.local_mini_batch_size % k):
+    if config.max_tokens_per_micro_batch is not None or sizes.micro_batch_size % k or sizes.local_mini_batch_size % k:
         return None
-    return prompt_sharing(config, actor_critic.policy, rollout, sizes.micro_batch_size)
+    sharing = prompt_sharing(config, actor_critic.policy, rollout, sizes.micro_batch_size)
+    value_model = actor_critic.value_model if actor_critic.critic else None
+    if sharing is not None and value_model is not None and (
+            shared_mask_kind(value_model) != sharing[1] or next(value_model.parameters()).dtype != sharing[2]):
+        return None
+    return sharing
 
 
 def compute_experience(actor_critic, reference, rollout: Rollout, temperature: float, kl_estimator: str, chunk: int,

@@ -187,7 +187,8 @@ class PPOTrainer:
         if config.share_prompts:
             sharing = [(what, model) for what, model in (
                 ("reference model", None if self.reference is None else self.reference.model),
-                ("policy", self.actor_critic.policy if config.critic_free else None)) if model is not None]
+                ("policy", self.actor_critic.policy),
+                ("value model", self.actor_critic.value_model if self.actor_critic.critic else None)) if model is not None]
             for what, model in sharing:
                 if shared_mask_kind(model) is None:
                     raise SettingsError(f"share_prompts: the {what}'s attention "

@@ -182,21 +182,26 @@ def test_the_update_forward_and_backward_with_shared_prompts_equal_unshared(mode
 
 
 def test_grpo_updates_share_prompts_only_where_they_can(model_dir):
-    """update_sharing: critic-free, micro-batches and minibatches of whole groups, no token budget."""
+    """update_sharing: micro-batches and minibatches of whole groups, no token budget, a value model whose attention
+    takes the policy's mask."""
     from fastppo.config import derive_sizes
     from fastppo.train import update_sharing
 
     lm = model(model_dir, torch.float32, "sdpa")
     rollout = grouped_rollout(lm.config.vocab_size, 2, [3, 5], [2, 2, 3, 1], seed=2)
 
-    def sharing(critic=False, **kw):
+    def sharing(value_model=None, **kw):
         config = PPOConfig(output_dir=None, advantage_estimator="grpo", num_generations=2,
                            **{"per_device_train_batch_size": 4, **kw})
-        actor = type("Critic", (), {"critic": True, "policy": lm})() if critic else PolicyAndValue(lm, None, False)
+        actor = (type("Critic", (), {"critic": True, "policy": lm, "value_model": value_model})() if value_model
+                 else PolicyAndValue(lm, None, False))
         return update_sharing(config, derive_sizes(config, 1, 8), actor, rollout)
 
     assert sharing() == (2, "bool", torch.float32)
-    assert sharing(critic=True) is None
+    # a value model reads the same layout: the same mask kind and dtype, or no sharing
+    assert sharing(value_model=model(model_dir, torch.float32, "sdpa")) == (2, "bool", torch.float32)
+    assert sharing(value_model=model(model_dir, torch.float32, "eager")) is None
+    assert sharing(value_model=model(model_dir, torch.float64, "sdpa")) is None
     assert sharing(max_tokens_per_micro_batch=64) is None
     assert sharing(share_prompts=False) is None
     assert sharing(per_device_train_batch_size=1, gradient_accumulation_steps=4) is None  # micro-batches of one row
@@ -351,3 +356,99 @@ def test_the_trained_forward_and_every_gradient_are_the_unshared_ones_on_each_de
         scale = g.abs().max().item()
         assert scale > 0, name
         torch.testing.assert_close(grads[name], g, rtol=0, atol=2e-5 * max(scale, 1.0), msg=name)
+
+
+@pytest.mark.parametrize("critic", ["value_model", "value_head"])
+def test_gae_values_and_their_gradients_with_shared_prompts_equal_unshared(model_dir, critic):
+    """GAE with k completions per prompt: the value of every response state (a separate value model's forward over
+    the same shared layout, or a value head on the policy's trunk), the log-probs, and every parameter's gradient of
+    a loss that mixes them, equal to the unshared layout's (float32, to rounding of each gradient's scale). The
+    first state of each completion is the prompt's last position, one value for the whole group."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from fastppo.value_head import AutoModelForCausalLMWithValueHead
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if critic == "value_model":
+        value_model = AutoModelForSequenceClassification.from_config(
+            AutoConfig.from_pretrained(model_dir, num_labels=1), dtype=torch.float32)
+        actor, trained = PolicyAndValue(lm, value_model, critic=True), [lm, value_model]
+    else:
+        policy = AutoModelForCausalLMWithValueHead(lm).eval()  # its head's dropout off, as the trainer's
+        actor, trained = PolicyAndValue(policy, None, critic=True), [policy]
+    rollout = grouped_rollout(lm.config.vocab_size, 3, [6, 2], [4, 1, 5, 2, 3, 3], seed=12)
+    weights = torch.randn(rollout.response_mask.shape, generator=torch.Generator().manual_seed(13))
+    results = []
+    for shared in (None, (3, "bool", torch.float32)):
+        for m in trained:
+            m.zero_grad()
+        out = actor(rollout.layout(None, shared=shared), 0.9)
+        mask = rollout.response_mask
+        ((out.logprobs * weights * mask).sum() + ((out.values - weights) ** 2 * mask).sum()).backward()
+        results.append((out.logprobs.detach(), out.values.detach(),
+                        {n: p.grad.clone() for m in trained for n, p in m.named_parameters() if p.grad is not None}))
+    (logp, values, grads), (s_logp, s_values, s_grads) = results
+    mask = rollout.response_mask
+    torch.testing.assert_close(s_logp[mask], logp[mask], rtol=0, atol=2e-5)
+    torch.testing.assert_close(s_values[mask], values[mask], rtol=0, atol=2e-5)
+    assert values[mask].std() > 0 and torch.equal(values[0::3, 0], values[0::3, 0])
+    torch.testing.assert_close(values[1::3, 0], values[0::3, 0], rtol=0, atol=2e-6)  # one first state per group
+    assert s_grads.keys() == grads.keys() and any("score" in n or "v_head" in n for n in grads)
+    for name, g in grads.items():
+        scale = g.abs().max().item()
+        torch.testing.assert_close(s_grads[name], g, rtol=0, atol=2e-5 * max(scale, 1.0), msg=name)
+
+
+def test_a_ppo_run_with_k_completions_shares_its_value_model_and_trains_as_without(tmp_path, model_dir):
+    """PPO (GAE, a value model) with num_generations 2: the update and π_θ_old's forward share each group's prompt
+    (``update_sharing``), and the run trains as the unshared one (float32 rounding apart)."""
+    from fastppo import PPOTrainer
+
+    def run(share):
+        args = PPOConfig(output_dir=str(tmp_path / str(share)), sft_model_path=model_dir, reward_model_path=None,
+                         num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                         num_ppo_epochs=2, response_length=6, total_episodes=8, seed=4, save_strategy="no",
+                         report_to=[], num_sample_generations=0, disable_tqdm=True, share_prompts=share,
+                         learning_rate=1e-3)
+        trainer = PPOTrainer(args=args)
+        shared_calls = []
+        import fastppo.train as train_module
+        original = train_module.update_sharing
+        try:
+            train_module.update_sharing = lambda *a: shared_calls.append(original(*a)) or shared_calls[-1]
+            trainer.train()
+        finally:
+            train_module.update_sharing = original
+        return trainer, shared_calls
+
+    (shared, calls), (plain, plain_calls) = run(True), run(False)
+    assert calls and all(c is not None and c[0] == 2 for c in calls) and all(c is None for c in plain_calls)
+    for (name, a), b in zip(shared.actor_critic.state_dict().items(), plain.actor_critic.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=name)
+
+
+def test_share_prompts_true_refuses_a_value_model_whose_attention_takes_no_group_mask(tmp_path, model_dir):
+    """The value model reads the update's shared layout: share_prompts=True with a value model whose attention
+    takes no 4-D mask is refused by name at construction (unset, it runs unshared)."""
+    import datasets
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from fastppo import PPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dataset = datasets.Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in ["a b", "c d e"] * 4]})
+    value_model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(model_dir, num_labels=1))
+    value_model.config._attn_implementation = "flex_attention"
+    for share, refused in ((True, True), (None, False)):
+        args = PPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=4,
+                         response_length=4, total_episodes=8, report_to=[], save_strategy="no", share_prompts=share)
+        build = lambda: PPOTrainer(args=args, processing_class=tokenizer,  # noqa: E731
+                                   model=AutoModelForCausalLM.from_pretrained(model_dir), ref_model=None,
+                                   reward_model=lambda completions, **kw: [1.0] * len(completions),
+                                   train_dataset=dataset, value_model=value_model)
+        if refused:
+            with pytest.raises(SettingsError, match="share_prompts: the value model's attention"):
+                build()
+        else:
+            build()
