@@ -6,7 +6,8 @@
 from ``latest``. Test-only keys in the settings: ``_nan_iteration`` N makes rank 1's first loss of
 iteration N non-finite (the step must be skipped on every rank); ``_save_final`` writes each rank's final
 weights (``actor_critic``, ``policy``, ``value``) and ``log_history`` to ``final<RANK>.pt`` in the output
-directory.
+directory; ``_log_sharing`` writes each iteration's ``update_sharing`` and ``reference_sharing`` group size (None:
+unshared) to ``sharing<RANK>.json``.
 """
 import faulthandler
 import json
@@ -26,6 +27,7 @@ def main() -> None:
     settings, out, stop_at, resume = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume"
     nan_iteration = settings.pop("_nan_iteration", 0)
     save_final = settings.pop("_save_final", False)
+    log_sharing = settings.pop("_log_sharing", False)
 
     class Stop(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -45,7 +47,18 @@ def main() -> None:
             return loss, stats
 
         T.ppo_losses = poisoned
+    if log_sharing:  # each iteration's update_sharing and reference_sharing, as this rank decided them
+        decided = {"update": [], "reference": []}
+        for name in decided:
+            def record(*args, _f=getattr(T, f"{name}_sharing"), _name=name, **kwargs):
+                out = _f(*args, **kwargs)
+                decided[_name].append(None if out is None else out[0])
+                return out
+            setattr(T, f"{name}_sharing", record)
     trainer.train()
+    if log_sharing:
+        with open(os.path.join(out, f"sharing{os.environ['RANK']}.json"), "w") as f:
+            json.dump(decided, f)
     if save_final:
         def copy(module):
             return None if module is None else {k: v.detach().clone() for k, v in module.state_dict().items()}
