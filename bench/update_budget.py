@@ -42,7 +42,8 @@ def build(model: str, rows: int, micro: int, response_length: int, output_dir: s
     """(trainer, rollout, experience, targets) of one scored GAE rollout."""
     from fastppo.trainer import PPOTrainer
     from fastppo.config import PPOConfig
-    from fastppo.train import compute_advantages, per_token_rewards, compute_experience
+    from fastppo.train import per_token_rewards, compute_experience
+    from fastppo.advantages import gae_advantages
     from e2e_common import gpu_bf16
 
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro,
@@ -63,7 +64,7 @@ def build(model: str, rows: int, micro: int, response_length: int, output_dir: s
                                rows, packed=True)
     scores = torch.randn(rows, generator=torch.Generator().manual_seed(0)).to(experience.kl.device)
     rewards, nsr = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index, 0.05)
-    advantages, returns = compute_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
+    advantages, returns = gae_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
     from fastppo.train import Targets
 
     return trainer, rollout, experience, Targets(rewards, nsr, advantages, returns)

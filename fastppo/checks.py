@@ -9,9 +9,10 @@ import tempfile
 import torch
 from transformers import TrainingArguments, get_scheduler
 
-from fastppo.config import (ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATOR_CHOICES,
+from fastppo.config import (IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATOR_CHOICES,
                             GRPO_NAMES, LOSS_TYPES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, PPOConfig, as_list,
                             given_name)
+from fastppo.advantages import ESTIMATORS
 from fastppo.data import looks_local
 from fastppo.errors import SettingsError, MissingPathError, require
 from fastppo.kernels import check_temperature
@@ -121,12 +122,12 @@ def ignored_fields(config: PPOConfig) -> list[str]:
 
 def _check_estimator(c: PPOConfig) -> None:
     """The advantage estimator and what goes with it: groups, the KL's place, no value model without a critic."""
-    require(c.advantage_estimator in ADVANTAGE_ESTIMATORS, f"unknown advantage_estimator {c.advantage_estimator!r}; "
-            f"choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    require(c.advantage_estimator in ESTIMATORS, f"unknown advantage_estimator {c.advantage_estimator!r}; "
+            f"choose one of {', '.join(ESTIMATORS)}")
     k = c.num_generations
     require(isinstance(k, int) and not isinstance(k, bool) and k >= 1,
             f"num_generations must be an integer >= 1, got {k!r}")
-    require(c.advantage_estimator not in GROUP_ESTIMATORS or k >= 2,
+    require(not ESTIMATORS[c.advantage_estimator].grouped or k >= 2,
             f"advantage_estimator {c.advantage_estimator!r} compares the num_generations samples of each prompt with "
             f"each other; num_generations {k} leaves nothing to compare: use 2 or more")
     require(c.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {', '.join(SCALE_REWARDS)} (or true/"
@@ -153,7 +154,8 @@ def _check_multi_objective(c: PPOConfig) -> None:
             f"one of {', '.join(MULTI_OBJECTIVE_AGGREGATIONS)}, got {c.multi_objective_aggregation!r}")
     if c.multi_objective_aggregation == "sum_then_normalize":
         return
-    require(c.advantage_estimator == "grpo", f"multi_objective_aggregation normalize_then_sum is TRL GRPO's (GDPO): "
+    require("multi_objective_aggregation" in ESTIMATORS[c.advantage_estimator].reads,
+            f"multi_objective_aggregation normalize_then_sum is TRL GRPO's (GDPO): "
             f"it needs advantage_estimator grpo, got {c.advantage_estimator!r}")
     changes = {"kl_coef": c.kl_coef != 0, "missing_eos_penalty": c.missing_eos_penalty is not None,
                "non_eos_penalty": c.non_eos_penalty, "use_score_scaling": c.use_score_scaling,
@@ -182,7 +184,7 @@ def _check_policy_loss(c: PPOConfig) -> None:
     for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
         value = getattr(c, name)
         require(_is_finite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value!r}")
-    require(c.loss_type not in ("cispo", "sapo", "vespo") or c.delta is None,
+    require(LOSS_TYPES[c.loss_type].clips or c.delta is None,
             f"delta bounds the clipped ratio; loss_type {c.loss_type} has no clip for it to bound: leave it unset")
     q = c.top_entropy_quantile
     require(_is_finite(q) and 0 <= q <= 1, f"top_entropy_quantile must be in [0, 1] (the share of tokens kept by "
@@ -206,22 +208,21 @@ def _check_policy_loss(c: PPOConfig) -> None:
             "set (stop_token or stop_token_id): every completion would leave the loss")
 
 
-# GAE's settings (the value model's, and λ's): a critic-free run reads none of them; γ only REINFORCE++ reads
-CRITIC_SETTINGS = ("whiten_rewards", "lam", "vf_coef", "cliprange_value")
+# The estimators' settings a run can give that its own estimator never reads, and why it does not (a row of
+# fastppo.advantages.ESTIMATORS names what it reads): the value model's and λ's, read by GAE alone, and γ, read by
+# GAE and REINFORCE++
+UNREAD_BECAUSE = {**dict.fromkeys(("whiten_rewards", "lam", "vf_coef", "cliprange_value"),
+                                  "no value model, one advantage per completion"),
+                  "gamma": "one sequence reward per completion, undiscounted"}
 
 
 def unread_settings(c: PPOConfig, defaults: PPOConfig) -> list[str]:
     """Notes for the settings given away from their defaults that this run's estimator never reads (no silent
     no-op: the user is told)."""
-    if not c.critic_free:
-        return []
-    unread = [name for name in CRITIC_SETTINGS if getattr(c, name) != getattr(defaults, name)]
-    if c.advantage_estimator in GROUP_ESTIMATORS and c.gamma != defaults.gamma:
-        unread.append("gamma")
-    return [f"--{name} has no effect with advantage_estimator {c.advantage_estimator!r} (no value model, one "
-            "advantage per completion)" if name != "gamma" else
-            f"--gamma has no effect with advantage_estimator {c.advantage_estimator!r} (one sequence reward per "
-            "completion, undiscounted)" for name in unread]
+    reads = ESTIMATORS[c.advantage_estimator].reads
+    return [f"--{name} has no effect with advantage_estimator {c.advantage_estimator!r} ({why})"
+            for name, why in UNREAD_BECAUSE.items()
+            if name not in reads and getattr(c, name) != getattr(defaults, name)]
 
 
 def _check_unsupported(c: PPOConfig, defaults: PPOConfig) -> None:
@@ -305,7 +306,9 @@ def _check_rewards_and_kl(c: PPOConfig) -> None:
         require(isinstance(r, (list, tuple)) and len(r) == 2 and all(_is_finite(x) for x in r) and r[0] < r[1],
                 f"reward_clip_range must be (min, max) with min < max, got {r!r}")
         require(c.score_clip is None, "reward_clip_range and score_clip both clip the score; set one")
-    require(not c.normalize_advantages or c.advantage_estimator == "rloo", f"normalize_advantages standardises "
+    estimator = ESTIMATORS.get(c.advantage_estimator)  # an unknown one is refused by name in _check_estimator
+    require(not c.normalize_advantages or (estimator is not None and "normalize_advantages" in estimator.reads),
+            f"normalize_advantages standardises "
             f"RLOO's advantages (TRL RLOOConfig's); advantage_estimator is {c.advantage_estimator!r}")
     require(c.kl_estimator in KL_ESTIMATOR_CHOICES,
             f"unknown kl_estimator {c.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATOR_CHOICES)}")
@@ -379,24 +382,25 @@ def _check_model_paths(c: PPOConfig, model_args) -> None:
 def _policy_loss_notes(c: PPOConfig, defaults: PPOConfig) -> list[str]:
     """The policy-loss settings given that this loss_type does not read, scale_rewards under GDPO, and LUSPO off its
     sequence level (TRL GRPO warns of it too)."""
-    notes = [f"--{name} has no effect with loss_type {c.loss_type} (only {name.split('_')[0]} reads it)"
-             for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-                          "vespo_k_neg", "vespo_lambda_neg")
-             if c.loss_type != name.split("_")[0] and getattr(c, name) != getattr(defaults, name)]
-    if c.loss_type == "vespo" and c.importance_sampling_level != "token":
-        notes.append("loss_type vespo weighs each completion by its own sequence ratio; importance_sampling_level "
+    row = LOSS_TYPES[c.loss_type]
+    notes = [f"--{name} has no effect with loss_type {c.loss_type} (only {owner} reads it)"
+             for owner, other in LOSS_TYPES.items() for name in other.reads
+             if name not in row.reads and getattr(c, name) != getattr(defaults, name)]
+    if row.whole_sequences and c.importance_sampling_level != "token":
+        notes.append(f"loss_type {c.loss_type} weighs each completion by its own sequence ratio; "
+                     "importance_sampling_level "
                      "sequence changes only the ratio of the KL term's correction and the logs (TRL GRPO warns of "
                      "it too)")
-    if c.loss_type == "cispo" and c.epsilon != defaults.epsilon:
+    if row.surrogate == "cispo" and c.epsilon != defaults.epsilon:
         notes.append("--epsilon has no effect with loss_type cispo (it caps the ratio above only, at epsilon_high)")
-    if c.loss_type == "cispo" and c.epsilon_high <= 1:
+    if row.surrogate == "cispo" and c.epsilon_high <= 1:
         notes.append(f"loss_type cispo caps every ratio at epsilon_high = {c.epsilon_high} (unset, it is epsilon's "
                      "value): at or below 1 every on-policy token is capped, which scales the gradient by it (TRL "
                      "GRPO computes the same); CISPO's ε_max is above 1 (ScaleRL recommends 5.0)")
     if c.multi_objective_aggregation == "normalize_then_sum" and c.scale_rewards != defaults.scale_rewards:
         notes.append("--scale_rewards has no effect with multi_objective_aggregation normalize_then_sum (each reward "
                      "is scaled by its group's std, the sum by the batch's)")
-    if c.importance_sampling_level == "sequence" and c.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+    if c.importance_sampling_level == "sequence" and not (row.per_sequence or row.whole_sequences):
         notes.append(f"importance_sampling_level sequence with loss_type {c.loss_type}: the loss sums per-token "
                      "contributions, which effectively weights each sequence by its completion length instead of "
                      "optimizing the per-sequence objective; GSPO's setup is loss_type grpo (TRL GRPO warns of it too)")

@@ -29,32 +29,17 @@ from typing import ClassVar, Literal
 import torch
 from transformers import TrainingArguments
 
+from fastppo.advantages import ESTIMATORS
+from fastppo.loss_types import LOSS_TYPES  # noqa: F401 - the checks' and the CLI's choices
 from fastppo.errors import SettingsError
 
 KL_ESTIMATOR_CHOICES = ("k1", "k2", "k3", "abs", "mse", "full")
-# verl's names (algorithm.adv_estimator); docs/usage.md maps OpenRLHF's and TRL's onto them
-ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo", "reinforce_plus_plus")
-GROUP_ESTIMATORS = ("rloo", "grpo")  # a baseline over the num_generations samples of each prompt
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # TRL GRPO's
-# TRL GRPO's loss_type: how the token losses of an optimizer step are aggregated (policy_terms.policy_loss_weights)
-# and, for cispo, sapo and vespo, the per-token loss too (policy_terms.surrogate_options)
-LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
 CLIPRANGE_DEFAULT = 0.2  # TRL 0.26 PPO's cliprange, TRL GRPO's epsilon
 GRPO_NAMES = {"max_completion_length": "response_length", "num_iterations": "num_ppo_epochs"}  # TRL GRPO's: TRL PPO's
 ALIASES = {"epsilon": "cliprange", **GRPO_NAMES}  # every setting with two names: TRL GRPO's name -> TRL PPO's
-# Each estimator's defaults where its source differs from TRL 0.26's PPO: num_generations (TRL 1.16's RLOOConfig 2,
-# GRPOConfig 8; one sample per prompt for the others), kl_coef, the per-token KL in the reward (TRL GRPO has
-# none: its KL, beta, is in the loss; TRL RLOO's beta is the summed k1 in the reward, which is kl_coef here), and
-# loss_type: bnpo is TRL 0.26 PPO's aggregation (a token mean per micro-batch), dapo TRL GRPO's default
-ESTIMATOR_DEFAULTS = {
-    "gae": {"num_generations": 1, "kl_coef": 0.05, "loss_type": "bnpo"},
-    "rloo": {"num_generations": 2, "kl_coef": 0.05, "loss_type": "dapo"},
-    "grpo": {"num_generations": 8, "kl_coef": 0.0, "loss_type": "dapo"},
-    "reinforce_plus_plus": {"num_generations": 1, "kl_coef": 0.05, "loss_type": "dapo"},
-}
-
 TRL_DEFAULT_MODEL = "EleutherAI/pythia-160m"  # TRL 0.26 PPOConfig's sft_model_path and reward_model_path
 
 
@@ -419,9 +404,10 @@ class PPOConfig(TrainingArguments):
     )
 
     # ------------------------------------------------------------ critic-free estimators (verl's and TRL GRPO's names)
-    advantage_estimator: Literal["gae", "rloo", "grpo", "reinforce_plus_plus"] = field(
+    advantage_estimator: str = field(
         default="gae",
-        metadata={"help": "How advantages are estimated (verl's algorithm.adv_estimator): gae (a value model, TRL's "
+        metadata={"choices": list(ESTIMATORS),  # fastppo.advantages' table, one row per estimator
+                  "help": "How advantages are estimated (verl's algorithm.adv_estimator): gae (a value model, TRL's "
                   "PPO); critic-free, with no value model at all: rloo (leave-one-out baseline over the "
                   "num_generations samples of a prompt, TRL's RLOO), grpo (group mean and std, TRL's GRPO; "
                   "scale_rewards), reinforce_plus_plus (per-token returns of the KL-shaped reward whitened over the "
@@ -470,7 +456,7 @@ class PPOConfig(TrainingArguments):
                   "steps: TRL GRPO's default, the default of the critic-free estimators), grpo (each sequence's "
                   "token mean, then the mean over sequences), dr_grpo (the token sum divided by sequences × "
                   "response_length), luspo (each sequence's token sum, then the mean over sequences: LUSPO, meant "
-                  "with importance_sampling_level sequence). Two change the token loss too: cispo (−sg(min(ρ, "
+                  "with importance_sampling_level sequence). Three change the token loss too: cispo (−sg(min(ρ, "
                   "epsilon_high))·A·log π, epsilon_high being ε_max itself, > 1, 5.0 recommended; aggregated as "
                   "dapo: MiniMax-M1/ScaleRL), sapo (a sigmoid gate −A·σ(τ(ρ − 1))·4/τ in place of the clip, "
                   "τ the sapo_temperature of A's sign; aggregated as grpo) and vespo (−sg(φ(w))·A·log π, φ a gamma "
@@ -539,8 +525,8 @@ class PPOConfig(TrainingArguments):
             except json.JSONDecodeError as e:
                 raise SettingsError(f"chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r}: "
                                     f"{e}") from None
-        # the estimator's source decides what an unset num_generations and kl_coef mean (ESTIMATOR_DEFAULTS)
-        defaults = ESTIMATOR_DEFAULTS.get(self.advantage_estimator, ESTIMATOR_DEFAULTS["gae"])
+        # the estimator's source decides what an unset num_generations and kl_coef mean (its row's defaults)
+        defaults = ESTIMATORS.get(self.advantage_estimator, ESTIMATORS["gae"]).defaults
         if self.num_generations is None:
             self.num_generations = defaults["num_generations"]
         if self.kl_coef is None:
@@ -598,7 +584,7 @@ class PPOConfig(TrainingArguments):
     @property
     def critic_free(self) -> bool:
         """No value model: the advantages come from the rewards alone."""
-        return self.advantage_estimator != "gae"
+        return not ESTIMATORS.get(self.advantage_estimator, ESTIMATORS["gae"]).critic
 
     @property
     def needs_reference(self) -> bool:

@@ -37,13 +37,13 @@ from fastppo.data import left_pad, right_pad
 from fastppo.dist import all_reduce, barrier
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import generate_with_kwargs, sample_responses, stop_ids_of
+from fastppo.advantages import gae_advantages
 from fastppo.kernels import check_temperature, kl_penalty, masked_mean, token_logprobs
 from fastppo.layout import causal_lm_of, lm_of
 from fastppo.legacy_stats import legacy_log_stats, legacy_step_stats
 from fastppo.loading import build_models, embedding_rows, ensure_pad_token, is_peft, position_limit
 from fastppo.metrics import STAT
-from fastppo.train import (ScoredRollout, assemble, compute_advantages, eos_count, per_token_rewards, ppo_iteration,
-                           ppo_losses)
+from fastppo.train import ScoredRollout, assemble, eos_count, per_token_rewards, ppo_iteration, ppo_losses
 from fastppo.trainer import fill_derived_sizes
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
 
@@ -654,11 +654,11 @@ class PPOTrainer:
         return rewards, non_score, kl
 
     def compute_advantages(self, values, rewards, mask):
-        """(masked values, whitened advantages, returns) by GAE (fastppo.train.compute_advantages)."""
+        """(masked values, whitened advantages, returns) by GAE (fastppo.advantages.gae_advantages)."""
         mask = mask.bool()
         values, rewards = values * mask, rewards * mask
-        advantages, returns = compute_advantages(rewards, values, mask, self.config.gamma, self.config.lam,
-                                                 self.config.whiten_rewards)
+        advantages, returns = gae_advantages(rewards, values, mask, self.config.gamma, self.config.lam,
+                                             self.config.whiten_rewards)
         return values, advantages.detach(), returns
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):

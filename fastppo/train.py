@@ -21,8 +21,10 @@ One iteration (numbers match the step comments below):
 
 The per-token math of steps 2-5 (log-probs, entropy, KL, GAE, masking, the surrogates, the masked statistics)
 is ``fastppo.kernels`` calls; REINFORCE++'s whitening over the batch and ``top_entropy_quantile``'s quantile
-are PyTorch here and in ``policy_terms``. The plumbing lives beside this file: ``config`` (flags, sizes),
-``policy_terms`` (what TRL GRPO's policy-loss settings make of each token), ``layout`` and ``actor_critic``
+are PyTorch in ``advantages`` and ``policy_terms``. The plumbing lives beside this file: ``config`` (flags,
+sizes), ``advantages`` (step 4: each estimator a function and a row of its table), ``loss_types`` (TRL GRPO's
+``loss_type``, a row each), ``policy_terms`` (what the policy-loss settings make of each token), ``layout`` and
+``actor_critic
 (the forwards), ``batching`` (micro-batch cuts), ``data``, ``rewards`` and ``reward_scores``, ``generation``,
 ``metrics``, ``dist``; ``build`` makes a ``Learner``.
 """
@@ -40,15 +42,14 @@ import torch
 import torch.nn as nn
 
 from fastppo import dist as fdist
+from fastppo.advantages import estimate_advantages
 from fastppo.config import PPOConfig, Sizes
-from fastppo.kernels import (clip_sides, clipped_surrogate, fused_full_kl, gae, kl_penalty, masked_mean, masked_var,
-                             masked_whiten, truncate_at_stop)
-from fastppo.kernels.stats import WHITEN_EPS
+from fastppo.kernels import (clip_sides, clipped_surrogate, fused_full_kl, kl_penalty, masked_mean, masked_var,
+                             truncate_at_stop)
 from fastppo.batching import micro_batches, token_budget_batches
-from fastppo.metrics import (STAT, STAT_NAMES, UpdateResult, completion_metrics, gather_metrics, nan_std,
-                             objective_sums)
-from fastppo.policy_terms import (GLOBAL_TOKEN_LOSS_TYPES, high_entropy_mask, policy_loss_weights, reads_whole_sequences,
-                                  surrogate_options)
+from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, completion_metrics, gather_metrics, objective_sums
+from fastppo.loss_types import divides_by_rollout_tokens, policy_loss_weights
+from fastppo.policy_terms import high_entropy_mask, reads_whole_sequences, surrogate_options
 from fastppo.layout import (gathered, group_sharing, head_input, head_precision, lm_head_of, make_layout,
                             make_shared_layout, shared_mask_kind)
 from fastppo.rewards import transform_scores
@@ -276,7 +277,7 @@ def compute_experience(actor_critic, reference, rollout: Rollout, temperature: f
     return Experience(*(None if t is None else t.clone() for t in out))  # out of inference mode: usable in the loss
 
 
-# ============================================================================ 3-4. rewards and advantages
+# ============================================================================ 3. rewards (4, advantages: advantages.py)
 
 
 class FixedKLController:
@@ -347,148 +348,6 @@ def per_token_rewards(kl, scores, response_mask, score_index, kl_coef: float):
     rewards[rows, score_index] += scores
     return rewards, non_score_reward
 
-
-def compute_advantages(rewards, values, response_mask, gamma: float, lam: float, whiten_rewards: bool,
-                       skip_masked: bool = False):
-    """Step 4: GAE and returns; the advantages are whitened over trained tokens (0 elsewhere).
-
-    ``skip_masked``: positions the caller masked inside a response (tool output) are skipped by the
-    recursion, which bootstraps across them from the next trained token (verl's multi-turn GAE).
-    """
-    if whiten_rewards:
-        rewards = whiten_trained(rewards, response_mask, shift_mean=False)
-    advantages, returns = gae(rewards, values, response_mask, gamma, lam, skip_masked=skip_masked)
-    return whiten_trained(advantages, response_mask), returns
-
-
-# ---------------------------------------------------------------------------- the critic-free estimators
-# No value model: each advantage comes from the rewards alone. rloo and grpo compare the num_generations samples of
-# one prompt (rows g·k .. g·k + k − 1 of the rollout; a group never spans processes); their sequence reward is the
-# sum of step 3's per-token rewards, the score minus kl_coef·Σ_t KL_t (TRL RLOO's KL-in-reward), and the sequence's
-# advantage goes to each of its trained tokens. reinforce_plus_plus keeps step 3's per-token rewards.
-
-
-# The group statistics below are taken in float64 and the advantages rounded back once: a group of equal rewards
-# then gets advantages of exactly 0 (k·r is exact in float64, and so is k·r / k), where float32 means an ulp off,
-# divided by std + 1e-4, would hand each completion of a prompt-only reward a push of ~1e-3 (a full AdamW step).
-
-
-# The estimators whose groups leave out a completion no reward judged (NaN score: advantage 0), as TRL GRPO's and
-# RLOO's do; the others refuse it
-UNJUDGED_ESTIMATORS = ("grpo", "rloo")
-
-
-def rloo_advantages(sequence_rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """[B] A_i = r_i − mean_{j≠i} r_j over the k samples of i's prompt (RLOO; TRL's RLOOTrainer). A NaN reward (no
-    reward judged the completion) is left out of its siblings' baselines, as TRL's; its own advantage is NaN (the
-    caller makes it 0), as is that of a completion whose group has no other judged one."""
-    r = sequence_rewards.view(-1, k).double()
-    judged = (~torch.isnan(r)).sum(1, keepdim=True)
-    baseline = (r.nansum(1, keepdim=True) - r) / (judged - 1)
-    return (r - baseline).view(-1).to(sequence_rewards.dtype)
-
-
-GRPO_STD_EPS = 1e-4  # TRL GRPO's: a group of equal rewards gets advantage 0, not 0/0
-
-
-def grpo_advantages(sequence_rewards: torch.Tensor, k: int, scale_rewards: str) -> torch.Tensor:
-    """[B] A_i = (r_i − mean_group) / (std + 1e-4) (GRPO; TRL's GRPOTrainer), the std (unbiased) of i's group
-    (``scale_rewards="group"``), of the whole batch over every process (``"batch"``), or no division
-    (``"none"``: Dr. GRPO). A group of one (an evaluation's ``num_generations_eval=1``) has a std of 0, as in TRL,
-    hence advantage 0. A NaN reward (no reward judged the completion) is left out of the means and stds, as TRL's
-    nanmean and nanstd leave it; its own advantage is NaN (the caller makes it 0)."""
-    r = sequence_rewards.view(-1, k).double()
-    centred = (r - r.nanmean(1, keepdim=True)).view(-1)
-    if scale_rewards == "none":
-        return centred.to(sequence_rewards.dtype)
-    if scale_rewards == "group":
-        std = (nan_std(r, 1, keepdim=True) if k > 1 else torch.zeros_like(r)).expand(-1, k).reshape(-1)
-    elif r.numel() == 1:
-        std = torch.zeros_like(centred)
-    else:
-        _, var = batch_moments(r.view(-1).nan_to_num(0.0), ~torch.isnan(sequence_rewards))
-        std = var.sqrt()
-    return (centred / (std + GRPO_STD_EPS)).to(sequence_rewards.dtype)
-
-
-def gdpo_advantages(reward_columns: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
-    """[B] GDPO (TRL GRPO's ``multi_objective_aggregation="normalize_then_sum"``) from [B, F] each reward's scores
-    (NaN where a reward function did not judge) and its [F] weights: each reward centred and scaled by its group's
-    mean and unbiased std (+1e-4), ignoring NaNs; their weighted sum, NaNs left out; that sum centred and scaled
-    by the whole batch's mean and unbiased std over every process. A group where a reward judged under two
-    completions adds nothing of that reward (its std is NaN, as in TRL)."""
-    grouped = reward_columns.view(-1, k, reward_columns.shape[1]).double()
-    mean = grouped.nanmean(1, keepdim=True)
-    judged = (~torch.isnan(grouped)).sum(1, keepdim=True)
-    var = ((grouped - mean) ** 2).nanmean(1, keepdim=True) * judged / (judged - 1)
-    std = torch.where(judged > 1, var.sqrt(), torch.full_like(var, float("nan")))
-    normalised = ((grouped - mean) / (std + GRPO_STD_EPS)).view(reward_columns.shape)
-    combined = (normalised * weights.to(normalised.dtype)).nansum(1)
-    batch_mean, batch_var = batch_moments(combined, torch.ones_like(combined, dtype=torch.bool))
-    return torch.nan_to_num((combined - batch_mean) / (batch_var.sqrt() + GRPO_STD_EPS), nan=0.0).to(
-        reward_columns.dtype)
-
-
-def reinforce_plus_plus_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float):
-    """[B, T] REINFORCE++ (verl's ``reinforce_plus_plus``): the discounted return of step 3's per-token rewards,
-    G_t = Σ_l γ^l R_{t+l} (GAE's scan with V = 0 and λ = 1), whitened over the trained tokens of the whole batch,
-    every process's. Returns (advantages, returns)."""
-    _, returns = gae(rewards, torch.zeros_like(rewards), response_mask, gamma, 1.0)
-    mean, var = batch_moments(returns, response_mask)
-    if not torch.isfinite(var):  # under two trained tokens in the batch: no spread to scale by
-        return torch.zeros_like(returns), returns
-    return (returns - mean) * torch.rsqrt(var + WHITEN_EPS) * response_mask, returns
-
-
-def batch_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased variance of ``x`` over ``mask``'s entries on every process (two all-reduces; NaN
-    variance under two entries)."""
-    m = mask.to(x.dtype)
-    sums = fdist.all_reduce(torch.stack([(x * m).sum(), m.sum()]))
-    mean = sums[0] / sums[1]
-    squares = fdist.all_reduce(((x - mean) ** 2 * m).sum().reshape(1))[0]
-    n = sums[1]
-    return mean, torch.where(n > 1, squares / (n - 1), torch.full_like(n, float("nan")))
-
-
-def estimate_advantages(estimator: str, rewards, values, response_mask, config: PPOConfig, skip_masked: bool = False,
-                        reward_columns: torch.Tensor | None = None, reward_weights: torch.Tensor | None = None):
-    """Step 4 by ``advantage_estimator``: (advantages [B, T], returns [B, T] or None without a critic).
-    ``reward_columns`` [B, F] and ``reward_weights`` [F]: each reward's scores and weight, which grpo's
-    ``multi_objective_aggregation="normalize_then_sum"`` reads instead of ``rewards``."""
-    if estimator == "gae":
-        return compute_advantages(rewards, values, response_mask, config.gamma, config.lam, config.whiten_rewards,
-                                  skip_masked)
-    if estimator == "reinforce_plus_plus":
-        advantages, _ = reinforce_plus_plus_advantages(rewards, response_mask, config.gamma)
-        return advantages, None
-    sequence_rewards = rewards.sum(1)  # the score plus the row's −kl_coef·KL_t (0 off its trained tokens)
-    if estimator == "rloo":
-        advantage = rloo_advantages(sequence_rewards, config.num_generations)
-        if config.normalize_advantages:  # TRL RLOO's: over the whole batch of every process, judged ones only
-            mean, var = batch_moments(advantage.nan_to_num(0.0), ~torch.isnan(advantage))
-            advantage = (advantage - mean) / (var.sqrt().nan_to_num(0.0) + GRPO_STD_EPS)
-    elif estimator == "grpo" and config.multi_objective_aggregation == "normalize_then_sum":
-        if reward_columns is None:
-            raise ValueError("multi_objective_aggregation normalize_then_sum needs each reward's scores "
-                             "(reward_columns)")
-        advantage = gdpo_advantages(reward_columns, reward_weights, config.num_generations)
-    elif estimator == "grpo":
-        advantage = grpo_advantages(sequence_rewards, config.num_generations, config.scale_rewards)
-    else:
-        raise ValueError(f"unknown advantage_estimator {estimator!r}")
-    # a completion no reward judged (UNJUDGED_ESTIMATORS) carries no signal: advantage 0, as in TRL
-    return advantage.nan_to_num(0.0)[:, None] * response_mask, None
-
-
-def whiten_trained(x, mask, shift_mean: bool = True):
-    """``masked_whiten`` over the trained tokens, 0 elsewhere. A batch of fewer than two trained tokens (one
-    process's batch of one response that stopped at once) has no variance: its single value is centred
-    (0, or the value itself when ``shift_mean=False``) instead of raising mid-run, where TRL's NaN would
-    end in a skipped step anyway."""
-    if int(mask.sum()) >= 2:
-        return masked_whiten(x, mask, shift_mean=shift_mean) * mask
-    return (x if not shift_mean else torch.zeros_like(x)) * mask
 
 
 # ============================================================================ 5. PPO update
@@ -619,7 +478,7 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
 
 
 def step_token_weights(micro: list[list[int]], loss_mask: torch.Tensor, loss_type: str, response_length: int,
-                       dapo_tokens, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                       rollout_tokens, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] each token's weight in one optimizer step's loss as the update defines it, the mean of its
     row-count micro-batches' losses: (the policy and in-loss KL terms' weights, by ``loss_type``; the token-mean
     terms' weights: entropy, value). Rows off this step weigh 0. With them any regrouping of the step's rows
@@ -629,7 +488,7 @@ def step_token_weights(micro: list[list[int]], loss_mask: torch.Tensor, loss_typ
     for rows in micro:
         index = torch.as_tensor(rows, device=loss_mask.device)
         mask = loss_mask.index_select(0, index)
-        weights, normalizer = policy_loss_weights(loss_type, mask, response_length, dapo_tokens)
+        weights, normalizer = policy_loss_weights(loss_type, mask, response_length, rollout_tokens)
         count = mask.sum().clamp(min=1)
         policy[index] = (mask if weights is None else weights).to(dtype) / (count if normalizer is None else
                                                                            normalizer) / len(micro)
@@ -683,13 +542,13 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     total_lengths = [q + r for q, r in zip(rollout.query_lengths, rollout.response_lengths)]
     fused = getattr(config, "fused_policy_loss", False)
     loss_mask = trained_mask(rollout, config.mask_truncated_completions)
-    dapo_tokens = None
-    if config.loss_type in GLOBAL_TOKEN_LOSS_TYPES:  # the rollout's active tokens on all processes, per micro-batch
-        dapo_tokens = loss_mask.sum().float()
-        fdist.all_reduce(dapo_tokens)
+    rollout_tokens = None
+    if divides_by_rollout_tokens(config.loss_type):  # the rollout's active tokens on all processes, per micro-batch
+        rollout_tokens = loss_mask.sum().float()
+        fdist.all_reduce(rollout_tokens)
         # at least 1, as TRL's num_items_in_batch: a batch with every token masked (every completion truncated under
         # mask_truncated_completions) has a loss of 0, not 0/0
-        dapo_tokens = dapo_tokens.clamp(min=1) / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)
+        rollout_tokens = rollout_tokens.clamp(min=1) / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)
     whole_sequences = reads_whole_sequences(config)  # the fused loss then takes the completions' lengths
     clip = surrogate_options(config)
     epochs_run = config.num_ppo_epochs if train else 1
@@ -711,7 +570,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
             step_weights = None
             if budget is not None:  # the step's loss stays the row-count micro-batches' (step_token_weights)
                 step_weights = step_token_weights(micro, loss_mask, config.loss_type, config.response_length,
-                                                  dapo_tokens, weight_dtype)
+                                                  rollout_tokens, weight_dtype)
                 micro = token_budget_batches([r for rows in micro for r in rows], rollout.query_lengths,
                                              rollout.response_lengths, budget, config.padding_free)
             finite = torch.ones((), device=device)
@@ -725,7 +584,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 mean_weights = None
                 if step_weights is None:
                     token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length,
-                                                                    dapo_tokens)
+                                                                    rollout_tokens)
                 else:
                     token_weights, mean_weights = (w.index_select(0, index) for w in step_weights)
                     normalizer = 1.0

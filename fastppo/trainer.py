@@ -26,6 +26,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from fastppo import checkpoint as C
 from fastppo import dist as fdist
 from fastppo import loading as L
+from fastppo.advantages import ESTIMATORS
 from fastppo.build import build_learner, default_scheduler, start_runtime
 from fastppo.checks import check_settings
 from fastppo.config import ModelConfig, PPOConfig, Sizes, as_list, derive_sizes, every, user_path
@@ -40,7 +41,7 @@ from fastppo.rewards import check_reward_fn_columns, load_reward_fn, reward_fn_n
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.tools import ToolCalling, run_episodes
-from fastppo.train import (UNJUDGED_ESTIMATORS, IterationResult, Learner, Rollout, ScoredRollout, apply_eos_penalties,
+from fastppo.train import (IterationResult, Learner, Rollout, ScoredRollout, apply_eos_penalties,
                            assemble, contains_stop, eos_count, make_rollout, ppo_iteration, prompt_sharing)
 
 
@@ -292,7 +293,7 @@ class PPOTrainer:
                              log_metric=self.reward_logs.log_metric,
                              **({} if instances is None else {"environments": instances})),
                 completion_messages=None if episodes is None else episodes.messages,
-                unjudged_allowed=config.advantage_estimator in UNJUDGED_ESTIMATORS,
+                unjudged_allowed=ESTIMATORS[config.advantage_estimator].unjudged,
                 sharing=lambda model: prompt_sharing(config, model, rollout, config.local_rollout_forward_batch_size))
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
         scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,

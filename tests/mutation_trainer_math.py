@@ -6,10 +6,10 @@
     python tests/mutation_trainer_math.py --tests tests/test_trainer_math.py tests/test_train.py
 
 Not a pytest file (no ``test_`` prefix): it runs pytest itself, once unmutated (which must pass) and then
-once per mutant. Each mutant replaces one line of ``fastppo/train.py``, ``fastppo/rewards.py`` or a kernel
-the trainer's math calls, in a private copy of the working tree's ``fastppo/`` and ``tests/`` (a temporary
-directory, first on the path; the checkout is never touched, so others may work in it meanwhile). A mutant is
-caught when the run fails. The exit status is 0 only when every mutant is caught.
+once per mutant. Each mutant replaces one line of ``fastppo/train.py``, ``fastppo/advantages.py``,
+``fastppo/rewards.py`` or a kernel the trainer's math calls, in a private copy of the working tree's ``fastppo/``
+and ``tests/`` (a temporary directory, first on the path; the checkout is never touched, so others may work in
+it meanwhile). A mutant is caught when the run fails. The exit status is 0 only when every mutant is caught.
 
 A mutant whose line is no longer in its file (the code moved on) is an error, not a pass: update its text here.
 """
@@ -42,7 +42,7 @@ class Mutant:
 
 MUTANTS = [
     # ---------------------------------------------------------------- fastppo/train.py
-    Mutant("M01", "fastppo/train.py", "rewards = whiten_trained(rewards, response_mask, shift_mean=False)",
+    Mutant("M01", "fastppo/advantages.py", "rewards = whiten_trained(rewards, response_mask, shift_mean=False)",
            "rewards = whiten_trained(rewards, response_mask, shift_mean=True)",
            "whiten_rewards removes the rewards' mean (TRL keeps it: shift_mean=False)"),
     Mutant("M02", "fastppo/train.py",
@@ -64,7 +64,7 @@ MUTANTS = [
            "advantages, returns = gae(rewards, values, response_mask, gamma, lam, skip_masked=skip_masked)",
            "advantages, returns = gae(rewards, values, response_mask, gamma, lam)",
            "skip_masked not passed on to GAE"),
-    Mutant("M08", "fastppo/train.py", "return whiten_trained(advantages, response_mask), returns",
+    Mutant("M08", "fastppo/advantages.py", "return whiten_trained(advantages, response_mask), returns",
            "return whiten_trained(advantages, response_mask, shift_mean=False), returns",
            "the advantages whitened keeping their mean"),
     Mutant("M09", "fastppo/train.py", "vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), mask)",
@@ -81,7 +81,7 @@ MUTANTS = [
            '("policykl", masked_mean(log_ratio, mask))', "policykl (early stopping's KL) with the wrong sign"),
     Mutant("M14", "fastppo/train.py", "self.value *= 1.0 + error * n_steps / self.horizon",
            "self.value *= 1.0 + error / self.horizon", "the adaptive KL controller ignores n_steps"),
-    Mutant("M15", "fastppo/train.py", "return (x if not shift_mean else torch.zeros_like(x)) * mask",
+    Mutant("M15", "fastppo/advantages.py", "return (x if not shift_mean else torch.zeros_like(x)) * mask",
            "return (x if shift_mean else torch.zeros_like(x)) * mask",
            "whitening a single trained token: centred and kept swapped"),
     # ---------------------------------------------------------------- fastppo/rewards.py
@@ -99,24 +99,24 @@ MUTANTS = [
     Mutant("R05", "fastppo/rewards.py", "self.std = math.sqrt(self.var * total / (total - 1)) if total > 1 else math.inf",
            "self.std = math.sqrt(self.var * total / max(total - 1, 1))",
            "the std of a single score ~1e-12 (Bessel's divisor floored at 1): that score multiplied by ~1e7"),
-    # ---------------------------------------------------------------- the critic-free estimators (fastppo/train.py)
-    Mutant("C01", "fastppo/train.py", "baseline = (r.sum(1, keepdim=True) - r) / (k - 1)",
+    # ------------------------------------------------------------ the critic-free estimators (fastppo/advantages.py)
+    Mutant("C01", "fastppo/advantages.py", "baseline = (r.sum(1, keepdim=True) - r) / (k - 1)",
            "baseline = r.sum(1, keepdim=True) / k", "rloo's baseline includes the sample itself (the group mean)"),
-    Mutant("C02", "fastppo/train.py", "std = r.std(1, keepdim=True).expand(-1, k).reshape(-1)",
+    Mutant("C02", "fastppo/advantages.py", "std = r.std(1, keepdim=True).expand(-1, k).reshape(-1)",
            "std = r.std(1, keepdim=True, unbiased=False).expand(-1, k).reshape(-1)",
            "grpo's group std without Bessel's correction (TRL's is unbiased)"),
-    Mutant("C03", "fastppo/train.py", "if scale_rewards == \"none\":", "if scale_rewards == \"batch\":",
+    Mutant("C03", "fastppo/advantages.py", "if scale_rewards == \"none\":", "if scale_rewards == \"batch\":",
            "scale_rewards batch and none swapped"),
-    Mutant("C04", "fastppo/train.py",
+    Mutant("C04", "fastppo/advantages.py",
            "_, returns = gae(rewards, torch.zeros_like(rewards), response_mask, gamma, 1.0)",
            "_, returns = gae(rewards, torch.zeros_like(rewards), response_mask, 1.0, 1.0)",
            "REINFORCE++'s return ignores gamma"),
-    Mutant("C05", "fastppo/train.py", "sequence_rewards = rewards.sum(1)",
+    Mutant("C05", "fastppo/advantages.py", "sequence_rewards = rewards.sum(1)",
            "sequence_rewards = rewards.max(1).values", "the group estimators drop the KL from the sequence reward"),
-    Mutant("C06", "fastppo/train.py",
+    Mutant("C06", "fastppo/advantages.py",
            "kl_tokens = kl_tokens * ratio if bias_correction_kl else kl_tokens",
            "kl_tokens = kl_tokens", "beta's KL without TRL's ratio weighting (bias correction)"),
-    Mutant("C07", "fastppo/train.py", "return advantage[:, None] * response_mask, None",
+    Mutant("C07", "fastppo/advantages.py", "return advantage[:, None] * response_mask, None",
            "return advantage[:, None].expand_as(rewards).clone(), None",
            "a sequence advantage also on untrained (padding) positions"),
     # ---------------------------------------------------------------- the kernels' PyTorch statements the trainer runs

@@ -18,8 +18,8 @@ from fastppo import PPOConfig, PPOTrainer
 from fastppo.config import derive_sizes
 from fastppo.errors import SettingsError
 from fastppo.metrics import STAT, STAT_NAMES
-from fastppo.train import (estimate_advantages, grpo_advantages, per_token_rewards, ppo_losses,
-                           reinforce_plus_plus_advantages, rloo_advantages)
+from fastppo.train import per_token_rewards, ppo_losses
+from fastppo.advantages import estimate_advantages, grpo_advantages, reinforce_plus_plus_advantages, rloo_advantages
 from helpers import cli_trainer, digest, make_trainer, metrics_without_clock, small_config
 
 pytestmark = pytest.mark.usefixtures("reference_path")
@@ -300,7 +300,7 @@ def test_equal_rewards_give_advantages_of_exactly_zero(k, value, others):
     """Any float32 reward shared by a group: every estimator's advantages there are exactly 0, beside a group that
     differs. (float32 group means an ulp off, divided by std + 1e-4, gave ~1e-3: a full AdamW step for a reward
     that says nothing about the completions.)"""
-    from fastppo.train import gdpo_advantages
+    from fastppo.advantages import gdpo_advantages
 
     g = torch.Generator().manual_seed(others)
     rewards = torch.cat([torch.full((k,), value, dtype=torch.float32), torch.randn(k, generator=g) * 3 + value])

@@ -13,7 +13,8 @@ from fastppo.data import left_pad
 from fastppo.generation import sample_responses
 from fastppo.trainer import PPOTrainer
 from fastppo.batching import micro_batches
-from fastppo.train import Targets, compute_advantages, per_token_rewards, ppo_update, \
+from fastppo.train import Targets, per_token_rewards, ppo_update, \
+from fastppo.advantages import gae_advantages
     compute_experience
 
 from helpers import small_config
@@ -207,7 +208,7 @@ def prepared_update(tmp_path, fused: bool, optimizer_fused: bool = True, **overr
     experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, 1.0, "k1", 8)
     rewards, nsr = per_token_rewards(experience.kl, torch.linspace(-1, 1, 8), rollout.response_mask,
                                      rollout.score_index, 0.05)
-    adv, ret = compute_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
+    adv, ret = gae_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
     module = trainer.actor_critic
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2,
                                   fused=optimizer_fused)

@@ -271,7 +271,7 @@ def test_a_completion_no_reward_judged_is_left_out_of_its_group_as_trl_does():
     import torch
 
     from fastppo.config import PPOConfig
-    from fastppo.train import estimate_advantages
+    from fastppo.advantages import estimate_advantages
 
     nan = float("nan")
     scores = torch.tensor([1.0, nan, 3.0, 4.0, nan, nan, 2.0, nan, 0.5, 1.5, 2.5, 9.0], dtype=torch.float64)

@@ -19,7 +19,7 @@ from fastppo import PPOConfig, PPOTrainer, legacy
 from fastppo import checkpoint as C
 from helpers import quick_config
 from fastppo.value_head import AutoModelForCausalLMWithValueHead
-from fastppo.train import whiten_trained
+from fastppo.advantages import whiten_trained
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fastppo.metrics import OBJECTIVE_ROWS, STAT, UpdateResult, gather_metrics, reward_moments
-from fastppo.policy_terms import policy_loss_weights
+from fastppo.loss_types import policy_loss_weights
 from fastppo.train import ppo_losses
 
 pytestmark = pytest.mark.usefixtures("reference_path")

@@ -21,15 +21,15 @@ from hypothesis import strategies as st
 from fastppo.config import PPOConfig, derive_sizes
 from fastppo.errors import SettingsError
 from fastppo.metrics import STAT
-from fastppo.policy_terms import policy_loss_weights
-from fastppo.train import (Experience, Targets, aggregate, estimate_advantages, per_token_rewards, ppo_update,
-                           compute_experience, trained_mask)
+from fastppo.loss_types import LOSS_TYPES, policy_loss_weights
+from fastppo.train import (Experience, Targets, aggregate, compute_experience, per_token_rewards, ppo_update,
+                           trained_mask)
+from fastppo.advantages import estimate_advantages
 from helpers import cli_trainer, make_trainer, metrics_without_clock, small_config
 
 PROMPTS = ["The quick brown fox", "Hello", "Once upon a time in a land", "Why"]
 K = 2  # completions per prompt
 B = len(PROMPTS) * K
-LOSS_TYPES = ("bnpo", "dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 # each loss_type's own settings where its defaults are refused: cispo's ε_max (epsilon_high) must exceed 1
 OWN_SETTINGS = {"cispo": dict(epsilon_high=1.15)}
 
@@ -110,12 +110,12 @@ def test_dapo_over_processes_is_the_global_token_mean():
     mask[0] = True
     mask[5] = False
     processes, micro_steps, minibatches = 2, 2, 1
-    dapo_tokens = mask.sum() / (processes * minibatches * micro_steps)
+    rollout_tokens = mask.sum() / (processes * minibatches * micro_steps)
     steps = []
     for p in range(processes):
         for k in range(micro_steps):
             rows = slice(4 * p + 2 * k, 4 * p + 2 * k + 2)
-            weights, normalizer = policy_loss_weights("dapo", mask[rows], 9, dapo_tokens)
+            weights, normalizer = policy_loss_weights("dapo", mask[rows], 9, rollout_tokens)
             steps.append(aggregate(x[rows], mask[rows], weights, normalizer) / micro_steps)
     (ddp,) = torch.autograd.grad(torch.stack(steps).sum() / processes, x)
     (whole,) = torch.autograd.grad(torch.where(mask, x, 0.0).sum() / mask.sum(), x)
@@ -135,7 +135,7 @@ def test_policy_loss_weights_state_trls_normalisers():
     assert aggregate(x, mask, *policy_loss_weights("sapo", mask, 4, None)).item() == (2 + 3 + 0) / 3
     assert aggregate(x, mask, *policy_loss_weights("vespo", mask, 4, torch.tensor(8.0))).item() == 16 / 8
     for loss_type in ("dapo", "cispo", "vespo"):  # without the rollout's token count: an error, not a token mean
-        with pytest.raises(ValueError, match="dapo_tokens is needed"):
+        with pytest.raises(ValueError, match="rollout_tokens is needed"):
             policy_loss_weights(loss_type, mask, 4, None)
     empty = torch.zeros_like(mask)
     assert aggregate(x, empty).item() == 0  # nothing trained: adds nothing (not NaN, which would void the step)
@@ -392,7 +392,7 @@ def test_cispo_sapo_luspo_from_the_command_line_and_their_notes(tmp_path, model_
 def scored_gae(tmp_path_factory, model_dir):
     """A GAE rollout (value model, whitened advantages, returns) of B rows in float64, old log-probs and values off
     the current ones so both clips act."""
-    from fastppo.train import compute_advantages
+    from fastppo.advantages import gae_advantages
 
     tmp = tmp_path_factory.mktemp("gae")
     trainer = make_trainer(small_config(tmp, response_length=8, save_strategy="no", per_device_train_batch_size=B,
@@ -409,7 +409,7 @@ def scored_gae(tmp_path_factory, model_dir):
                             experience.values + 0.5 * noise(), experience.kl)
     rewards, nsr = per_token_rewards(experience.kl, torch.randn(B, generator=g, dtype=torch.float64), mask,
                                      rollout.score_index, 0.05)
-    advantages, returns = compute_advantages(rewards, experience.values, mask, 1.0, 0.95, False)
+    advantages, returns = gae_advantages(rewards, experience.values, mask, 1.0, 0.95, False)
     return trainer, rollout, experience, Targets(rewards, nsr, advantages, returns)
 
 

@@ -18,7 +18,8 @@ from fastppo.data import left_pad
 from fastppo.generation import sample_responses
 from fastppo.kernels import masked_mean
 from fastppo.metrics import STAT, objective_sums
-from fastppo.train import compute_advantages, per_token_rewards, ppo_losses, compute_experience
+from fastppo.train import per_token_rewards, ppo_losses, compute_experience
+from fastppo.advantages import gae_advantages
 
 from realmodel import copy_checkpoint
 
@@ -345,7 +346,7 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, smoll
     # trained on: the stop token's position has a non-zero advantage and a gradient in the PPO loss; padding none
     rewards, non_score_reward = per_token_rewards(experience.kl, batch.scores, r.response_mask, r.score_index,
                                                   cfg.kl_coef)
-    advantages, returns = compute_advantages(rewards, experience.values, r.response_mask, cfg.gamma, cfg.lam, False)
+    advantages, returns = gae_advantages(rewards, experience.values, r.response_mask, cfg.gamma, cfg.lam, False)
     rows, eos_cols = stops.nonzero().flatten(), r.score_index[stops]
     assert (advantages[rows, eos_cols] != 0).all() and advantages[pad].abs().max().item() == 0.0
     assert masked_mean(advantages, r.response_mask).abs().item() < 1e-5  # whitened over real tokens only

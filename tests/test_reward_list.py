@@ -343,7 +343,7 @@ def gdpo_by_hand(columns: torch.Tensor, weights: list[float], k: int) -> torch.T
 
 @pytest.mark.parametrize("seed", range(4))
 def test_gdpo_against_its_definition(seed):
-    from fastppo.train import gdpo_advantages
+    from fastppo.advantages import gdpo_advantages
 
     g = torch.Generator().manual_seed(seed)
     k, groups = 4, 3

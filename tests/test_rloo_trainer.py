@@ -73,7 +73,7 @@ def test_normalized_rloo_advantages_and_the_clip_range():
     + 1e-4); reward_clip_range clamps the score before the KL penalty."""
     from fastppo.config import PPOConfig
     from fastppo.rewards import transform_scores
-    from fastppo.train import estimate_advantages
+    from fastppo.advantages import estimate_advantages
 
     gen = torch.Generator().manual_seed(0)
     rewards = torch.zeros(6, 3, dtype=torch.float64)

@@ -20,16 +20,9 @@ from fastppo.loading import load_tokenizer
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import call_reward_fn, reward_model_scores
 from fastppo.trainer import PPOTrainer
-from fastppo.train import (
-    AdaptiveKLController,
-    Targets,
-    compute_advantages,
-    make_rollout,
-    per_token_rewards,
-    ppo_losses,
-    ppo_update,
-    compute_experience,
-)
+from fastppo.train import (AdaptiveKLController, Targets, compute_experience, make_rollout, per_token_rewards,
+                           ppo_losses, ppo_update)
+from fastppo.advantages import gae_advantages
 
 pytestmark = pytest.mark.usefixtures("reference_path", "model_dir")  # model_dir: the embedded model, built once
 
@@ -87,7 +80,7 @@ def test_per_token_rewards_put_the_score_on_the_last_real_token():
 def test_advantages_are_whitened_over_real_tokens_only():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
     rewards = torch.randn(2, 4) * mask
-    adv, ret = compute_advantages(rewards, torch.randn(2, 4) * mask, mask, 1.0, 0.95, whiten_rewards=False)
+    adv, ret = gae_advantages(rewards, torch.randn(2, 4) * mask, mask, 1.0, 0.95, whiten_rewards=False)
     assert adv[0, 3] == 0
     assert abs(adv[mask].mean().item()) < 1e-5 and abs(adv[mask].std().item() - 1) < 1e-3
 
@@ -164,7 +157,7 @@ def build_rollout(config: PPOConfig, n: int = 8):
 
 def targets_for(rollout, experience, scores):
     rewards, nsr = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index, 0.05)
-    adv, ret = compute_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
+    adv, ret = gae_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
     return Targets(rewards, nsr, adv, ret)
 
 

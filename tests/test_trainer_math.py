@@ -26,8 +26,9 @@ from hypothesis import strategies as st
 
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import RunningMoments, transform_scores
-from fastppo.train import (AdaptiveKLController, FixedKLController, assemble, compute_advantages, make_rollout,
-                           per_token_rewards, ppo_losses, whiten_trained)
+from fastppo.train import (AdaptiveKLController, FixedKLController, assemble, make_rollout, per_token_rewards,
+                           ppo_losses)
+from fastppo.advantages import gae_advantages, whiten_trained
 
 F64 = torch.float64
 # fastppo computes in fp32 what the trainer hands it in fp32; the references are float64
@@ -220,9 +221,9 @@ HOLED = ragged_mask([9, 7, 5, 8, 3], 9, holes=[(0, 2), (0, 3), (1, 0), (3, 5), (
 @pytest.mark.parametrize("whiten_rewards", [False, True], ids=["raw-rewards", "whitened-rewards"])
 @pytest.mark.parametrize("skip_masked,mask", [(False, MASK), (False, HOLED), (True, HOLED)],
                          ids=["ragged", "holes", "holes-skip-masked"])
-def test_compute_advantages_against_the_float64_definition(gamma, lam, whiten_rewards, skip_masked, mask):
+def test_gae_advantages_against_the_float64_definition(gamma, lam, whiten_rewards, skip_masked, mask):
     rewards, values = rl_inputs(1, mask)
-    adv, ret = compute_advantages(rewards, values, mask, gamma=gamma, lam=lam, whiten_rewards=whiten_rewards,
+    adv, ret = gae_advantages(rewards, values, mask, gamma=gamma, lam=lam, whiten_rewards=whiten_rewards,
                                   skip_masked=skip_masked)
     ref_adv, ref_ret = ref_advantages(rewards, values, mask, gamma, lam, whiten_rewards, skip_masked)
     torch.testing.assert_close(adv.double(), ref_adv, **FP32)
@@ -237,7 +238,7 @@ def test_whitened_rewards_keep_their_mean():
     those of rewards with unit variance and the original mean, not zero-mean rewards."""
     mask = MASK
     rewards, values = rl_inputs(2, mask)
-    _, ret = compute_advantages(rewards, values, mask, gamma=1.0, lam=1.0, whiten_rewards=True)
+    _, ret = gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0, whiten_rewards=True)
     white = ref_whiten(rewards, mask, shift_mean=False)
     assert white[mask].mean().item() == pytest.approx(rewards[mask].double().mean().item(), rel=1e-6)
     # γ = λ = 1: the return is the sum of the (whitened) rewards to the end of the response
@@ -256,7 +257,7 @@ def test_whiten_trained_and_its_small_batches():
     torch.testing.assert_close(whiten_trained(x, ragged_mask([0, 0, 0], 5)), torch.zeros_like(x))
 
 
-def test_compute_advantages_equals_trl_lines():
+def test_gae_advantages_equals_trl_lines():
     """TRL 0.26's PPOTrainer lines of steps 5-6 (its masked_whiten, its GAE loop), run on the same inputs with
     TRL's padding masks set to fastppo's (the score on the last real token: see per_token_rewards)."""
     ppo = pytest.importorskip("trl.experimental.ppo.ppo_trainer")
@@ -281,7 +282,7 @@ def test_compute_advantages_equals_trl_lines():
     advantages = torch.masked_fill(advantages, padding_mask, 0)
     # ---
     r, v = rl_inputs(4, mask)
-    adv, ret = compute_advantages(r, v, mask, gamma=gamma, lam=lam, whiten_rewards=True)
+    adv, ret = gae_advantages(r, v, mask, gamma=gamma, lam=lam, whiten_rewards=True)
     torch.testing.assert_close(adv.double(), advantages, **FP32)
     torch.testing.assert_close(ret.double(), returns, **FP32)
 
@@ -298,7 +299,7 @@ def test_whiten_trained_equals_trl_masked_whiten():
 @PROPERTY
 @given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), T=st.integers(2, 10),
        gamma=st.floats(0.5, 1.0), lam=st.floats(0.5, 1.0), whiten_rewards=st.booleans(), skip_masked=st.booleans())
-def test_property_compute_advantages(seed, B, T, gamma, lam, whiten_rewards, skip_masked):
+def test_property_gae_advantages(seed, B, T, gamma, lam, whiten_rewards, skip_masked):
     g = gen(seed)
     lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()
     mask = ragged_mask(lengths, T)
@@ -307,7 +308,7 @@ def test_property_compute_advantages(seed, B, T, gamma, lam, whiten_rewards, ski
     if int(mask.sum()) < 2:
         mask[0, :2] = True
     rewards, values = rl_inputs(seed, mask)
-    adv, ret = compute_advantages(rewards, values, mask, gamma=gamma, lam=lam, whiten_rewards=whiten_rewards,
+    adv, ret = gae_advantages(rewards, values, mask, gamma=gamma, lam=lam, whiten_rewards=whiten_rewards,
                                   skip_masked=skip_masked)
     ref_adv, ref_ret = ref_advantages(rewards, values, mask, gamma, lam, whiten_rewards, skip_masked)
     torch.testing.assert_close(adv.double(), ref_adv, rtol=1e-4, atol=1e-4)

@@ -15,7 +15,8 @@ from fastppo import PPOConfig, PPOTrainer
 from fastppo.cli import parse_args
 from fastppo.config import derive_sizes
 from helpers import make_trainer, small_config
-from fastppo.train import apply_eos_penalties, compute_advantages, compute_experience, per_token_rewards
+from fastppo.train import apply_eos_penalties, compute_experience, per_token_rewards
+from fastppo.advantages import gae_advantages
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
@@ -258,7 +259,7 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, model
     for i in range(len(stopped)):
         last = r.response_lengths[i] - 1
         assert rewards[i, last] != 0 and (rewards[i, last + 1:] == 0).all()  # the score sits on the stop token
-    adv, _ = compute_advantages(rewards, experience.values, r.response_mask, 1.0, 0.95, False)
+    adv, _ = gae_advantages(rewards, experience.values, r.response_mask, 1.0, 0.95, False)
     assert (adv[~r.response_mask] == 0).all() and (adv[r.response_mask] != 0).all()
     trainer.train()
     assert trainer.state.log_history[0]["val/num_eos_tokens"] == 3  # the 3 stops, not the padding after them
@@ -280,7 +281,7 @@ def test_early_stopping_stops_the_epochs_on_the_policy_kl_legacy_semantics(tmp_p
     r = batch.rollout
     experience = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, "k1", 8)
     rewards, nsr = per_token_rewards(experience.kl, torch.linspace(-2, 2, 8), r.response_mask, r.score_index, 0.05)
-    adv, ret = compute_advantages(rewards, experience.values, r.response_mask, 1.0, 0.95, False)
+    adv, ret = gae_advantages(rewards, experience.values, r.response_mask, 1.0, 0.95, False)
     result = ppo_update(trainer.actor_critic, trainer.optimizer, r, experience, Targets(rewards, nsr, adv, ret), cfg,
                         sizes_of(cfg, 1, 8), torch.Generator().manual_seed(0))
     # after each epoch: the policy KL (mean old − new) of its last minibatch against 1.5 × target_kl

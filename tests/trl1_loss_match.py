@@ -90,8 +90,10 @@ from fastppo.kernels import kl_penalty  # noqa: E402
 from fastppo.actor_critic import PolicyAndValue  # noqa: E402
 from fastppo.loading import disable_dropout  # noqa: E402
 from fastppo.reward_scores import combine_rewards  # noqa: E402
-from fastppo.policy_terms import policy_loss_weights, reads_whole_sequences, surrogate_options  # noqa: E402
-from fastppo.train import assemble, estimate_advantages, per_token_rewards, ppo_losses, trained_mask  # noqa: E402
+from fastppo.loss_types import policy_loss_weights  # noqa: E402
+from fastppo.policy_terms import reads_whole_sequences, surrogate_options  # noqa: E402
+from fastppo.train import assemble, per_token_rewards, ppo_losses, trained_mask
+from fastppo.advantages import estimate_advantages
 
 P, K = 3, 4
 PROMPT_LENGTHS = [3, 5, 2]
@@ -211,8 +213,8 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
                             **settings)
     rollout, advantages = fastppo_advantages(batch, old, ref, config)
     mask = trained_mask(rollout, config.mask_truncated_completions)
-    dapo_tokens = mask.sum().float()  # one process, one minibatch, one micro-step
-    token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length, dapo_tokens)
+    rollout_tokens = mask.sum().float()  # one process, one minibatch, one micro-step
+    token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length, rollout_tokens)
     clip = surrogate_options(config)
     policy = load_policy(path)
     layout = rollout.layout(range(P * K))
