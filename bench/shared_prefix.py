@@ -28,7 +28,7 @@ if HERE not in sys.path:
 
 
 def grouped_rollout(vocab: int, k: int, groups: int, prompt: int, completion: int, seed: int = 0):
-    from fastppo.train import assemble
+    from fastppo.rollout import assemble
 
     gen = torch.Generator().manual_seed(seed)
     queries = torch.randint(3, vocab, (groups, prompt), generator=gen).repeat_interleave(k, 0)

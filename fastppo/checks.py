@@ -10,12 +10,13 @@ import torch
 from transformers import TrainingArguments, get_scheduler
 
 from fastppo.config import (IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATOR_CHOICES,
-                            GRPO_NAMES, LOSS_TYPES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, PPOConfig, as_list,
+                            GRPO_NAMES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, PPOConfig, as_list,
                             given_name)
 from fastppo.advantages import ESTIMATORS
 from fastppo.data import looks_local
 from fastppo.errors import SettingsError, MissingPathError, require
 from fastppo.kernels import check_temperature
+from fastppo.loss_types import LOSS_TYPES
 from fastppo.zero import check_deepspeed
 from fastppo.static_decode import BACKENDS as DECODE_BACKENDS
 

@@ -30,7 +30,6 @@ import torch
 from transformers import TrainingArguments
 
 from fastppo.advantages import ESTIMATORS
-from fastppo.loss_types import LOSS_TYPES  # noqa: F401 - the checks' and the CLI's choices
 from fastppo.errors import SettingsError
 
 KL_ESTIMATOR_CHOICES = ("k1", "k2", "k3", "abs", "mse", "full")

@@ -13,9 +13,8 @@ from fastppo.data import left_pad
 from fastppo.generation import sample_responses
 from fastppo.trainer import PPOTrainer
 from fastppo.batching import micro_batches
-from fastppo.train import Targets, per_token_rewards, ppo_update, \
 from fastppo.advantages import gae_advantages
-    compute_experience
+from fastppo.train import Targets, compute_experience, per_token_rewards, ppo_update
 
 from helpers import small_config
 

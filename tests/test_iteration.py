@@ -7,7 +7,8 @@ import torch
 
 from fastppo import PPOConfig
 from fastppo.cli import EMBEDDED_PRESET
-from fastppo.train import IterationResult, ScoredRollout, eos_count, ppo_iteration
+from fastppo.train import IterationResult, ppo_iteration
+from fastppo.rollout import ScoredRollout, eos_count
 from fastppo.trainer import PPOTrainer
 from helpers import digest
 

@@ -22,8 +22,8 @@ from fastppo.config import PPOConfig, derive_sizes
 from fastppo.errors import SettingsError
 from fastppo.metrics import STAT
 from fastppo.loss_types import LOSS_TYPES, policy_loss_weights
-from fastppo.train import (Experience, Targets, aggregate, compute_experience, per_token_rewards, ppo_update,
-                           trained_mask)
+from fastppo.train import Experience, Targets, aggregate, compute_experience, per_token_rewards, ppo_update
+from fastppo.rollout import trained_mask
 from fastppo.advantages import estimate_advantages
 from helpers import cli_trainer, make_trainer, metrics_without_clock, small_config
 

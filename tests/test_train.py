@@ -20,8 +20,8 @@ from fastppo.loading import load_tokenizer
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import call_reward_fn, reward_model_scores
 from fastppo.trainer import PPOTrainer
-from fastppo.train import (AdaptiveKLController, Targets, compute_experience, make_rollout, per_token_rewards,
-                           ppo_losses, ppo_update)
+from fastppo.train import AdaptiveKLController, Targets, compute_experience, per_token_rewards, ppo_losses, ppo_update
+from fastppo.rollout import make_rollout
 from fastppo.advantages import gae_advantages
 
 pytestmark = pytest.mark.usefixtures("reference_path", "model_dir")  # model_dir: the embedded model, built once

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import RunningMoments, transform_scores
-from fastppo.train import (AdaptiveKLController, FixedKLController, assemble, make_rollout, per_token_rewards,
-                           ppo_losses)
+from fastppo.train import AdaptiveKLController, FixedKLController, per_token_rewards, ppo_losses
+from fastppo.rollout import assemble, make_rollout
 from fastppo.advantages import gae_advantages, whiten_trained
 
 F64 = torch.float64

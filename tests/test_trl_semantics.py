@@ -15,7 +15,8 @@ from fastppo import PPOConfig, PPOTrainer
 from fastppo.cli import parse_args
 from fastppo.config import derive_sizes
 from helpers import make_trainer, small_config
-from fastppo.train import apply_eos_penalties, compute_experience, per_token_rewards
+from fastppo.train import compute_experience, per_token_rewards
+from fastppo.rollout import apply_eos_penalties
 from fastppo.advantages import gae_advantages
 
 pytestmark = pytest.mark.usefixtures("reference_path")

@@ -92,7 +92,8 @@ from fastppo.loading import disable_dropout  # noqa: E402
 from fastppo.reward_scores import combine_rewards  # noqa: E402
 from fastppo.loss_types import policy_loss_weights  # noqa: E402
 from fastppo.policy_terms import reads_whole_sequences, surrogate_options  # noqa: E402
-from fastppo.train import assemble, per_token_rewards, ppo_losses, trained_mask
+from fastppo.train import per_token_rewards, ppo_losses
+from fastppo.rollout import assemble, trained_mask
 from fastppo.advantages import estimate_advantages
 
 P, K = 3, 4
