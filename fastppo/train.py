@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -400,34 +401,16 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     """
     device = rollout.query_responses.device
     budget = config.max_tokens_per_micro_batch
-    # the step weights' dtype: the loss's (fp64 when the policy computes in fp64)
-    weight_dtype = torch.promote_types(targets.advantages.dtype, torch.float32 if experience.logprobs is None
-                                       else experience.logprobs.dtype)
     # a token budget may cut a minibatch into up to one micro-batch per row
     shape = (config.num_ppo_epochs, sizes.num_mini_batches,
              sizes.micro_steps if budget is None else sizes.local_mini_batch_size)
     stats = torch.full((len(STAT_NAMES), *shape), float("nan"), device=device)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    max_norm = config.max_grad_norm if config.max_grad_norm else float("inf")
-    on_device_skip = zero is None and bool(optimizer.defaults.get("fused")) and isinstance(
-        optimizer, torch.optim.Adam | torch.optim.AdamW)
-    skipped = torch.zeros((), device=device)
-    last_norm = float("nan")  # the last step's gradient norm (transformers' logged grad_norm)
     # no scoring forward ran (old_logprobs_in_update): every micro-batch is computed once, at θ_old, so its own
     # log-probs are π_θ_old's; they are kept for the metrics
     seen = torch.zeros_like(rollout.response_mask, dtype=torch.float32) if experience.logprobs is None else None
     total_lengths = [q + r for q, r in zip(rollout.query_lengths, rollout.response_lengths)]
-    fused = getattr(config, "fused_policy_loss", False)
-    loss_mask = trained_mask(rollout, config.mask_truncated_completions)
-    rollout_tokens = None
-    if divides_by_rollout_tokens(config.loss_type):  # the rollout's active tokens on all processes, per micro-batch
-        rollout_tokens = loss_mask.sum().float()
-        fdist.all_reduce(rollout_tokens)
-        # at least 1, as TRL's num_items_in_batch: a batch with every token masked (every completion truncated under
-        # mask_truncated_completions) has a loss of 0, not 0/0
-        rollout_tokens = rollout_tokens.clamp(min=1) / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)
-    whole_sequences = reads_whole_sequences(config)  # the fused loss then takes the completions' lengths
-    clip = surrogate_options(config)
+    inputs = MicroBatchInputs(rollout, experience, targets, config, sizes)
+    stepper = OptimizerSteps(optimizer, config.max_grad_norm, zero, log, after_step, device)
     epochs_run = config.num_ppo_epochs if train else 1
     steps_left = math.inf if max_steps is None or not train else max_steps
     model.train(train)
@@ -444,55 +427,24 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 break
             steps_left -= 1
             entropy_coef = config.entropy_coef if entropy_ctl is None else entropy_ctl.applied()
-            step_weights = None
-            if budget is not None:  # the step's loss stays the row-count micro-batches' (step_token_weights)
-                step_weights = step_token_weights(micro, loss_mask, config.loss_type, config.response_length,
-                                                  rollout_tokens, weight_dtype)
-                micro = token_budget_batches([r for rows in micro for r in rows], rollout.query_lengths,
-                                             rollout.response_lengths, budget, config.padding_free)
+            micro, step_weights = inputs.step_micro_batches(micro)
             finite = torch.ones((), device=device)
             for k, rows in enumerate(micro):
-                layout = rollout.layout(rows, config.padding_free, shared=shared)
-                index = torch.as_tensor(rows, device=device)
-                old_logprobs, old_values, advantages, returns, mask, ref_logprobs = (
-                    None if t is None else t.index_select(0, index) for t in (
-                        experience.logprobs, experience.values, targets.advantages, targets.returns,
-                        loss_mask, experience.ref_logprobs if config.beta else None))
-                mean_weights = None
-                if step_weights is None:
-                    token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length,
-                                                                    rollout_tokens)
-                else:
-                    token_weights, mean_weights = (w.index_select(0, index) for w in step_weights)
-                    normalizer = 1.0
-                policy_loss = None
-                if fused:
-                    policy_loss = dict(
-                        old_logprobs=old_logprobs, advantages=advantages, mask=mask, cliprange=config.cliprange,
-                        entropy_coef=entropy_coef, token_weights=token_weights, normalizer=normalizer,
-                        entropy_weights=mean_weights, importance_sampling_level=config.importance_sampling_level,
-                        sequence_lengths=[rollout.response_lengths[r] for r in rows] if whole_sequences else None,
-                        top_entropy_quantile=config.top_entropy_quantile,
-                        **clip)
-                sync = k == len(micro) - 1  # DDP all-reduces gradients on the last micro-step only
-                ddp_accumulates = zero is None and hasattr(model, "no_sync") and not sync
-                ctx = model.no_sync() if ddp_accumulates else contextlib.nullcontext()
-                with ctx:
+                batch = inputs.rows(rows, step_weights)
+                last = k == len(micro) - 1  # DDP all-reduces gradients on the last micro-step only
+                with accumulating(model, zero, last):
                     with autocast():
-                        out = model(layout, config.temperature, return_entropy=True, policy_loss=policy_loss)
+                        out = model(rollout.layout(rows, config.padding_free, shared=shared), config.temperature,
+                                    return_entropy=True, policy_loss=inputs.fused_loss(batch, rows, entropy_coef))
                     if seen is not None:
-                        old_logprobs = out.logprobs.detach()
-                        seen[index] = old_logprobs.float()
+                        batch = batch._replace(old_logprobs=out.logprobs.detach())
+                        seen[batch.index] = batch.old_logprobs.float()
                     loss, stats[:, epoch, mb, k] = ppo_losses(
-                        out.logprobs, out.values, out.entropy, old_logprobs, old_values, advantages, returns, mask,
-                        cliprange=config.cliprange, cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
-                        entropy_coef=entropy_coef, ratio_threshold=config.ratio_threshold,
-                        fused_policy_loss=out.policy_loss, ref_logprobs=ref_logprobs, beta=config.beta,
-                        kl_loss_type=config.kl_loss_type, bias_correction_kl=config.use_bias_correction_kl,
-                        importance_sampling_level=config.importance_sampling_level, token_weights=token_weights,
-                        normalizer=normalizer,
-                        mean_weights=mean_weights, top_entropy_quantile=config.top_entropy_quantile, **clip,
-                    )
+                        out.logprobs, out.values, out.entropy, batch.old_logprobs, batch.old_values,
+                        batch.advantages, batch.returns, batch.mask, entropy_coef=entropy_coef,
+                        fused_policy_loss=out.policy_loss, ref_logprobs=batch.ref_logprobs,
+                        token_weights=batch.token_weights, normalizer=batch.normalizer,
+                        mean_weights=batch.mean_weights, **inputs.loss_settings)
                     # each micro-batch's loss is on the step's scale and the step is their mean; with step weights
                     # it is already this micro-batch's share of the step (logged ×count, on the same scale)
                     accumulation = sizes.micro_steps
@@ -500,61 +452,195 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         accumulation = 1
                         for name in ("pg_loss", "vf_loss", "kl_loss", "loss", "policy_loss"):
                             stats[STAT[name], epoch, mb, k] *= len(micro)
-                    if not train:
-                        continue
-                    finite = finite * torch.isfinite(loss.detach())
-                    if zero is not None:
-                        zero.backward(loss, finite if sync else None, accumulation)
-                    else:
-                        (loss / accumulation).backward()
+                    if train:
+                        finite = finite * torch.isfinite(loss.detach())
+                        backward(loss, accumulation, zero, finite if last else None)
             if not train:
                 continue
             if entropy_ctl is not None:  # the step's entropy over every process's bonus tokens
                 window = stats[[STAT["bonus_entropy_sum"], STAT["bonus_tokens"]], epoch, mb].nansum(1)
                 fdist.all_reduce(window)
                 entropy_ctl.update((window[0] / window[1].clamp(min=1.0)).item())
-            if zero is not None:
-                if zero.step():
-                    skipped += 1.0
-                    log(f"non-finite loss or gradient at PPO epoch {epoch}, minibatch {mb}: "
-                        "step skipped, weights unchanged")
-                last_norm = zero.grad_norm()
-                if after_step is not None:
-                    after_step()
-                continue
-            if math.isinf(max_norm):  # no clipping: the norm only for the finite check (no scaling pass)
-                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            last_norm = grad_norm.detach()
-            ok = (finite * torch.isfinite(grad_norm)).float()
-            fdist.all_reduce_min(ok)
-            if on_device_skip:
-                optimizer.found_inf = 1.0 - ok  # fused AdamW leaves weights and moments alone where it is 1
-                optimizer.step()
-                skipped += 1.0 - ok
-            elif ok.item() == 1.0:
-                optimizer.step()
-            else:
-                skipped += 1.0
-                log(f"non-finite loss or gradient at PPO epoch {epoch}, minibatch {mb}: "
-                    "step skipped, weights unchanged")
-            optimizer.zero_grad()  # torch frees the gradients (set_to_none); a caller may have rebound it
-            if after_step is not None:
-                after_step()
-        if config.early_stopping and train:
-            # legacy TRL: after each epoch, the policy KL of its last minibatch against 1.5 × target_kl
-            kl_now = torch.nanmean(stats[STAT["policykl"], epoch, sizes.num_mini_batches - 1]).reshape(1)
-            fdist.all_reduce(kl_now)
-            if kl_now.item() / sizes.world_size > 1.5 * config.target_kl:
-                epochs_run = epoch + 1
-                break
-    if on_device_skip:
-        optimizer.found_inf = None
+            stepper.step(finite, f"PPO epoch {epoch}, minibatch {mb}")
+        if config.early_stopping and train and kl_past_target(stats, epoch, config, sizes):
+            epochs_run = epoch + 1
+            break
+    stepper.close()
     taken = (max_steps if max_steps is not None and max_steps < epochs_run * sizes.num_mini_batches
              else epochs_run * sizes.num_mini_batches)
+    skipped = stepper.skipped
     steps = taken - skipped if train else skipped
-    return UpdateResult(stats, skipped, steps, epochs_run, seen, last_norm)
+    return UpdateResult(stats, skipped, steps, epochs_run, seen, stepper.last_norm)
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch's rows (``index``) of what the loss reads, and its aggregation weights."""
+
+    index: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    old_values: torch.Tensor | None
+    advantages: torch.Tensor
+    returns: torch.Tensor | None
+    mask: torch.Tensor  # the trained tokens the loss reads (trained_mask)
+    ref_logprobs: torch.Tensor | None  # with beta only
+    token_weights: torch.Tensor | None
+    normalizer: torch.Tensor | float | None
+    mean_weights: torch.Tensor | None
+
+
+class MicroBatchInputs:
+    """What the update's micro-batches read, set up once per update: the loss mask, the rollout's active tokens
+    (dapo's normaliser), the loss settings, and each micro-batch's rows of the targets (``rows``) with their
+    aggregation weights, the token budget's regrouping (``step_micro_batches``) and the fused loss's arguments."""
+
+    def __init__(self, rollout: Rollout, experience: Experience, targets: Targets, config: PPOConfig, sizes: Sizes):
+        self.rollout, self.experience, self.targets, self.config = rollout, experience, targets, config
+        self.loss_mask = trained_mask(rollout, config.mask_truncated_completions)
+        self.rollout_tokens = rollout_tokens(self.loss_mask, config.loss_type, sizes)
+        # the step weights' dtype: the loss's (fp64 when the policy computes in fp64)
+        self.weight_dtype = torch.promote_types(
+            targets.advantages.dtype, torch.float32 if experience.logprobs is None else experience.logprobs.dtype)
+        self.whole_sequences = reads_whole_sequences(config)  # the fused loss then takes the completions' lengths
+        self.clip = surrogate_options(config)
+        self.loss_settings = dict(
+            cliprange=config.cliprange, cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
+            ratio_threshold=config.ratio_threshold, beta=config.beta, kl_loss_type=config.kl_loss_type,
+            bias_correction_kl=config.use_bias_correction_kl,
+            importance_sampling_level=config.importance_sampling_level,
+            top_entropy_quantile=config.top_entropy_quantile, **self.clip)
+
+    def step_micro_batches(self, micro: list[list[int]]):
+        """The optimizer step's micro-batches and, under a token budget, their regrouping with the step weights
+        that keep the step's loss the row-count micro-batches' (``step_token_weights``)."""
+        config = self.config
+        if config.max_tokens_per_micro_batch is None:
+            return micro, None
+        weights = step_token_weights(micro, self.loss_mask, config.loss_type, config.response_length,
+                                     self.rollout_tokens, self.weight_dtype)
+        regrouped = token_budget_batches([r for rows in micro for r in rows], self.rollout.query_lengths,
+                                         self.rollout.response_lengths, config.max_tokens_per_micro_batch,
+                                         config.padding_free)
+        return regrouped, weights
+
+    def rows(self, rows: list[int], step_weights) -> MicroBatch:
+        """The micro-batch of ``rows``: the targets' rows and the aggregation weights (``policy_loss_weights``, or
+        the step weights' rows)."""
+        e, t, config = self.experience, self.targets, self.config
+        index = torch.as_tensor(rows, device=self.loss_mask.device)
+        old_logprobs, old_values, advantages, returns, mask, ref_logprobs = (
+            None if x is None else x.index_select(0, index) for x in (
+                e.logprobs, e.values, t.advantages, t.returns, self.loss_mask, e.ref_logprobs if config.beta else None))
+        if step_weights is None:
+            token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length,
+                                                            self.rollout_tokens)
+            mean_weights = None
+        else:
+            token_weights, mean_weights = (w.index_select(0, index) for w in step_weights)
+            normalizer = 1.0
+        return MicroBatch(index, old_logprobs, old_values, advantages, returns, mask, ref_logprobs, token_weights,
+                          normalizer, mean_weights)
+
+    def fused_loss(self, batch: MicroBatch, rows: list[int], entropy_coef: float) -> dict | None:
+        """``fused_ppo_policy_loss``'s arguments for the micro-batch (``fused_policy_loss``), else None."""
+        config = self.config
+        if not getattr(config, "fused_policy_loss", False):
+            return None
+        return dict(old_logprobs=batch.old_logprobs, advantages=batch.advantages, mask=batch.mask,
+                    cliprange=config.cliprange, entropy_coef=entropy_coef, token_weights=batch.token_weights,
+                    normalizer=batch.normalizer, entropy_weights=batch.mean_weights,
+                    importance_sampling_level=config.importance_sampling_level,
+                    sequence_lengths=([self.rollout.response_lengths[r] for r in rows] if self.whole_sequences
+                                      else None),
+                    top_entropy_quantile=config.top_entropy_quantile, **self.clip)
+
+
+def rollout_tokens(loss_mask: torch.Tensor, loss_type: str, sizes: Sizes):
+    """The normaliser of a loss type that divides by the rollout's active tokens (``divides_by_rollout_tokens``):
+    the active tokens on every process, per micro-batch; else None."""
+    if not divides_by_rollout_tokens(loss_type):
+        return None
+    tokens = loss_mask.sum().float()
+    fdist.all_reduce(tokens)
+    # at least 1, as TRL's num_items_in_batch: a batch with every token masked (every completion truncated under
+    # mask_truncated_completions) has a loss of 0, not 0/0
+    return tokens.clamp(min=1) / (sizes.world_size * sizes.num_mini_batches * sizes.micro_steps)
+
+
+def accumulating(model, zero, last: bool):
+    """DDP's ``no_sync`` on every micro-step but the step's last (DeepSpeed accumulates itself)."""
+    if zero is None and hasattr(model, "no_sync") and not last:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def backward(loss: torch.Tensor, accumulation: int, zero, finite: torch.Tensor | None) -> None:
+    """The micro-batch's backward, its loss on the step's scale (÷ ``accumulation``); under DeepSpeed the
+    engine's, given the step's finiteness on its last micro-step."""
+    if zero is not None:
+        zero.backward(loss, finite, accumulation)
+    else:
+        (loss / accumulation).backward()
+
+
+def kl_past_target(stats: torch.Tensor, epoch: int, config: PPOConfig, sizes: Sizes) -> bool:
+    """Legacy TRL's early stopping: after each epoch, the policy KL of its last minibatch (mean over every process)
+    against 1.5 × target_kl."""
+    kl_now = torch.nanmean(stats[STAT["policykl"], epoch, sizes.num_mini_batches - 1]).reshape(1)
+    fdist.all_reduce(kl_now)
+    return kl_now.item() / sizes.world_size > 1.5 * config.target_kl
+
+
+class OptimizerSteps:
+    """The update's optimizer steps: clip the gradient, skip a step whose loss or gradient is not finite on any
+    process (the weights and the optimizer state never see it), step, zero the gradients. With fused AdamW the
+    skip happens on the device (its ``found_inf``), so the loop never waits for the device; another optimizer needs
+    one host sync per step. ``zero``: DeepSpeed accumulates, clips, steps and skips. Counts the skipped steps and
+    keeps the last gradient norm (transformers' logged grad_norm)."""
+
+    def __init__(self, optimizer, max_grad_norm: float | None, zero, log: Callable[[str], None],
+                 after_step: Callable[[], None] | None, device: torch.device):
+        self.optimizer, self.zero, self.log, self.after_step = optimizer, zero, log, after_step
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.max_norm = max_grad_norm if max_grad_norm else float("inf")
+        self.on_device_skip = zero is None and bool(optimizer.defaults.get("fused")) and isinstance(
+            optimizer, torch.optim.Adam | torch.optim.AdamW)
+        self.skipped = torch.zeros((), device=device)
+        self.last_norm = float("nan")
+
+    def step(self, finite: torch.Tensor, where: str) -> None:
+        """One optimizer step after the step's micro-batches (``finite``: every loss of them was)."""
+        if self.zero is not None:
+            if self.zero.step():
+                self.skipped += 1.0
+                self.log(f"non-finite loss or gradient at {where}: step skipped, weights unchanged")
+            self.last_norm = self.zero.grad_norm()
+        else:
+            self._step(finite, where)
+        if self.after_step is not None:
+            self.after_step()
+
+    def _step(self, finite: torch.Tensor, where: str) -> None:
+        if math.isinf(self.max_norm):  # no clipping: the norm only for the finite check (no scaling pass)
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        self.last_norm = grad_norm.detach()
+        ok = (finite * torch.isfinite(grad_norm)).float()
+        fdist.all_reduce_min(ok)
+        if self.on_device_skip:
+            self.optimizer.found_inf = 1.0 - ok  # fused AdamW leaves weights and moments alone where it is 1
+            self.optimizer.step()
+            self.skipped += 1.0 - ok
+        elif ok.item() == 1.0:
+            self.optimizer.step()
+        else:
+            self.skipped += 1.0
+            self.log(f"non-finite loss or gradient at {where}: step skipped, weights unchanged")
+        self.optimizer.zero_grad()  # torch frees the gradients (set_to_none); a caller may have rebound it
+
+    def close(self) -> None:
+        if self.on_device_skip:
+            self.optimizer.found_inf = None
 
 
 def shuffled_rows(rows: int, group_size: int, generator: torch.Generator) -> list[int]:
