@@ -17,7 +17,7 @@ import random
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
 from typing import Literal
 
@@ -43,7 +43,8 @@ from fastppo.layout import causal_lm_of, lm_of
 from fastppo.legacy_stats import legacy_log_stats, legacy_step_stats
 from fastppo.loading import build_models, embedding_rows, ensure_pad_token, is_peft, position_limit
 from fastppo.metrics import STAT
-from fastppo.train import per_token_rewards, ppo_iteration, ppo_losses
+from fastppo.policy_terms import LossSettings
+from fastppo.train import LossInputs, per_token_rewards, ppo_iteration, ppo_losses
 from fastppo.rollout import ScoredRollout, assemble, eos_count
 from fastppo.trainer import fill_derived_sizes
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
@@ -669,11 +670,11 @@ class PPOTrainer:
         if entropy.dim() < mask.dim():  # logits without a vocabulary axis (TRL's own tests pass such): per row
             entropy = entropy.reshape(*entropy.shape, *[1] * (mask.dim() - entropy.dim())).expand(mask.shape)
         c = self.config
-        common = dict(cliprange=c.cliprange, cliprange_value=c.cliprange_value, entropy_coef=0.0,
-                      ratio_threshold=c.ratio_threshold)
-        inputs = (logprobs, vpreds, entropy, old_logprobs, values, advantages, returns, mask)
-        policy, _ = ppo_losses(*inputs, vf_coef=0.0, **common)
-        total, stats = ppo_losses(*inputs, vf_coef=c.vf_coef, **common)
+        settings = LossSettings(cliprange=c.cliprange, cliprange_value=c.cliprange_value,
+                                ratio_threshold=c.ratio_threshold)
+        inputs = LossInputs(old_logprobs, advantages, mask, values, returns)
+        policy, _ = ppo_losses(logprobs, vpreds, entropy, inputs, replace(settings, vf_coef=0.0))
+        total, stats = ppo_losses(logprobs, vpreds, entropy, inputs, replace(settings, vf_coef=c.vf_coef))
         if stats[STAT["ratio_skipped"]] > 0:
             warnings.warn(f"The average ratio of batch ({stats[STAT['ratio']]:.2f}) exceeds threshold "
                           f"{c.ratio_threshold:.2f}. Skipping batch.", UserWarning, stacklevel=2)

@@ -48,7 +48,7 @@ from fastppo.kernels import clip_sides, clipped_surrogate, fused_full_kl, kl_pen
 from fastppo.batching import micro_batches, token_budget_batches
 from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, completion_metrics, gather_metrics, objective_sums
 from fastppo.loss_types import divides_by_rollout_tokens, policy_loss_weights
-from fastppo.policy_terms import high_entropy_mask, reads_whole_sequences, surrogate_options
+from fastppo.policy_terms import LossSettings, high_entropy_mask, reads_whole_sequences
 from fastppo.layout import gathered, group_sharing, head_input, head_precision, lm_head_of, shared_mask_kind
 from fastppo.rewards import transform_scores
 from fastppo.rollout import Rollout, ScoredRollout, trained_mask
@@ -242,29 +242,44 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, token_weights: torch.Tensor |
     return total / (real.sum().clamp(min=1) if normalizer is None else normalizer)
 
 
-def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask, *,
-               cliprange: float, cliprange_value: float, vf_coef: float, entropy_coef: float,
-               ratio_threshold: float, fused_policy_loss=None, ref_logprobs=None, beta: float = 0.0,
-               kl_loss_type: str = "k3", bias_correction_kl: bool = True, cliprange_high: float | None = None,
-               delta: float | None = None, importance_sampling_level: str = "token", token_weights=None, normalizer=None,
-               mean_weights=None, top_entropy_quantile: float = 1.0, **surrogate):
+class LossInputs(NamedTuple):
+    """What a micro-batch's loss reads beside the forward's outputs: [b, T] grids, and how its terms aggregate."""
+
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor  # the trained tokens the loss reads (trained_mask)
+    old_values: torch.Tensor | None = None  # with a critic
+    returns: torch.Tensor | None = None  # with a critic
+    ref_logprobs: torch.Tensor | None = None  # with beta
+    token_weights: torch.Tensor | None = None  # the policy and KL terms' aggregation (policy_loss_weights)
+    normalizer: torch.Tensor | float | None = None
+    mean_weights: torch.Tensor | None = None  # the token means' weights under a token budget (step_token_weights)
+
+
+def ppo_losses(new_logprobs, new_values, entropy, inputs: LossInputs, settings: LossSettings,
+               entropy_coef: float = 0.0, fused_policy_loss=None):
     """Step 5 for one micro-batch. Returns (loss, stats [len(STAT_NAMES)]); the statistics are means over trained
     tokens.
 
     ``fused_policy_loss``: the policy part already computed by ``fused_ppo_policy_loss`` (its ``loss``
     is pg − c_H·H̄ with the gradient formed in the forward); ``new_logprobs`` and ``entropy`` are then its
     per-token values laid out as grids, for the statistics. ``new_values=None``: no critic, no value loss.
-    ``beta``: + β·KL_t(π‖π_ref) by ``kl_loss_type`` in each token's loss (TRL GRPO's in-loss KL), weighted by ρ_t
-    when ``bias_correction_kl`` (TRL's default: the samples came from π_θ_old, not π_θ).
-    ``cliprange_high``, ``delta``, ``importance_sampling_level`` (not "token": one ratio per row, GSPO's or RLOO's)
-    and ``surrogate``'s keywords
-    (``surrogate_options``: the surrogate, its settings, the off-policy mask): ``clipped_surrogate``'s options,
-    each row one sequence. ``top_entropy_quantile`` < 1: only the tokens of ``high_entropy_mask`` take the policy
-    term and the entropy bonus (TRL GRPO's).
-    ``token_weights`` and ``normalizer``: how the policy and KL terms are aggregated (``policy_loss_weights``);
-    the entropy bonus and the value loss are token means whatever they are (TRL GRPO's bonus is), or, with
-    ``mean_weights``, Σ over the tokens of mean_weights·x (``step_token_weights``: token-budget micro-batches).
+    ``settings`` (``LossSettings``): ``beta``: + β·KL_t(π‖π_ref) by ``kl_loss_type`` in each token's loss (TRL
+    GRPO's in-loss KL), weighted by ρ_t when ``bias_correction_kl`` (TRL's default: the samples came from
+    π_θ_old, not π_θ); ``importance_sampling_level`` (not "token": one ratio per row, GSPO's or RLOO's) and the
+    surrogate's options (the clip's upper side, δ, the surrogate, its settings, the off-policy mask):
+    ``clipped_surrogate``'s, each row one sequence; ``top_entropy_quantile`` < 1: only the tokens of
+    ``high_entropy_mask`` take the policy term and the entropy bonus (TRL GRPO's).
+    ``inputs``' ``token_weights`` and ``normalizer``: how the policy and KL terms are aggregated
+    (``policy_loss_weights``); the entropy bonus and the value loss are token means whatever they are (TRL GRPO's
+    bonus is), or, with ``mean_weights``, Σ over the tokens of mean_weights·x (``step_token_weights``: token-budget
+    micro-batches).
     """
+    old_logprobs, advantages, mask, old_values, returns, ref_logprobs, token_weights, normalizer, mean_weights = \
+        inputs
+    cliprange, cliprange_value, vf_coef = settings.cliprange, settings.cliprange_value, settings.vf_coef
+    beta, importance_sampling_level = settings.beta, settings.importance_sampling_level
+    surrogate = settings.surrogate_options()
     critic = new_values is not None
     if critic:  # clipped value loss: ½·max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²)
         v_clipped = old_values + (new_values - old_values).clamp(-cliprange_value, cliprange_value)
@@ -278,12 +293,11 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     rows = torch.arange(b, device=new_logprobs.device)[:, None].expand(b, t)  # each row one sequence
     # masked: what a caller left in old_logprobs / advantages off the trained tokens reaches no gradient
     pg_losses, ratio, clipped = clipped_surrogate(
-        new_logprobs, old_logprobs, advantages, cliprange, mask=mask, cliprange_high=cliprange_high, delta=delta,
-        sequence_ids=rows, num_sequences=b, importance_sampling_level=importance_sampling_level,
-        **surrogate)
+        new_logprobs, old_logprobs, advantages, cliprange, mask=mask, sequence_ids=rows, num_sequences=b,
+        importance_sampling_level=importance_sampling_level, **surrogate)
     policy_mask = mask  # the tokens the policy term and the entropy bonus read
-    if top_entropy_quantile < 1:
-        policy_mask = high_entropy_mask(entropy, mask, top_entropy_quantile)
+    if settings.top_entropy_quantile < 1:
+        policy_mask = high_entropy_mask(entropy, mask, settings.top_entropy_quantile)
         pg_losses = torch.where(policy_mask, pg_losses, torch.zeros((), dtype=pg_losses.dtype,
                                                                      device=pg_losses.device))
     pg_loss = aggregate(pg_losses, mask, token_weights, normalizer)
@@ -292,18 +306,18 @@ def ppo_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adva
     loss = policy_loss + vf_coef * vf_loss if critic else policy_loss
     bonus = entropy_coef * mean_entropy  # TRL GRPO's policy_loss is the loss before it
     if beta:
-        kl_tokens = kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
-        kl_tokens = kl_tokens * ratio if bias_correction_kl else kl_tokens
+        kl_tokens = kl_penalty(new_logprobs, ref_logprobs, settings.kl_loss_type)
+        kl_tokens = kl_tokens * ratio if settings.bias_correction_kl else kl_tokens
         kl_loss = aggregate(kl_tokens, mask, token_weights, normalizer)
         loss = loss + beta * kl_loss
     # legacy TRL's ratio_threshold: a micro-batch whose ratios blew up contributes nothing (no host sync);
     # its logged losses are the ones applied (0), and ratio_skipped counts it
-    kept = (aggregate(ratio, mask) <= ratio_threshold).to(loss.dtype)
+    kept = (aggregate(ratio, mask) <= settings.ratio_threshold).to(loss.dtype)
     loss = loss * kept
     with torch.no_grad():
         stats = torch.full((len(STAT_NAMES),), float("nan"), device=loss.device)  # NaN: not computed (no critic)
-        clip_low, clip_high = clip_sides(ratio, advantages, cliprange, cliprange_high, delta,
-                                         surrogate.get("surrogate", "clip"))
+        clip_low, clip_high = clip_sides(ratio, advantages, cliprange, settings.cliprange_high, settings.delta,
+                                         settings.surrogate)
         for name, value in (
             ("loss", loss),  # this micro-step's share of its optimizer step's loss, as minimised
             ("policy_loss", loss + bonus * kept),
@@ -437,14 +451,10 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                         out = model(rollout.layout(rows, config.padding_free, shared=shared), config.temperature,
                                     return_entropy=True, policy_loss=inputs.fused_loss(batch, rows, entropy_coef))
                     if seen is not None:
-                        batch = batch._replace(old_logprobs=out.logprobs.detach())
-                        seen[batch.index] = batch.old_logprobs.float()
-                    loss, stats[:, epoch, mb, k] = ppo_losses(
-                        out.logprobs, out.values, out.entropy, batch.old_logprobs, batch.old_values,
-                        batch.advantages, batch.returns, batch.mask, entropy_coef=entropy_coef,
-                        fused_policy_loss=out.policy_loss, ref_logprobs=batch.ref_logprobs,
-                        token_weights=batch.token_weights, normalizer=batch.normalizer,
-                        mean_weights=batch.mean_weights, **inputs.loss_settings)
+                        batch = batch._replace(inputs=batch.inputs._replace(old_logprobs=out.logprobs.detach()))
+                        seen[batch.index] = batch.inputs.old_logprobs.float()
+                    loss, stats[:, epoch, mb, k] = ppo_losses(out.logprobs, out.values, out.entropy, batch.inputs,
+                                                              inputs.settings, entropy_coef, out.policy_loss)
                     # each micro-batch's loss is on the step's scale and the step is their mean; with step weights
                     # it is already this micro-batch's share of the step (logged ×count, on the same scale)
                     accumulation = sizes.micro_steps
@@ -474,18 +484,10 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
 
 
 class MicroBatch(NamedTuple):
-    """One micro-batch's rows (``index``) of what the loss reads, and its aggregation weights."""
+    """One micro-batch: its rows of the rollout (``index``) and what its loss reads of them."""
 
     index: torch.Tensor
-    old_logprobs: torch.Tensor | None
-    old_values: torch.Tensor | None
-    advantages: torch.Tensor
-    returns: torch.Tensor | None
-    mask: torch.Tensor  # the trained tokens the loss reads (trained_mask)
-    ref_logprobs: torch.Tensor | None  # with beta only
-    token_weights: torch.Tensor | None
-    normalizer: torch.Tensor | float | None
-    mean_weights: torch.Tensor | None
+    inputs: LossInputs
 
 
 class MicroBatchInputs:
@@ -501,13 +503,7 @@ class MicroBatchInputs:
         self.weight_dtype = torch.promote_types(
             targets.advantages.dtype, torch.float32 if experience.logprobs is None else experience.logprobs.dtype)
         self.whole_sequences = reads_whole_sequences(config)  # the fused loss then takes the completions' lengths
-        self.clip = surrogate_options(config)
-        self.loss_settings = dict(
-            cliprange=config.cliprange, cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
-            ratio_threshold=config.ratio_threshold, beta=config.beta, kl_loss_type=config.kl_loss_type,
-            bias_correction_kl=config.use_bias_correction_kl,
-            importance_sampling_level=config.importance_sampling_level,
-            top_entropy_quantile=config.top_entropy_quantile, **self.clip)
+        self.settings = LossSettings.of(config)
 
     def step_micro_batches(self, micro: list[list[int]]):
         """The optimizer step's micro-batches and, under a token budget, their regrouping with the step weights
@@ -537,21 +533,20 @@ class MicroBatchInputs:
         else:
             token_weights, mean_weights = (w.index_select(0, index) for w in step_weights)
             normalizer = 1.0
-        return MicroBatch(index, old_logprobs, old_values, advantages, returns, mask, ref_logprobs, token_weights,
-                          normalizer, mean_weights)
+        return MicroBatch(index, LossInputs(old_logprobs, advantages, mask, old_values, returns, ref_logprobs,
+                                           token_weights, normalizer, mean_weights))
 
     def fused_loss(self, batch: MicroBatch, rows: list[int], entropy_coef: float) -> dict | None:
         """``fused_ppo_policy_loss``'s arguments for the micro-batch (``fused_policy_loss``), else None."""
-        config = self.config
+        config, b = self.config, batch.inputs
         if not getattr(config, "fused_policy_loss", False):
             return None
-        return dict(old_logprobs=batch.old_logprobs, advantages=batch.advantages, mask=batch.mask,
-                    cliprange=config.cliprange, entropy_coef=entropy_coef, token_weights=batch.token_weights,
-                    normalizer=batch.normalizer, entropy_weights=batch.mean_weights,
-                    importance_sampling_level=config.importance_sampling_level,
+        return dict(old_logprobs=b.old_logprobs, advantages=b.advantages, mask=b.mask, cliprange=config.cliprange,
+                    entropy_coef=entropy_coef, token_weights=b.token_weights, normalizer=b.normalizer,
+                    entropy_weights=b.mean_weights, importance_sampling_level=config.importance_sampling_level,
                     sequence_lengths=([self.rollout.response_lengths[r] for r in rows] if self.whole_sequences
                                       else None),
-                    top_entropy_quantile=config.top_entropy_quantile, **self.clip)
+                    top_entropy_quantile=config.top_entropy_quantile, **self.settings.surrogate_options())
 
 
 def rollout_tokens(loss_mask: torch.Tensor, loss_type: str, sizes: Sizes):

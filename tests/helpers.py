@@ -233,3 +233,17 @@ def make_trainer(config_or_kwargs, **kwargs):
     if isinstance(config_or_kwargs, dict):
         return PPOTrainer(**config_or_kwargs, **kwargs)
     return PPOTrainer(args=config_or_kwargs, **kwargs)
+
+
+def grid_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, advantages, returns, mask, *,
+                entropy_coef: float = 0.0, fused_policy_loss=None, ref_logprobs=None, token_weights=None,
+                normalizer=None, mean_weights=None, **settings):
+    """``fastppo.train.ppo_losses`` with its grids as arguments and ``settings`` as ``LossSettings``' fields: the
+    tests' one-call statement of a case (the update builds ``LossInputs`` and ``LossSettings`` itself)."""
+    from fastppo.policy_terms import LossSettings
+    from fastppo.train import LossInputs, ppo_losses
+
+    inputs = LossInputs(old_logprobs, advantages, mask, old_values, returns, ref_logprobs, token_weights, normalizer,
+                        mean_weights)
+    return ppo_losses(new_logprobs, new_values, entropy, inputs, LossSettings(**settings), entropy_coef,
+                      fused_policy_loss)

@@ -14,13 +14,13 @@ import pytest
 import torch
 from hypothesis import given, settings as hsettings, strategies as st
 
-from fastppo import PPOConfig, PPOTrainer
+from fastppo import PPOConfig
 from fastppo.config import derive_sizes
 from fastppo.errors import SettingsError
 from fastppo.metrics import STAT, STAT_NAMES
-from fastppo.train import per_token_rewards, ppo_losses
+from fastppo.train import per_token_rewards
 from fastppo.advantages import estimate_advantages, grpo_advantages, reinforce_plus_plus_advantages, rloo_advantages
-from helpers import cli_trainer, digest, make_trainer, metrics_without_clock, small_config
+from helpers import cli_trainer, digest, make_trainer, metrics_without_clock, small_config, grid_losses
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
@@ -172,7 +172,7 @@ def test_the_in_loss_kl_and_no_value_terms_against_trl_grpos_definition(correcti
                                correction)
     want.backward()
     new = logp.clone().requires_grad_()
-    loss, stats = ppo_losses(new, None, torch.rand(b, t), old, None, adv, None, mask, cliprange=0.2,
+    loss, stats = grid_losses(new, None, torch.rand(b, t), old, None, adv, None, mask, cliprange=0.2,
                              cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=10.0,
                              ref_logprobs=ref, beta=0.04, kl_loss_type="k3", bias_correction_kl=correction)
     loss.backward()
@@ -187,7 +187,7 @@ def test_the_in_loss_kl_and_no_value_terms_against_trl_grpos_definition(correcti
     for name in ("vf_loss", "vf_clipfrac", "returns_mean", "vpred_mean", "values_mean"):
         assert s[name] != s[name], name  # NaN: not computed, so not averaged into any metric
     # beta 0: the loss is the clipped surrogate alone
-    plain, stats0 = ppo_losses(logp, None, torch.rand(b, t), old, None, adv, None, mask, cliprange=0.2,
+    plain, stats0 = grid_losses(logp, None, torch.rand(b, t), old, None, adv, None, mask, cliprange=0.2,
                                cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=10.0,
                                ref_logprobs=ref, beta=0.0)
     torch.testing.assert_close(plain.double(), grpo_loss_reference(logp.double(), old.double(), ref.double(),

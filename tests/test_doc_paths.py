@@ -25,7 +25,6 @@ repositories that the docs name on purpose, listed in ``OTHER_REPOSITORIES`` wit
 """
 from __future__ import annotations
 
-import io
 import re
 import tokenize
 from pathlib import Path

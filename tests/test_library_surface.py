@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import datasets
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback)

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from fastppo.metrics import OBJECTIVE_ROWS, STAT, UpdateResult, gather_metrics, reward_moments
 from fastppo.loss_types import policy_loss_weights
-from fastppo.train import ppo_losses
+from helpers import grid_losses
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
@@ -107,7 +107,7 @@ def logged_kl(loss_type: str, cases) -> float:
     for new, old, ref, advantages, mask in cases:
         weights, normalizer = policy_loss_weights(loss_type, mask, 7, mask.sum().double() if loss_type in (
             "dapo", "cispo", "vespo") else None)
-        loss, row = ppo_losses(new, None, torch.zeros_like(new), old, None, advantages, None, mask, cliprange=0.2,
+        loss, row = grid_losses(new, None, torch.zeros_like(new), old, None, advantages, None, mask, cliprange=0.2,
                                cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=math.inf,
                                ref_logprobs=ref, beta=0.04, kl_loss_type="k3", token_weights=weights,
                                normalizer=normalizer)
@@ -144,7 +144,7 @@ def test_entropy_and_clip_fractions_are_global_means_in_trls_units():
         rows, want = [], {"entropy": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": []}
         for new, old, ref, advantages, mask in cases:
             entropy = torch.rand(new.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-            _, row = ppo_losses(new, None, entropy, old, None, advantages, None, mask, cliprange=0.02,
+            _, row = grid_losses(new, None, entropy, old, None, advantages, None, mask, cliprange=0.02,
                                 cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=math.inf,
                                 cliprange_high=0.03,
                                 importance_sampling_level="sequence" if sequence_level else "token")

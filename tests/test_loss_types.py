@@ -146,7 +146,7 @@ def test_vespo_weights_against_their_definition():
     log w to [log 1e-8, 20]), (k, λ) by the advantage's sign; 1 on policy; no gradient; the token loss
     −φ·A·log π."""
     from fastppo.kernels.ppo_loss import vespo_weights
-    from fastppo.train import ppo_losses
+    from helpers import grid_losses
 
     g = torch.Generator().manual_seed(2)
     new = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
@@ -172,7 +172,7 @@ def test_vespo_weights_against_their_definition():
             want = math.exp(lam + k * log_w - lam * math.exp(log_w))
             assert phi[r, t].item() == pytest.approx(want, rel=1e-12), (r, t)
     assert torch.equal(weights(new.detach()), torch.ones_like(phi))  # φ(1) = 1
-    loss, _ = ppo_losses(new, None, torch.zeros_like(new), old, None, adv, None, mask, cliprange=0.2,
+    loss, _ = grid_losses(new, None, torch.zeros_like(new), old, None, adv, None, mask, cliprange=0.2,
                          cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=float("inf"),
                          surrogate="vespo", vespo_gamma=gamma)
     (grad,) = torch.autograd.grad(loss, new)

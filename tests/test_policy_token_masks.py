@@ -24,7 +24,7 @@ import fastppo.policy_terms as P
 from fastppo.kernels.ppo_loss import off_policy_keep
 import fastppo.train as T
 from fastppo.errors import SettingsError
-from helpers import make_trainer, metrics_without_clock, small_config
+from helpers import make_trainer, metrics_without_clock, small_config, grid_losses
 
 
 def case(rows: int, cols: int, seed: int):
@@ -130,7 +130,7 @@ def test_ppo_losses_masks_the_policy_term_and_the_bonus_only():
             pg_loss = T.aggregate(torch.where(mask_for_policy, pg, 0.0), mask)
             kl = T.aggregate(T.kl_penalty(new, ref, "k3") * ratio, mask)
             return pg_loss - 0.1 * T.aggregate(entropy, mask_for_policy) + 0.04 * kl
-        return T.ppo_losses(new, None, entropy, old, None, adv, None, mask, **kw)[0]
+        return grid_losses(new, None, entropy, old, None, adv, None, mask, **kw)[0]
 
     kept = P.high_entropy_mask(entropy, mask, 0.5)
     assert 0 < int(kept.sum()) < int(mask.sum())
@@ -191,7 +191,7 @@ def test_ppo_losses_drops_them_from_the_policy_term_only():
               ref_logprobs=ref, beta=0.04)
     keep = keep_of(new.detach(), old, adv, mask, 0.01)
     assert (mask & ~keep).any() and (mask & keep).any()
-    got = T.ppo_losses(new, None, entropy, old, None, adv, None, mask, off_policy_mask_threshold=0.01, **kw)[0]
+    got = grid_losses(new, None, entropy, old, None, adv, None, mask, off_policy_mask_threshold=0.01, **kw)[0]
     pg, ratio, _ = T.clipped_surrogate(new, old, adv, 0.2, mask=mask)
     want = (T.aggregate(torch.where(keep, pg, 0.0), mask) - 0.1 * T.aggregate(entropy, mask)
             + 0.04 * T.aggregate(T.kl_penalty(new, ref, "k3") * ratio, mask))

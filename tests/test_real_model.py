@@ -18,8 +18,9 @@ from fastppo.data import left_pad
 from fastppo.generation import sample_responses
 from fastppo.kernels import masked_mean
 from fastppo.metrics import STAT, objective_sums
-from fastppo.train import per_token_rewards, ppo_losses, compute_experience
+from fastppo.train import per_token_rewards, compute_experience
 from fastppo.advantages import gae_advantages
+from helpers import grid_losses
 
 from realmodel import copy_checkpoint
 
@@ -352,7 +353,7 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, smoll
     assert masked_mean(advantages, r.response_mask).abs().item() < 1e-5  # whitened over real tokens only
     trainer.actor_critic.train()
     new_logprobs, entropy, new_values, _, _ = trainer.actor_critic(r.layout(), cfg.temperature, return_entropy=True)
-    loss, stats = ppo_losses(new_logprobs, new_values, entropy, experience.logprobs, experience.values, advantages,
+    loss, stats = grid_losses(new_logprobs, new_values, entropy, experience.logprobs, experience.values, advantages,
                              returns, r.response_mask, cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value,
                              vf_coef=cfg.vf_coef,
                              entropy_coef=cfg.entropy_coef, ratio_threshold=cfg.ratio_threshold)

@@ -17,7 +17,7 @@ from fastppo.errors import SettingsError
 from fastppo.layout import decoder_hidden, shared_mask_kind, token_logprobs_from_hidden
 from fastppo.train import compute_experience, reference_sharing
 from fastppo.rollout import assemble
-from test_grpo_trainer import LengthReward, tutorial_dataset
+from test_grpo_trainer import tutorial_dataset
 
 _MODELS: dict = {}
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from helpers import make_trainer, small_config
+from helpers import make_trainer, small_config, grid_losses
 from fastppo.cli import ModelConfig
 from fastppo.config import PPOConfig, derive_sizes
 from fastppo.data import left_pad, prompt_batches
@@ -20,7 +20,7 @@ from fastppo.loading import load_tokenizer
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import call_reward_fn, reward_model_scores
 from fastppo.trainer import PPOTrainer
-from fastppo.train import AdaptiveKLController, Targets, compute_experience, per_token_rewards, ppo_losses, ppo_update
+from fastppo.train import AdaptiveKLController, Targets, compute_experience, per_token_rewards, ppo_update
 from fastppo.rollout import make_rollout
 from fastppo.advantages import gae_advantages
 
@@ -89,7 +89,7 @@ def test_ppo_losses_at_ratio_one():
     logp = torch.randn(3, 5)
     adv, ret, values = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
     mask = torch.ones(3, 5, dtype=torch.bool)
-    loss, stats = ppo_losses(logp, values, torch.rand(3, 5), logp, values, adv, ret, mask, cliprange=0.2,
+    loss, stats = grid_losses(logp, values, torch.rand(3, 5), logp, values, adv, ret, mask, cliprange=0.2,
                              cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0, ratio_threshold=10.0)
     s = dict(zip(STAT_NAMES, stats.tolist()))
     assert s["ratio"] == 1.0 and s["approxkl"] == 0.0 and s["pg_clipfrac"] == 0.0 and s["vf_clipfrac"] == 0.0
@@ -102,7 +102,7 @@ def test_ppo_losses_with_a_single_trained_token():
     variance statistics are NaN (dropped from the logged means), the loss is finite."""
     logp, adv, ret, values = (torch.randn(1, 4) for _ in range(4))
     mask = torch.tensor([[True, False, False, False]])
-    loss, stats = ppo_losses(logp + 0.1, values, torch.rand(1, 4), logp, values, adv, ret, mask, cliprange=0.2,
+    loss, stats = grid_losses(logp + 0.1, values, torch.rand(1, 4), logp, values, adv, ret, mask, cliprange=0.2,
                              cliprange_value=0.2, vf_coef=0.1, entropy_coef=0.0,
                              ratio_threshold=10.0)
     s = dict(zip(STAT_NAMES, stats.tolist()))

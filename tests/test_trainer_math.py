@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import RunningMoments, transform_scores
-from fastppo.train import AdaptiveKLController, FixedKLController, per_token_rewards, ppo_losses
+from fastppo.train import AdaptiveKLController, FixedKLController, per_token_rewards
 from fastppo.rollout import assemble, make_rollout
 from fastppo.advantages import gae_advantages, whiten_trained
+from helpers import grid_losses
 
 F64 = torch.float64
 # fastppo computes in fp32 what the trainer hands it in fp32; the references are float64
@@ -419,7 +420,7 @@ def test_ppo_losses_against_the_float64_definition(seed, vf_coef, ent_coef):
     """The loss, its gradients with respect to the new log-probs, values and entropies, and every statistic."""
     inputs = loss_inputs(seed)
     new_lp, new_v, ent = (x.clone().requires_grad_() for x in inputs[:3])
-    loss, stats = ppo_losses(new_lp, new_v, ent, *inputs[3:], **loss_kw(EPS, EPS_V, vf_coef, ent_coef, 10.0))
+    loss, stats = grid_losses(new_lp, new_v, ent, *inputs[3:], **loss_kw(EPS, EPS_V, vf_coef, ent_coef, 10.0))
     r_lp, r_v, r_ent = (x.clone().requires_grad_() for x in inputs[:3])
     ref_loss, ref_stats = ref_ppo_losses(r_lp, r_v, r_ent, *inputs[3:], EPS, EPS_V, vf_coef, ent_coef, 10.0)
     torch.testing.assert_close(loss, ref_loss)
@@ -441,12 +442,12 @@ def test_value_clip_is_anchored_on_the_old_values():
     ret = torch.tensor([[0.0, 0.0, 2.0]], dtype=F64)
     lp = torch.zeros(1, 3, dtype=F64)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, stats = ppo_losses(lp, new_v, lp, lp, old_v, lp, ret, mask, cliprange=0.2, cliprange_value=0.2, vf_coef=1.0,
+    loss, stats = grid_losses(lp, new_v, lp, lp, old_v, lp, ret, mask, cliprange=0.2, cliprange_value=0.2, vf_coef=1.0,
                              entropy_coef=0.0, ratio_threshold=10.0)
     # per token: max((V − G)², (clip(V, V_old ± 0.2) − G)²) = max(9, 1.44), max(16, 4.84), max(2.1025, 2.1025)
     torch.testing.assert_close(loss, torch.tensor(0.5 * (9.0 + 16.0 + 1.45**2) / 3, dtype=F64))
     new_v = torch.tensor([[0.2, -1.0, 1.8]], dtype=F64)  # toward the return, beyond the clip: clipped error wins
-    loss, stats = ppo_losses(lp, new_v, lp, lp, old_v, lp, ret, mask, cliprange=0.2, cliprange_value=0.2, vf_coef=1.0,
+    loss, stats = grid_losses(lp, new_v, lp, lp, old_v, lp, ret, mask, cliprange=0.2, cliprange_value=0.2, vf_coef=1.0,
                              entropy_coef=0.0, ratio_threshold=10.0)
     torch.testing.assert_close(loss, torch.tensor(0.5 * (0.8**2 + 1.8**2 + 1.3**2) / 3, dtype=F64))
     assert stats[STAT["vf_clipfrac"]].item() == 1.0
@@ -458,7 +459,7 @@ def test_ratio_threshold_drops_the_micro_batch():
     mean_ratio = ref_stats["ratio"]
     for threshold, kept in ((mean_ratio * 1.01, True), (mean_ratio * 0.99, False)):
         new_lp = inputs[0].clone().requires_grad_()
-        loss, stats = ppo_losses(new_lp, *inputs[1:], **loss_kw(EPS, EPS_V, 0.1, 0.01, threshold))
+        loss, stats = grid_losses(new_lp, *inputs[1:], **loss_kw(EPS, EPS_V, 0.1, 0.01, threshold))
         ref_loss, ref = ref_ppo_losses(*inputs, EPS, EPS_V, 0.1, 0.01, threshold)
         torch.testing.assert_close(loss.detach(), ref_loss)
         s = dict(zip(STAT_NAMES, stats.double().tolist()))
@@ -471,7 +472,7 @@ def test_ratio_threshold_drops_the_micro_batch():
 def test_fused_policy_loss_replaces_the_policy_part_only():
     inputs = loss_inputs(12)
     fused = SimpleNamespace(loss=torch.tensor(0.375, dtype=F64))
-    loss, stats = ppo_losses(*inputs, **loss_kw(EPS, EPS_V, 0.3, 0.01, 10.0), fused_policy_loss=fused)
+    loss, stats = grid_losses(*inputs, **loss_kw(EPS, EPS_V, 0.3, 0.01, 10.0), fused_policy_loss=fused)
     _, ref = ref_ppo_losses(*inputs, EPS, EPS_V, 0.3, 0.01, 10.0)
     torch.testing.assert_close(loss, torch.tensor(0.375 + 0.3 * ref["vf_loss"], dtype=F64))
     torch.testing.assert_close(stats[STAT["pg_loss"]].item(), ref["pg_loss"], rtol=1e-6, atol=1e-7)
@@ -502,7 +503,7 @@ def test_ppo_losses_equal_trl_lines():
     loss = pg_loss + vf_coef * vf_loss
     pg_clipfrac = ppo.masked_mean((pg_losses2 > pg_losses).float(), ~padding_mask)
     # ---
-    got, stats = ppo_losses(new_lp, vpred, ent, mb_logprobs, mb_values, mb_advantage, mb_return, mask,
+    got, stats = grid_losses(new_lp, vpred, ent, mb_logprobs, mb_values, mb_advantage, mb_return, mask,
                             cliprange=cliprange,
                             cliprange_value=cliprange_value, vf_coef=vf_coef, entropy_coef=0.0, ratio_threshold=10.0)
     torch.testing.assert_close(got, loss)
@@ -516,7 +517,7 @@ def test_ppo_losses_equal_trl_lines():
 @given(seed=st.integers(0, 2**31 - 1), eps=st.floats(0.05, 0.5), eps_v=st.floats(0.05, 1.0))
 def test_property_ppo_losses(seed, eps, eps_v):
     inputs = loss_inputs(seed)
-    loss, stats = ppo_losses(*inputs, **loss_kw(eps, eps_v, 0.2, 0.01, 10.0))
+    loss, stats = grid_losses(*inputs, **loss_kw(eps, eps_v, 0.2, 0.01, 10.0))
     ref_loss, ref = ref_ppo_losses(*inputs, eps, eps_v, 0.2, 0.01, 10.0)
     torch.testing.assert_close(loss, ref_loss)
     for name in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "policykl"):
@@ -665,13 +666,13 @@ def test_garbage_off_the_trained_tokens_reaches_no_gradient():
     adv = torch.randn(2, 4, generator=g)
     new = (old + torch.randn(2, 4, generator=g) * 0.3).requires_grad_()
     values, old_values, returns = (torch.randn(2, 4, generator=g) * mask for _ in range(3))
-    clean_loss, _ = ppo_losses(new, values, torch.rand(2, 4), old, old_values, adv, returns, mask, cliprange=0.2,
+    clean_loss, _ = grid_losses(new, values, torch.rand(2, 4), old, old_values, adv, returns, mask, cliprange=0.2,
                                cliprange_value=0.2, vf_coef=0.1,
                                entropy_coef=0.0, ratio_threshold=10.0)
     (clean,) = torch.autograd.grad(clean_loss, new)
     dirty_old = torch.where(mask, old, torch.full_like(old, float("nan")))
     dirty_adv = torch.where(mask, adv, torch.tensor([float("inf"), -float("inf")])[:, None].expand(2, 4))
-    loss, _ = ppo_losses(new, values, torch.rand(2, 4), dirty_old, old_values, dirty_adv, returns, mask,
+    loss, _ = grid_losses(new, values, torch.rand(2, 4), dirty_old, old_values, dirty_adv, returns, mask,
                          cliprange=0.2, cliprange_value=0.2,
                          vf_coef=0.1, entropy_coef=0.0, ratio_threshold=10.0)
     (grad,) = torch.autograd.grad(loss, new)

@@ -82,7 +82,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 from helpers import TRL_GRPO_LOSS_VARIANTS as VARIANTS  # noqa: E402  (tests/ is this script's directory)
 from helpers import TRL_GRPO_LOSS_VARIANT_BETAS as VARIANT_BETAS  # noqa: E402
-from helpers import trl_grpo_loss_variant_runs  # noqa: E402
+from helpers import grid_losses, trl_grpo_loss_variant_runs  # noqa: E402
 
 from fastppo import embedded  # noqa: E402
 from fastppo.config import PPOConfig  # noqa: E402
@@ -92,7 +92,7 @@ from fastppo.loading import disable_dropout  # noqa: E402
 from fastppo.reward_scores import combine_rewards  # noqa: E402
 from fastppo.loss_types import policy_loss_weights  # noqa: E402
 from fastppo.policy_terms import reads_whole_sequences, surrogate_options  # noqa: E402
-from fastppo.train import per_token_rewards, ppo_losses
+from fastppo.train import per_token_rewards
 from fastppo.rollout import assemble, trained_mask
 from fastppo.advantages import estimate_advantages
 
@@ -189,7 +189,7 @@ def fastppo_grpo(path, batch, old, ref, scale: str, beta: float) -> dict:
     out = PolicyAndValue(policy, None, critic=False)(rollout.layout(range(P * K)), config.temperature,
                                                     return_entropy=True)
     # as ppo_update calls it (no critic: no values, no returns)
-    loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
+    loss, stats = grid_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
                              cliprange=config.cliprange,
                              cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
                              entropy_coef=config.entropy_coef, ratio_threshold=config.ratio_threshold,
@@ -228,7 +228,7 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
                           top_entropy_quantile=config.top_entropy_quantile, **clip)
     out = PolicyAndValue(policy, None, critic=False)(layout, config.temperature, return_entropy=True,
                                                     policy_loss=fused_loss)
-    loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
+    loss, stats = grid_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
                              cliprange=config.cliprange,
                              cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
                              entropy_coef=config.entropy_coef, ratio_threshold=config.ratio_threshold,
@@ -401,7 +401,7 @@ def fastppo_rloo(path, batch, old, ref, level: str = "sequence_sum") -> dict:
     policy = load_policy(path)
     out = PolicyAndValue(policy, None, critic=False)(rollout.layout(range(P * K)), config.temperature,
                                                     return_entropy=True)
-    loss, stats = ppo_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
+    loss, stats = grid_losses(out.logprobs, None, out.entropy, old, None, advantages, None, mask,
                              cliprange=config.cliprange, cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
                              entropy_coef=config.entropy_coef, ratio_threshold=config.ratio_threshold,
                              beta=config.beta, importance_sampling_level=config.importance_sampling_level,
