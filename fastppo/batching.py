@@ -26,7 +26,7 @@ def micro_batches(order: list[int], sizes: Sizes, lengths: Sequence[int], group_
         if group_by_length and sizes.micro_steps > 1:
             groups = [rows[i:i + group_size] for i in range(0, len(rows), group_size)]
             rows = [r for g in sorted(groups, key=lambda g: sum(lengths[r] for r in g)) for r in g]
-        out.append([rows[k * sizes.micro_batch_size : (k + 1) * sizes.micro_batch_size]
+        out.append([rows[k * sizes.local_micro_batch_size : (k + 1) * sizes.local_micro_batch_size]
                     for k in range(sizes.micro_steps)])
     return out
 

@@ -369,14 +369,18 @@ class PPOConfig(TrainingArguments):
     adaptive_kl: bool = field(
         default=False, metadata={"help": "fastppo: adapt β toward kl_target (legacy TRL's adaptive controller)."}
     )
-    kl_target: float = field(default=6.0, metadata={"help": "fastppo: adaptive_kl's target sequence KL (nats)."})
+    kl_target: float = field(default=6.0, metadata={
+        "help": "fastppo: adaptive_kl's target sequence KL (nats): legacy TRL's adap_kl_ctrl target (its "
+                "PPOConfig.target); not target_kl, early_stopping's threshold."})
     kl_horizon: float = field(default=10000.0, metadata={"help": "fastppo: adaptive_kl's horizon (episodes)."})
     early_stopping: bool = field(
         default=False,
         metadata={"help": "fastppo (legacy TRL): stop an iteration's PPO epochs once the policy KL exceeds "
                   "1.5 × target_kl."},
     )
-    target_kl: float = field(default=1.0, metadata={"help": "fastppo: early_stopping's threshold."})
+    target_kl: float = field(default=1.0, metadata={
+        "help": "fastppo: early_stopping's threshold (legacy TRL's target_kl: an epoch's last minibatch KL above 1.5 × "
+                "it stops the update); not kl_target, adaptive_kl's target."})
     use_score_scaling: bool = field(
         default=False, metadata={"help": "fastppo (legacy TRL): divide scores by their running standard deviation."}
     )
@@ -622,7 +626,7 @@ class Sizes:
     batch_size: int  # rollout rows per iteration, all processes
     local_mini_batch_size: int  # rows per process per optimizer step
     mini_batch_size: int
-    micro_batch_size: int  # rows per process per forward/backward
+    local_micro_batch_size: int  # rows per process per forward/backward (the config's micro_batch_size: all processes)
     micro_steps: int  # backward passes per optimizer step
     num_mini_batches: int  # optimizer steps per PPO epoch
     num_total_batches: int  # PPO iterations
@@ -690,7 +694,7 @@ def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
         batch_size=batch_size,
         local_mini_batch_size=local_mini,
         mini_batch_size=local_mini * world_size,
-        micro_batch_size=micro,
+        local_micro_batch_size=micro,
         micro_steps=micro_steps,
         num_mini_batches=config.num_mini_batches,
         num_total_batches=num_total_batches,

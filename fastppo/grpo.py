@@ -468,7 +468,7 @@ class GRPOTrainer(PPOTrainer):
         for drawn in self._eval_batches(len(ids), k, rows_per_batch // k):
             n = len(drawn)
             sizes = Sizes(world_size=world, local_batch_size=n, batch_size=n * world, local_mini_batch_size=n,
-                          mini_batch_size=n * world, micro_batch_size=n, micro_steps=1, num_mini_batches=1,
+                          mini_batch_size=n * world, local_micro_batch_size=n, micro_steps=1, num_mini_batches=1,
                           num_total_batches=1, sample_generations_freq=0, num_generations=k, local_prompts=n // k)
             result = ppo_iteration(self.learner, config, sizes, lambda: self.rollout(
                 prompt_ids=[ids[i] for i in drawn], rows=rows.select(drawn)), train=False)

@@ -86,9 +86,10 @@ def update_sharing(config: PPOConfig, sizes: Sizes, actor_critic, rollout: Rollo
     attention must take the same mask, in the same dtype (a value head on the policy's trunk reads its hidden
     states)."""
     k = config.num_generations
-    if config.max_tokens_per_micro_batch is not None or sizes.micro_batch_size % k or sizes.local_mini_batch_size % k:
+    if (config.max_tokens_per_micro_batch is not None or sizes.local_micro_batch_size % k
+            or sizes.local_mini_batch_size % k):
         return None
-    sharing = prompt_sharing(config, actor_critic.policy, rollout, sizes.micro_batch_size)
+    sharing = prompt_sharing(config, actor_critic.policy, rollout, sizes.local_micro_batch_size)
     value_model = actor_critic.value_model if actor_critic.critic else None
     if sharing is not None and value_model is not None and (
             shared_mask_kind(value_model) != sharing[1] or next(value_model.parameters()).dtype != sharing[2]):

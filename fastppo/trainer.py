@@ -850,7 +850,7 @@ def fill_derived_sizes(config: PPOConfig, sizes: Sizes) -> None:
     """TRL's trainer writes the derived sizes into its config; so does fastppo. A value the user set that
     disagrees is refused: TRL would overwrite it silently (legacy TRL's batch_size meant something else)."""
     derived = dict(world_size=sizes.world_size, local_batch_size=sizes.local_batch_size, batch_size=sizes.batch_size,
-                   micro_batch_size=sizes.micro_batch_size * sizes.world_size,
+                   micro_batch_size=sizes.local_micro_batch_size * sizes.world_size,
                    local_mini_batch_size=sizes.local_mini_batch_size, mini_batch_size=sizes.mini_batch_size,
                    num_total_batches=sizes.num_total_batches)
     for name, value in derived.items():

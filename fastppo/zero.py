@@ -195,7 +195,7 @@ def resolve_deepspeed_config(request: tuple[dict, str, list[str]], config: PPOCo
         if section in cfg:
             cfg.pop(section)
             notes.append(f"{source}: its {section!r} section is not used; fastppo trains with {ours}")
-    micro, steps = sizes.micro_batch_size, sizes.micro_steps
+    micro, steps = sizes.local_micro_batch_size, sizes.micro_steps
     clip = float(config.max_grad_norm or 0.0)
     ours = {
         "train_micro_batch_size_per_gpu": (micro, f"--per_device_train_batch_size gives {micro}-row micro-batches"),

@@ -139,8 +139,8 @@ def test_sizes_follow_trl_026(per_device, ga, num_mini, world):
     s = derive_sizes(config, world, 100)
     assert {k: getattr(s, k) for k in expected} == expected
     # one optimizer step per minibatch, over whole micro-batches of at most per_device rows
-    assert s.micro_batch_size * s.micro_steps == s.local_mini_batch_size
-    assert s.micro_batch_size == min(per_device, s.local_mini_batch_size)
+    assert s.local_micro_batch_size * s.micro_steps == s.local_mini_batch_size
+    assert s.local_micro_batch_size == min(per_device, s.local_mini_batch_size)
 
 
 def test_sizes_from_num_train_epochs_and_inexact_micro_batches():
@@ -160,7 +160,8 @@ def test_legacy_config_checks_at_construction_and_maps_to_the_same_split():
     core = config.to_core(world_size=2)
     s = derive_sizes(core, 2, 1)
     # legacy: 16 rows per step, optimizer steps of 4 × 2 rows, each two 4-row passes
-    assert (s.local_batch_size, s.micro_batch_size, s.micro_steps, s.num_mini_batches, s.batch_size) == (16, 4, 2, 2, 32)
+    assert (s.local_batch_size, s.local_micro_batch_size, s.micro_steps, s.num_mini_batches, s.batch_size) == \
+        (16, 4, 2, 2, 32)
     assert (core.kl_coef, core.adaptive_kl, core.kl_estimator, core.num_ppo_epochs, core.max_grad_norm) == (
         0.3, False, "k1", 3, 0.0)
 

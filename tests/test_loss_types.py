@@ -70,7 +70,7 @@ def update(scored, micro_batch_size: int, *, advantages=None, **settings):
     if advantages is not None:
         targets = Targets(targets.rewards, targets.non_score_reward, advantages, None)
     sizes = derive_sizes(trainer.config, 1, len(PROMPTS))
-    sizes = dataclasses.replace(sizes, micro_batch_size=micro_batch_size, micro_steps=B // micro_batch_size)
+    sizes = dataclasses.replace(sizes, local_micro_batch_size=micro_batch_size, micro_steps=B // micro_batch_size)
     module = copy.deepcopy(trainer.actor_critic)
     before = [p.detach().clone() for p in module.parameters()]
     optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1.0)

@@ -63,7 +63,7 @@ def test_trl_docs_command_lines_mean_the_same_here(line, world, batch, iteration
     config = parse_args(shlex.split(line))[1]
     sizes = derive_sizes(config, world, num_prompts=1000)
     assert sizes.batch_size == batch and sizes.num_total_batches == iterations
-    assert sizes.micro_batch_size == config.per_device_train_batch_size and sizes.num_mini_batches == 1
+    assert sizes.local_micro_batch_size == config.per_device_train_batch_size and sizes.num_mini_batches == 1
     assert config.learning_rate == 3e-6 and config.response_length == 53 and config.temperature == 0.7
     if "--non_eos_penalty" in line:
         assert config.non_eos_penalty and config.penalty_reward_value == -1.0 and config.stop_token == "eos"
