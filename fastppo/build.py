@@ -22,7 +22,8 @@ from fastppo.config import PPOConfig, Sizes
 from fastppo.loading import check_optimizer_covers
 from fastppo.rewards import RunningMoments
 from fastppo.sampling import Truncation
-from fastppo.train import AdaptiveEntropyController, AdaptiveKLController, FixedKLController, Learner
+from fastppo.train import Learner
+from fastppo.controllers import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
 from fastppo.zero import ZeRO
 
 __all__ = ["Runtime", "start_runtime", "build_learner", "default_optimizer", "default_scheduler"]

@@ -44,7 +44,8 @@ from fastppo.legacy_stats import legacy_log_stats, legacy_step_stats
 from fastppo.loading import build_models, embedding_rows, ensure_pad_token, is_peft, position_limit
 from fastppo.metrics import STAT
 from fastppo.policy_terms import LossSettings
-from fastppo.train import LossInputs, per_token_rewards, ppo_iteration, ppo_losses
+from fastppo.train import per_token_rewards, ppo_iteration, ppo_losses
+from fastppo.update_steps import LossInputs
 from fastppo.rollout import ScoredRollout, assemble, eos_count
 from fastppo.trainer import fill_derived_sizes
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, create_reference_model

@@ -241,7 +241,8 @@ def grid_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adv
     """``fastppo.train.ppo_losses`` with its grids as arguments and ``settings`` as ``LossSettings``' fields: the
     tests' one-call statement of a case (the update builds ``LossInputs`` and ``LossSettings`` itself)."""
     from fastppo.policy_terms import LossSettings
-    from fastppo.train import LossInputs, ppo_losses
+    from fastppo.train import ppo_losses
+    from fastppo.update_steps import LossInputs
 
     inputs = LossInputs(old_logprobs, advantages, mask, old_values, returns, ref_logprobs, token_weights, normalizer,
                         mean_weights)

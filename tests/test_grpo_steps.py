@@ -15,7 +15,7 @@ import fastppo.train as T
 from fastppo import GRPOConfig, GRPOTrainer
 from fastppo.checkpoint import checkpoints
 from fastppo.errors import SettingsError
-from fastppo.train import AdaptiveEntropyController
+from fastppo.controllers import AdaptiveEntropyController
 from helpers import digest
 
 pytestmark = pytest.mark.usefixtures("reference_path")

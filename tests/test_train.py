@@ -20,7 +20,8 @@ from fastppo.loading import load_tokenizer
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import call_reward_fn, reward_model_scores
 from fastppo.trainer import PPOTrainer
-from fastppo.train import AdaptiveKLController, Targets, compute_experience, per_token_rewards, ppo_update
+from fastppo.train import Targets, compute_experience, per_token_rewards, ppo_update
+from fastppo.controllers import AdaptiveKLController
 from fastppo.rollout import make_rollout
 from fastppo.advantages import gae_advantages
 

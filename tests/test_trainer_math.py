@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import RunningMoments, transform_scores
-from fastppo.train import AdaptiveKLController, FixedKLController, per_token_rewards
+from fastppo.train import per_token_rewards
+from fastppo.controllers import AdaptiveKLController, FixedKLController
 from fastppo.rollout import assemble, make_rollout
 from fastppo.advantages import gae_advantages, whiten_trained
 from helpers import grid_losses
