@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -221,96 +222,127 @@ def ppo_losses(new_logprobs, new_values, entropy, inputs: LossInputs, settings: 
     """
     old_logprobs, advantages, mask, old_values, returns, ref_logprobs, token_weights, normalizer, mean_weights = \
         inputs
-    cliprange, cliprange_value, vf_coef = settings.cliprange, settings.cliprange_value, settings.vf_coef
-    beta, importance_sampling_level = settings.beta, settings.importance_sampling_level
-    surrogate = settings.surrogate_options()
-    critic = new_values is not None
-    if critic:  # clipped value loss: ½·max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²)
-        v_clipped = old_values + (new_values - old_values).clamp(-cliprange_value, cliprange_value)
-        vf_losses1 = (new_values - returns) ** 2
-        vf_losses2 = (v_clipped - returns) ** 2
-        vf_loss = 0.5 * aggregate(torch.max(vf_losses1, vf_losses2), mask, mean_weights,
-                                  None if mean_weights is None else 1.0)
-    # clipped surrogate: max(−A·min(ρ, δ), −A·clip(ρ, 1 − ε, 1 + ε_h)) (or cispo's, sapo's)
-    log_ratio = new_logprobs - old_logprobs
+    means = (mean_weights, None if mean_weights is None else 1.0)  # the token means' weights and divisor
+    value = None
+    if new_values is not None:  # clipped value loss: ½·max((V − G)², (V_old + clip(V − V_old, ±ε_v) − G)²)
+        v_clipped = old_values + (new_values - old_values).clamp(-settings.cliprange_value, settings.cliprange_value)
+        value = ValueTerms(new_values, old_values, returns, (new_values - returns) ** 2, (v_clipped - returns) ** 2)
+        value = value._replace(loss=0.5 * aggregate(torch.max(value.error, value.clipped_error), mask, *means))
+    # clipped surrogate: max(−A·min(ρ, δ), −A·clip(ρ, 1 − ε, 1 + ε_h)) (or cispo's, sapo's, vespo's)
     b, t = new_logprobs.shape
     rows = torch.arange(b, device=new_logprobs.device)[:, None].expand(b, t)  # each row one sequence
     # masked: what a caller left in old_logprobs / advantages off the trained tokens reaches no gradient
     pg_losses, ratio, clipped = clipped_surrogate(
-        new_logprobs, old_logprobs, advantages, cliprange, mask=mask, sequence_ids=rows, num_sequences=b,
-        importance_sampling_level=importance_sampling_level, **surrogate)
+        new_logprobs, old_logprobs, advantages, settings.cliprange, mask=mask, sequence_ids=rows, num_sequences=b,
+        importance_sampling_level=settings.importance_sampling_level, **settings.surrogate_options())
     policy_mask = mask  # the tokens the policy term and the entropy bonus read
     if settings.top_entropy_quantile < 1:
         policy_mask = high_entropy_mask(entropy, mask, settings.top_entropy_quantile)
         pg_losses = torch.where(policy_mask, pg_losses, torch.zeros((), dtype=pg_losses.dtype,
                                                                      device=pg_losses.device))
     pg_loss = aggregate(pg_losses, mask, token_weights, normalizer)
-    mean_entropy = aggregate(entropy, policy_mask, mean_weights, None if mean_weights is None else 1.0)
+    mean_entropy = aggregate(entropy, policy_mask, *means)
     policy_loss = pg_loss - entropy_coef * mean_entropy if fused_policy_loss is None else fused_policy_loss.loss
-    loss = policy_loss + vf_coef * vf_loss if critic else policy_loss
-    bonus = entropy_coef * mean_entropy  # TRL GRPO's policy_loss is the loss before it
-    if beta:
+    loss = policy_loss if value is None else policy_loss + settings.vf_coef * value.loss
+    kl = None
+    if settings.beta:  # + β·KL_t by kl_loss_type, weighted by ρ_t under bias correction (TRL GRPO's)
         kl_tokens = kl_penalty(new_logprobs, ref_logprobs, settings.kl_loss_type)
         kl_tokens = kl_tokens * ratio if settings.bias_correction_kl else kl_tokens
-        kl_loss = aggregate(kl_tokens, mask, token_weights, normalizer)
-        loss = loss + beta * kl_loss
+        kl = (kl_tokens, aggregate(kl_tokens, mask, token_weights, normalizer))
+        loss = loss + settings.beta * kl[1]
     # legacy TRL's ratio_threshold: a micro-batch whose ratios blew up contributes nothing (no host sync);
     # its logged losses are the ones applied (0), and ratio_skipped counts it
     kept = (aggregate(ratio, mask) <= settings.ratio_threshold).to(loss.dtype)
     loss = loss * kept
-    with torch.no_grad():
-        stats = torch.full((len(STAT_NAMES),), float("nan"), device=loss.device)  # NaN: not computed (no critic)
-        clip_low, clip_high = clip_sides(ratio, advantages, cliprange, settings.cliprange_high, settings.delta,
-                                         settings.surrogate)
+    terms = LossTerms(loss, pg_loss, entropy_coef * mean_entropy, kept, new_logprobs - old_logprobs, ratio, clipped,
+                      entropy, policy_mask, value, kl)
+    return loss, loss_statistics(terms, inputs, settings)
+
+
+class ValueTerms(NamedTuple):
+    """The value loss's pieces (``ppo_losses``), for its statistics."""
+
+    new_values: torch.Tensor
+    old_values: torch.Tensor
+    returns: torch.Tensor
+    error: torch.Tensor  # (V − G)²
+    clipped_error: torch.Tensor  # (V_old + clip(V − V_old, ±ε_v) − G)²
+    loss: torch.Tensor | None = None
+
+
+class LossTerms(NamedTuple):
+    """What ``ppo_losses`` computed for one micro-batch, for its statistics."""
+
+    loss: torch.Tensor
+    pg_loss: torch.Tensor
+    bonus: torch.Tensor  # c_H · the mean entropy: TRL GRPO's policy_loss is the loss before it
+    kept: torch.Tensor  # 0 where legacy TRL's ratio threshold dropped the micro-batch
+    log_ratio: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+    entropy: torch.Tensor
+    policy_mask: torch.Tensor  # the tokens the policy term and the entropy bonus read
+    value: ValueTerms | None
+    kl: tuple[torch.Tensor, torch.Tensor] | None  # (β's per-token KL, its aggregate)
+
+
+@torch.no_grad()
+def loss_statistics(terms: LossTerms, inputs: LossInputs, settings: LossSettings) -> torch.Tensor:
+    """[len(STAT_NAMES)] a micro-batch's statistics (NaN: not computed, e.g. without a critic): means over its trained
+    tokens, and the token sums whose global means over every process TRL GRPO logs (``gather_metrics``)."""
+    t, mask, advantages = terms, inputs.mask, inputs.advantages
+    stats = torch.full((len(STAT_NAMES),), float("nan"), device=t.loss.device)
+    clip_low, clip_high = clip_sides(t.ratio, advantages, settings.cliprange, settings.cliprange_high,
+                                     settings.delta, settings.surrogate)
+    for name, value in (
+        ("loss", t.loss),  # this micro-step's share of its optimizer step's loss, as minimised
+        ("policy_loss", t.loss + t.bonus * t.kept),
+        ("approxkl", 0.5 * masked_mean(t.log_ratio**2, mask)),
+        ("policykl", masked_mean(-t.log_ratio, mask)),
+        ("pg_clipfrac", masked_mean(t.clipped.float(), mask)),
+        ("clip_low", masked_mean(clip_low.float(), mask)),
+        ("clip_high", masked_mean(clip_high.float(), mask)),
+        ("clip_region", masked_mean((clip_low | clip_high).float(), mask)),
+        ("pg_loss", t.pg_loss * t.kept),
+        ("entropy", masked_mean(t.entropy, mask)),
+        ("ratio", masked_mean(t.ratio, mask)),
+        ("advantages_mean", masked_mean(advantages, mask)),
+        ("ratio_skipped", 1.0 - t.kept),
+    ):
+        stats[STAT[name]] = value
+    if t.value is not None:
+        v = t.value
         for name, value in (
-            ("loss", loss),  # this micro-step's share of its optimizer step's loss, as minimised
-            ("policy_loss", loss + bonus * kept),
-            ("approxkl", 0.5 * masked_mean(log_ratio**2, mask)),
-            ("policykl", masked_mean(-log_ratio, mask)),
-            ("pg_clipfrac", masked_mean(clipped.float(), mask)),
-            ("clip_low", masked_mean(clip_low.float(), mask)),
-            ("clip_high", masked_mean(clip_high.float(), mask)),
-            ("clip_region", masked_mean((clip_low | clip_high).float(), mask)),
-            ("pg_loss", pg_loss * kept),
-            ("entropy", masked_mean(entropy, mask)),
-            ("ratio", masked_mean(ratio, mask)),
-            ("advantages_mean", masked_mean(advantages, mask)),
-            ("ratio_skipped", 1.0 - kept),
+            ("vf_loss", v.loss * t.kept),
+            ("vf_clipfrac", masked_mean((v.clipped_error > v.error).float(), mask)),
+            ("returns_mean", masked_mean(v.returns, mask)),
+            ("returns_var", masked_var(v.returns, mask, check=False)),  # NaN under 2 tokens, no sync
+            ("vpred_mean", masked_mean(v.new_values, mask)),
+            ("vf_error", masked_mean(v.error, mask)),
+            ("values_mean", masked_mean(v.old_values, mask)),
+            ("values_var", masked_var(v.old_values, mask, check=False)),
         ):
             stats[STAT[name]] = value
-        if critic:
-            for name, value in (
-                ("vf_loss", vf_loss * kept),
-                ("vf_clipfrac", masked_mean((vf_losses2 > vf_losses1).float(), mask)),
-                ("returns_mean", masked_mean(returns, mask)),
-                ("returns_var", masked_var(returns, mask, check=False)),  # NaN under 2 tokens, no sync
-                ("vpred_mean", masked_mean(new_values, mask)),
-                ("vf_error", masked_mean(vf_losses1, mask)),
-                ("values_mean", masked_mean(old_values, mask)),
-                ("values_var", masked_var(old_values, mask, check=False)),
-            ):
-                stats[STAT[name]] = value
-        # sums over the trained tokens (for the clip fractions under GSPO, over the rows: TRL's units), whose
-        # global means over every process TRL GRPO logs (gather_metrics)
-        real = mask != 0
-        stats[STAT["tokens"]] = real.sum()
-        stats[STAT["entropy_token_sum"]] = torch.where(real, entropy.detach(), 0.0).sum()
-        bonus_tokens = policy_mask != 0  # the tokens the entropy bonus reads (the adaptive coefficient's)
-        stats[STAT["bonus_entropy_sum"]] = torch.where(bonus_tokens, entropy.detach(), 0.0).sum()
-        stats[STAT["bonus_tokens"]] = bonus_tokens.sum()
-        if importance_sampling_level != "token":  # one ratio per row: a row is clipped or not (none without a token)
-            first = real.float().argmax(1, keepdim=True)
-            sides = [c.gather(1, first).squeeze(1) & real.any(1) for c in (clip_low, clip_high, clip_low | clip_high)]
-            stats[STAT["clip_units"]] = float(b)
-        else:
-            sides = [c & real for c in (clip_low, clip_high, clip_low | clip_high)]
-            stats[STAT["clip_units"]] = stats[STAT["tokens"]]
-        for name, side in zip(("clip_low_sum", "clip_high_sum", "clip_region_sum"), sides):
-            stats[STAT[name]] = side.sum()
-        if beta:  # the term as aggregated, and its token sum
-            stats[STAT["kl_loss"]] = kl_loss
-            stats[STAT["kl_token_sum"]] = torch.where(real, kl_tokens.detach(), 0.0).sum()
-    return loss, stats
+    # sums over the trained tokens (for the clip fractions under GSPO, over the rows: TRL's units)
+    real = mask != 0
+    stats[STAT["tokens"]] = real.sum()
+    stats[STAT["entropy_token_sum"]] = torch.where(real, t.entropy.detach(), 0.0).sum()
+    bonus_tokens = t.policy_mask != 0  # the tokens the entropy bonus reads (the adaptive coefficient's)
+    stats[STAT["bonus_entropy_sum"]] = torch.where(bonus_tokens, t.entropy.detach(), 0.0).sum()
+    stats[STAT["bonus_tokens"]] = bonus_tokens.sum()
+    if settings.importance_sampling_level != "token":  # one ratio per row: a row is clipped or not (none without a
+        first = real.float().argmax(1, keepdim=True)  # token)
+        sides = [c.gather(1, first).squeeze(1) & real.any(1) for c in (clip_low, clip_high, clip_low | clip_high)]
+        stats[STAT["clip_units"]] = float(mask.shape[0])
+    else:
+        sides = [c & real for c in (clip_low, clip_high, clip_low | clip_high)]
+        stats[STAT["clip_units"]] = stats[STAT["tokens"]]
+    for name, side in zip(("clip_low_sum", "clip_high_sum", "clip_region_sum"), sides):
+        stats[STAT[name]] = side.sum()
+    if t.kl is not None:  # the term as aggregated, and its token sum
+        stats[STAT["kl_loss"]] = t.kl[1]
+        stats[STAT["kl_token_sum"]] = torch.where(real, t.kl[0].detach(), 0.0).sum()
+    return stats
 
 
 def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targets: Targets, config: PPOConfig,
