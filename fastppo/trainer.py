@@ -49,6 +49,16 @@ from fastppo.rollout import (Rollout, ScoredRollout, apply_eos_penalties, assemb
 SETTINGS_LOG = logging.getLogger("fastppo.checks")
 
 
+def _check_callbacks(callbacks) -> None:
+    """transformers takes callback instances and classes; anything else would fail mid-run: refused here."""
+    for callback in callbacks or []:
+        if not (isinstance(callback, TrainerCallback) or
+                (isinstance(callback, type) and issubclass(callback, TrainerCallback))):
+            raise SettingsTypeError(f"callbacks: {callback!r} is not a transformers.TrainerCallback (an instance "
+                                    "or a subclass); wrap a function in a TrainerCallback subclass's on_log/"
+                                    "on_step_end")
+
+
 class PPOTrainer:
     """PPO on a causal LM, TRL 0.26's ``PPOTrainer`` (``trl.experimental.ppo``)::
 
@@ -103,36 +113,15 @@ class PPOTrainer:
         functions = [r for r in self.rewards if r.fn is not None]
         self.reward_fn = functions[0].fn if functions else None  # the first function (TRL 0.26 has one reward)
         self.reward_fn_name = reward_fn_name(self.reward_fn) if functions else None
-        tokenizer = processing_class
-        given_tokenizer = tokenizer is not None and not isinstance(tokenizer, str)
-        if isinstance(tokenizer, str):
-            tokenizer = L.load_tokenizer(tokenizer, model_args, self.log)
-        if tokenizer is None:
-            tokenizer_path = model_args.model_name_or_path or policy_path or getattr(
-                getattr(model, "config", None), "_name_or_path", None)
-            if not tokenizer_path:
-                raise SettingsError("processing_class (the tokenizer) is required when model is an object")
-            tokenizer = L.load_tokenizer(tokenizer_path, model_args, self.log)
-        L.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
-        self.processing_class = self.tokenizer = tokenizer
+        self.processing_class = self.tokenizer = tokenizer = self._load_tokenizer(processing_class, model,
+                                                                                  policy_path)
         self.stop_ids = stop_ids_of(config, tokenizer)
         self.rollout_func = rollout_func  # TRL GRPO's: a caller's own sampling (PPOTrainer._custom_rollout)
         # TRL GRPO's environment_factory (fastppo.environments.Environments): an instance per rollout, reset before
         # sampling, its methods the rollout's tools
         self._environments = environments
         self.environments: list = []  # the last batch's instances, one per rollout (TRL's attribute)
-        # TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools); the
-        # config's --tools ("module:function") where none are passed
-        if tools and config.tools:
-            raise SettingsError(f"tools given twice: as the trainer's tools= and as the config's tools "
-                                f"{as_list(config.tools)}; give them in one place")
-        if tools is None and config.tools:
-            tools = [load_reward_fn(spec, "tools") for spec in as_list(config.tools)]
-        every_tool = list(tools or []) + [t for e in (environments.tools.values() if environments else ()) for t in e]
-        self.tool_calling = None if not every_tool else ToolCalling(list(tools or []), tokenizer,
-                                                                    config.chat_template_kwargs, config.tool_timeout)
-        if self.tool_calling is not None and not self.stop_ids:
-            raise SettingsError("tools: a tool call ends the model's turn at its eos token; set stop_token='eos'")
+        self.tool_calling = self._tool_calling(tools, environments)
         self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log,
                                                       tools=self.tool_calling)
         self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log,
@@ -187,15 +176,7 @@ class PPOTrainer:
             learner.kl_ctl, learner.moments, learner.shuffle, learner.zero, learner.entropy_ctl)
         self.model = self._public_model()
         if config.share_prompts:
-            sharing = [(what, model) for what, model in (
-                ("reference model", None if self.reference is None else self.reference.model),
-                ("policy", self.actor_critic.policy),
-                ("value model", self.actor_critic.value_model if self.actor_critic.critic else None)) if model is not None]
-            for what, model in sharing:
-                if shared_mask_kind(model) is None:
-                    raise SettingsError(f"share_prompts: the {what}'s attention "
-                                        f"({getattr(model.config, '_attn_implementation', None)!r}) takes no group "
-                                        "mask (sdpa and eager do); leave share_prompts unset or false")
+            self._check_models_share_prompts()
         self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
                                                         None if self.zero is None else self.zero.stage, self._lm(),
                                                         self.log, iterations=self.sizes.num_total_batches,
@@ -206,12 +187,7 @@ class PPOTrainer:
 
         # transformers' handler, as TRL's trainer uses it: callback classes are instantiated, the default flow
         # callback decides should_save/should_training_stop from save_steps and max_steps
-        for callback in callbacks or []:  # transformers takes instances and classes; anything else fails mid-run
-            if not (isinstance(callback, TrainerCallback) or
-                    (isinstance(callback, type) and issubclass(callback, TrainerCallback))):
-                raise SettingsTypeError(f"callbacks: {callback!r} is not a transformers.TrainerCallback (an instance "
-                                        "or a subclass); wrap a function in a TrainerCallback subclass's on_log/"
-                                        "on_step_end")
+        _check_callbacks(callbacks)
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.actor_critic,
                                                 tokenizer, self.optimizer, self.lr_scheduler)
         self.state = _new_state(self.sizes, len(self.prompts), self.dist.is_main, config)
@@ -221,6 +197,51 @@ class PPOTrainer:
         self._run_lock = None
         self._training = False  # inside train(): the output_dir is this run's to write
         self.reward_logs = RewardLogs(self.log)  # what reward functions log (log_metric, log_extra)
+
+    def _load_tokenizer(self, processing_class, model, policy_path):
+        """The tokenizer: the one given (an object, or a path to load), else the model's (its path, or the object's
+        ``_name_or_path``), with a pad token ensured."""
+        tokenizer, model_args = processing_class, self.model_args
+        given_tokenizer = tokenizer is not None and not isinstance(tokenizer, str)
+        if isinstance(tokenizer, str):
+            tokenizer = L.load_tokenizer(tokenizer, model_args, self.log)
+        if tokenizer is None:
+            tokenizer_path = model_args.model_name_or_path or policy_path or getattr(
+                getattr(model, "config", None), "_name_or_path", None)
+            if not tokenizer_path:
+                raise SettingsError("processing_class (the tokenizer) is required when model is an object")
+            tokenizer = L.load_tokenizer(tokenizer_path, model_args, self.log)
+        L.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
+        return tokenizer
+
+    def _tool_calling(self, tools, environments) -> ToolCalling | None:
+        """TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools); the
+        config's --tools ("module:function") where none are passed; None without tools or environments."""
+        config = self.config
+        if tools and config.tools:
+            raise SettingsError(f"tools given twice: as the trainer's tools= and as the config's tools "
+                                f"{as_list(config.tools)}; give them in one place")
+        if tools is None and config.tools:
+            tools = [load_reward_fn(spec, "tools") for spec in as_list(config.tools)]
+        every_tool = list(tools or []) + [t for e in (environments.tools.values() if environments else ()) for t in e]
+        if not every_tool:
+            return None
+        calling = ToolCalling(list(tools or []), self.tokenizer, config.chat_template_kwargs, config.tool_timeout)
+        if not self.stop_ids:
+            raise SettingsError("tools: a tool call ends the model's turn at its eos token; set stop_token='eos'")
+        return calling
+
+    def _check_models_share_prompts(self) -> None:
+        """share_prompts=True: every model that reads the shared rows (the reference, the policy, a value model)
+        takes the group mask, or the run is refused by name."""
+        critic = self.actor_critic.critic
+        for what, model in (("reference model", None if self.reference is None else self.reference.model),
+                            ("policy", self.actor_critic.policy),
+                            ("value model", self.actor_critic.value_model if critic else None)):
+            if model is not None and shared_mask_kind(model) is None:
+                raise SettingsError(f"share_prompts: the {what}'s attention "
+                                    f"({getattr(model.config, '_attn_implementation', None)!r}) takes no group "
+                                    "mask (sdpa and eager do); leave share_prompts unset or false")
 
     def _scheduled_evaluation(self) -> None:
         """An evaluation transformers' eval_strategy asks for: none in PPO (TRL 0.26's PPOTrainer has no eval loop;
