@@ -21,7 +21,7 @@ export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0
 ITER=${GRPO_ITERATIONS:-6} LEN=${GRPO_LENGTH:-256} SIDE=${GRPO_SIDE_SECONDS:-120}
 
 # shellcheck source=bench/gpu_stages.sh
-source "$(dirname "$0")/gpu_stages.sh"  # left, cap, stage
+source "$(dirname "$0")/gpu_stages.sh"  # left, cap, stage, setup
 grpo() {  # grpo SHAPE SIDES CAP RESERVE
   FASTPPO_SMOLLM2_SHAPE=$PWD/.gpu-carry/$1-shape stage "$(cap "$3" "$4")" "grpo-$1-$2" python3 bench/grpo_baseline.py \
     --rounds 1 --iterations "$ITER" --betas 0 --sides "$2" --prompts_per_step 8 --num_generations 8 \
@@ -29,13 +29,7 @@ grpo() {  # grpo SHAPE SIDES CAP RESERVE
 }
 
 main() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  stage "$(cap 100 420)" build python3 -m pip install -q --no-build-isolation --no-deps -e .
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-  python3 -c "import torch, triton, transformers, fastppo.kernels as k; print('torch', torch.__version__, 'triton',
-triton.__version__, 'transformers', transformers.__version__, 'extension', k.extension_backend())"
-  git rev-parse HEAD; git status --short | head; date -u
+  setup 100 420  # gpu_stages.sh: the wheels, the build, the device
   local xdist=(-n 8)
   python3 -c "import xdist" 2>/dev/null || xdist=()
   stage "$(cap 70 380)" tests-decode python3 -m pytest tests/test_graph_decode.py tests/test_static_decode.py \
