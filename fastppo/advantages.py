@@ -147,7 +147,7 @@ class Estimator:
     unjudged: bool = False  # a completion no reward judged (NaN score) gets advantage 0, as in TRL; else refused
     reads: tuple[str, ...] = ()  # the config's settings it reads (the others of this table's are named as no-ops)
     defaults: dict = field(default_factory=dict)  # where its source's defaults differ from TRL 0.26 PPO's
-    source: str = ""
+    summary: str = ""  # what it does and whose it is: the config's help lists it
 
 
 def _gae(rewards, values, response_mask, config: PPOConfig, skip_masked=False, reward_columns=None,
@@ -194,17 +194,24 @@ def _per_token(advantage: torch.Tensor, response_mask: torch.Tensor):
 ESTIMATORS: dict[str, Estimator] = {
     "gae": Estimator(_gae, critic=True, reads=("gamma", "lam", "whiten_rewards", "vf_coef", "cliprange_value"),
                      defaults={"num_generations": 1, "kl_coef": 0.05, "loss_type": "bnpo"},
-                     source="TRL 0.26's PPOTrainer"),
+                     summary="a value model, TRL's PPO"),
     "rloo": Estimator(_rloo, grouped=True, unjudged=True, reads=("normalize_advantages",),
                       defaults={"num_generations": 2, "kl_coef": 0.05, "loss_type": "dapo"},
-                      source="TRL 1.16's RLOOTrainer"),
+                      summary="critic-free: the leave-one-out baseline over the num_generations samples of a "
+                              "prompt, TRL's RLOO"),
     "grpo": Estimator(_grpo, grouped=True, unjudged=True, reads=("scale_rewards", "multi_objective_aggregation"),
                       defaults={"num_generations": 8, "kl_coef": 0.0, "loss_type": "dapo"},
-                      source="TRL 1.16's GRPOTrainer"),
+                      summary="critic-free: the group's mean and std, TRL's GRPO; scale_rewards"),
     "reinforce_plus_plus": Estimator(_reinforce_plus_plus, reads=("gamma",),
                                      defaults={"num_generations": 1, "kl_coef": 0.05, "loss_type": "dapo"},
-                                     source="verl's reinforce_plus_plus"),
+                                     summary="critic-free: per-token returns of the KL-shaped reward whitened over "
+                                             "the batch, verl's"),
 }
+
+
+def estimators_help() -> str:
+    """Every row, as the config's ``advantage_estimator`` help lists them."""
+    return "; ".join(f"{name} ({row.summary})" for name, row in ESTIMATORS.items())
 
 
 def estimate_advantages(estimator: str, rewards, values, response_mask, config: PPOConfig, skip_masked: bool = False,

@@ -29,7 +29,8 @@ from typing import ClassVar, Literal
 import torch
 from transformers import TrainingArguments
 
-from fastppo.advantages import ESTIMATORS
+from fastppo.advantages import ESTIMATORS, estimators_help
+from fastppo.loss_types import loss_types_help
 from fastppo.errors import SettingsError
 
 KL_ESTIMATOR_CHOICES = ("k1", "k2", "k3", "abs", "mse", "full")
@@ -410,11 +411,8 @@ class PPOConfig(TrainingArguments):
     advantage_estimator: str = field(
         default="gae",
         metadata={"choices": list(ESTIMATORS),  # fastppo.advantages' table, one row per estimator
-                  "help": "How advantages are estimated (verl's algorithm.adv_estimator): gae (a value model, TRL's "
-                  "PPO); critic-free, with no value model at all: rloo (leave-one-out baseline over the "
-                  "num_generations samples of a prompt, TRL's RLOO), grpo (group mean and std, TRL's GRPO; "
-                  "scale_rewards), reinforce_plus_plus (per-token returns of the KL-shaped reward whitened over the "
-                  "batch, verl's)."},
+                  "help": "How advantages are estimated (verl's algorithm.adv_estimator; a critic-free one loads "
+                  f"no value model at all): {estimators_help()}."},
     )
     num_generations: int | None = field(
         default=None,
@@ -453,18 +451,8 @@ class PPOConfig(TrainingArguments):
     # ------------------------------------------------------------ the policy loss (TRL GRPO's names and meanings)
     loss_type: str | None = field(
         default=None,
-        metadata={"help": "How the token losses of an optimizer step are aggregated (TRL GRPO's loss_type): bnpo (a "
-                  "token mean per micro-batch: TRL 0.26 PPO's, the default for gae), dapo (the token sum divided by the "
-                  "active tokens of the whole rollout batch on all processes, spread evenly over the optimizer "
-                  "steps: TRL GRPO's default, the default of the critic-free estimators), grpo (each sequence's "
-                  "token mean, then the mean over sequences), dr_grpo (the token sum divided by sequences × "
-                  "response_length), luspo (each sequence's token sum, then the mean over sequences: LUSPO, meant "
-                  "with importance_sampling_level sequence). Three change the token loss too: cispo (−sg(min(ρ, "
-                  "epsilon_high))·A·log π, epsilon_high being ε_max itself, > 1, 5.0 recommended; aggregated as "
-                  "dapo: MiniMax-M1/ScaleRL), sapo (a sigmoid gate −A·σ(τ(ρ − 1))·4/τ in place of the clip, "
-                  "τ the sapo_temperature of A's sign; aggregated as grpo) and vespo (−sg(φ(w))·A·log π, φ a gamma "
-                  "weight of the completion's ratio w = exp Σ log ρ, the vespo_k/lambda of A's sign; aggregated as "
-                  "dapo)."},
+        metadata={"help": "How the token losses of an optimizer step are aggregated, and for a surrogate other than "
+                  f"the clip the token loss too (TRL GRPO's loss_type): {loss_types_help()}."},
     )
     epsilon: float | None = field(
         default=None,

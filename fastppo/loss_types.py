@@ -24,22 +24,36 @@ class LossType:
     clips: bool = True  # its token loss clips the ratio (δ bounds that clip; cispo, sapo and vespo have none)
     whole_sequences: bool = False  # a token's loss needs its whole completion (vespo's weight of the sequence ratio)
     per_sequence: bool = False  # weighs each completion once: a sequence-level ratio's aggregation (GSPO's grpo)
-    source: str = ""
+    summary: str = ""  # what it does and whose it is: the config's help lists it
 
 
 _VESPO = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 LOSS_TYPES: dict[str, LossType] = {
-    "bnpo": LossType("micro_batch_token_mean", source="TRL 0.26 PPO's aggregation; TRL GRPO's bnpo"),
-    "dapo": LossType("rollout_token_sum", source="TRL GRPO's default (DAPO)"),
-    "grpo": LossType("sequence_token_mean", per_sequence=True, source="TRL GRPO's grpo (the GRPO paper)"),
-    "dr_grpo": LossType("sequence_sum_over_length", source="Dr. GRPO"),
-    "cispo": LossType("rollout_token_sum", surrogate="cispo", clips=False, source="MiniMax-M1's CISPO"),
+    "bnpo": LossType("micro_batch_token_mean", summary="a token mean per micro-batch: TRL 0.26 PPO's, the default "
+                     "for gae"),
+    "dapo": LossType("rollout_token_sum", summary="the token sum divided by the active tokens of the whole rollout "
+                     "batch on all processes, spread evenly over the optimizer steps: TRL GRPO's default, the "
+                     "default of the critic-free estimators"),
+    "grpo": LossType("sequence_token_mean", per_sequence=True, summary="each sequence's token mean, then the mean "
+                     "over sequences"),
+    "dr_grpo": LossType("sequence_sum_over_length", summary="the token sum divided by sequences × response_length"),
+    "cispo": LossType("rollout_token_sum", surrogate="cispo", clips=False, summary="−sg(min(ρ, epsilon_high))·A·log "
+                      "π, epsilon_high being ε_max itself, > 1, 5.0 recommended; aggregated as dapo: "
+                      "MiniMax-M1/ScaleRL"),
     "sapo": LossType("sequence_token_mean", surrogate="sapo", clips=False, per_sequence=True,
-                     reads=("sapo_temperature_pos", "sapo_temperature_neg"), source="SAPO"),
-    "luspo": LossType("sequence_sum", per_sequence=True, source="LUSPO"),
+                     reads=("sapo_temperature_pos", "sapo_temperature_neg"), summary="a sigmoid gate "
+                     "−A·σ(τ(ρ − 1))·4/τ in place of the clip, τ the sapo_temperature of A's sign; aggregated as grpo"),
+    "luspo": LossType("sequence_sum", per_sequence=True, summary="each sequence's token sum, then the mean over "
+                      "sequences: LUSPO, meant with importance_sampling_level sequence"),
     "vespo": LossType("rollout_token_sum", surrogate="vespo", clips=False, whole_sequences=True, reads=_VESPO,
-                      source="VESPO"),
+                      summary="−sg(φ(w))·A·log π, φ a gamma weight of the completion's ratio w = exp Σ log ρ, the "
+                      "vespo_k/lambda of A's sign; aggregated as dapo"),
 }
+
+
+def loss_types_help() -> str:
+    """Every row, as the config's ``loss_type`` help lists them."""
+    return "; ".join(f"{name} ({row.summary})" for name, row in LOSS_TYPES.items())
 
 
 def loss_type_row(loss_type: str) -> LossType:

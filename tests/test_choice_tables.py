@@ -51,8 +51,8 @@ def test_every_estimator_is_documented_offered_and_checked(name):
 
 
 def test_an_unknown_estimator_is_refused_by_name():
-    with pytest.raises(SettingsError, match="unknown advantage_estimator 'opo'; choose one of gae, rloo"):
-        checked(advantage_estimator="opo")
+    with pytest.raises(SettingsError, match="unknown advantage_estimator 'grpo2'; choose one of gae, rloo"):
+        checked(advantage_estimator="grpo2")
 
 
 @pytest.mark.parametrize("name", list(LOSS_TYPES))
