@@ -1,7 +1,7 @@
 """How one epoch's rows are cut for the PPO update (``train.ppo_update``): minibatches as TRL slices them,
 micro-batches by row count (optionally grouped by length) or by a token budget (verl's and OpenRLHF's dynamic
 batching). Which rows go together only: how their losses are weighted so that any cut gives the same
-gradient is ``train.step_token_weights``."""
+gradient is ``update_steps.step_token_weights``."""
 from __future__ import annotations
 
 from collections.abc import Sequence

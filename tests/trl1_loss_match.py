@@ -40,7 +40,7 @@ How the batch reaches TRL (its trainers unedited: ``from trl import GRPOTrainer,
 How the batch reaches fastppo: a ``PPOConfig(advantage_estimator="grpo"|"rloo", num_generations=k,
 temperature=1, scale_rewards=..., beta=...)``, every other field at fastppo's default (kl_coef, kl_estimator,
 cliprange, kl_loss_type, use_bias_correction_kl, entropy_coef: asserted to be TRL's); the same ids through
-``fastppo.train.assemble`` (queries left-padded with their mask, responses right-padded with ``real`` and
+``fastppo.rollout.assemble`` (queries left-padded with their mask, responses right-padded with ``real`` and
 ``has_stop``); steps 2-4 as ``ppo_iteration`` runs them: the per-token KL by kl_estimator (k1) from the same
 old/ref log-probs, ``per_token_rewards`` (the score on the last token, −kl_coef·KL_t on each: kl_coef 0 for
 grpo, 0.05 = TRL's beta for rloo) and ``estimate_advantages``; then ``PolicyAndValue(policy, None,
