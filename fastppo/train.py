@@ -259,6 +259,17 @@ def ppo_losses(new_logprobs, new_values, entropy, inputs: LossInputs, settings: 
     return loss, loss_statistics(terms, inputs, settings)
 
 
+LOSS_ROWS = [STAT[name] for name in ("pg_loss", "vf_loss", "kl_loss", "loss", "policy_loss")]  # the loss statistics
+
+
+def bonus_entropy(step_stats: torch.Tensor) -> float:
+    """An optimizer step's mean entropy over every process's bonus tokens (the adaptive entropy coefficient's
+    measurement), from its micro-batches' statistics [len(STAT_NAMES), micro-steps]."""
+    window = step_stats[[STAT["bonus_entropy_sum"], STAT["bonus_tokens"]]].nansum(1)
+    fdist.all_reduce(window)
+    return (window[0] / window[1].clamp(min=1.0)).item()
+
+
 class ValueTerms(NamedTuple):
     """The value loss's pieces (``ppo_losses``), for its statistics."""
 
@@ -365,10 +376,8 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     losses with the model in eval mode, and no backward or step: the stats are the loss and metrics at θ_old
     (ratio 1), as TRL's ``prediction_step`` computes them.
 
-    A step whose loss or gradient is not finite (on any process) is skipped: the weights and the
-    optimizer state never see it. With fused AdamW the skip happens on the device (its ``found_inf``),
-    so the loop never waits for the device; another optimizer needs one host sync per step.
-    ``zero`` (``fastppo.zero.ZeRO``, ``model`` its engine): DeepSpeed accumulates, clips, steps and skips.
+    A step whose loss or gradient is not finite (on any process) is skipped (``OptimizerSteps``); ``zero``
+    (``fastppo.zero.ZeRO``, ``model`` its engine): DeepSpeed accumulates, clips, steps and skips.
     """
     device = rollout.query_responses.device
     budget = config.max_tokens_per_micro_batch
@@ -413,21 +422,17 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                     loss, stats[:, epoch, mb, k] = ppo_losses(out.logprobs, out.values, out.entropy, batch.inputs,
                                                               inputs.settings, entropy_coef, out.policy_loss)
                     # each micro-batch's loss is on the step's scale and the step is their mean; with step weights
-                    # it is already this micro-batch's share of the step (logged ×count, on the same scale)
-                    accumulation = sizes.micro_steps
+                    # it is already this micro-batch's share of the step (its losses logged ×count)
+                    accumulation = sizes.micro_steps if step_weights is None else 1
                     if step_weights is not None:
-                        accumulation = 1
-                        for name in ("pg_loss", "vf_loss", "kl_loss", "loss", "policy_loss"):
-                            stats[STAT[name], epoch, mb, k] *= len(micro)
+                        stats[LOSS_ROWS, epoch, mb, k] *= len(micro)
                     if train:
                         finite = finite * torch.isfinite(loss.detach())
                         backward(loss, accumulation, zero, finite if last else None)
             if not train:
                 continue
             if entropy_ctl is not None:  # the step's entropy over every process's bonus tokens
-                window = stats[[STAT["bonus_entropy_sum"], STAT["bonus_tokens"]], epoch, mb].nansum(1)
-                fdist.all_reduce(window)
-                entropy_ctl.update((window[0] / window[1].clamp(min=1.0)).item())
+                entropy_ctl.update(bonus_entropy(stats[:, epoch, mb]))
             stepper.step(finite, f"PPO epoch {epoch}, minibatch {mb}")
         if config.early_stopping and train and kl_past_target(stats, epoch, config, sizes):
             epochs_run = epoch + 1
@@ -458,6 +463,15 @@ def with_old_logprobs(experience: Experience, logprobs: torch.Tensor, mask: torc
 
 
 # ============================================================================ 6. one iteration, steps 1-6 in order
+
+
+def reward_columns(batch: ScoredRollout, config: PPOConfig, dtype: torch.dtype):
+    """GDPO's inputs (``multi_objective_aggregation="normalize_then_sum"``): [B, F] each reward's scores and their
+    [F] weights; (None, None) otherwise."""
+    if config.multi_objective_aggregation != "normalize_then_sum":
+        return None, None
+    columns = torch.stack(list(batch.reward_columns.values()), 1).to(dtype)
+    return columns, torch.tensor(config.reward_weights or [1.0] * columns.shape[1], device=columns.device)
 
 
 def sampling_difference(sampled: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -541,12 +555,9 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     rewards, non_score_reward = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index,
                                                   kl_coef)
     # 4. advantages (and GAE's returns) by the advantage_estimator (GDPO: from each reward's own scores)
-    columns = weights = None
-    if config.multi_objective_aggregation == "normalize_then_sum":
-        columns = torch.stack(list(batch.reward_columns.values()), 1).to(scores.dtype)
-        weights = torch.tensor(config.reward_weights or [1.0] * columns.shape[1], device=columns.device)
     advantages, returns = estimate_advantages(config.advantage_estimator, rewards, experience.values,
-                                              rollout.response_mask, config, skip_masked, columns, weights)
+                                              rollout.response_mask, config, skip_masked,
+                                              *reward_columns(batch, config, scores.dtype))
     targets = Targets(rewards, non_score_reward, advantages, returns)
     t1 = time.perf_counter()
     # 5. PPO update, at this iteration's learning rate
