@@ -174,7 +174,7 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
     each reward's column [B] by name (NaN where a function did not judge), prompts, completions (texts, when
     decoded)). ``completion_messages``: each completion's messages where the rollout made them (its assistant turns
     and tool results), what a function of conversational data gets as its completion. ``sharing(model)``: how a
-    reward model on the policy's token ids runs each group's prompt once (``train.prompt_sharing``), or None."""
+    reward model on the policy's token ids runs each group's prompt once (``sharing.prompt_sharing``), or None."""
     columns, prompts, completions, texts = {}, None, None, None
     if any(r.fn is not None or r.tokenizer is not None for r in rewards):  # else no decode at all
         prompt_ids, completion_ids = rollout.token_ids()

@@ -211,7 +211,7 @@ def _scores_of(out, name: str, completions: list, device) -> torch.Tensor:
 def reward_model_scores(reward_model, rollout, chunk: int, packed: bool = False,
                         shared: tuple | None = None) -> torch.Tensor:
     """[B] score of a sequence-classification model, read at each row's last real token (the stop token
-    when there is one); its head runs on those B hidden states only. ``shared`` (``train.prompt_sharing``, with
+    when there is one); its head runs on those B hidden states only. ``shared`` (``sharing.prompt_sharing``, with
     ``chunk`` a multiple of its group size): each group's prompt runs once."""
     backbone, head = backbone_and_head(reward_model)
     scores = []

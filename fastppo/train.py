@@ -47,11 +47,12 @@ from fastppo.batching import micro_batches
 from fastppo.config import PPOConfig, Sizes
 from fastppo.controllers import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
 from fastppo.kernels import clip_sides, clipped_surrogate, fused_full_kl, kl_penalty, masked_mean, masked_var
-from fastppo.layout import gathered, group_sharing, head_input, head_precision, lm_head_of, shared_mask_kind
+from fastppo.layout import gathered, head_input, head_precision, lm_head_of
 from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, completion_metrics, gather_metrics, objective_sums
 from fastppo.policy_terms import LossSettings, high_entropy_mask
 from fastppo.rewards import transform_scores
 from fastppo.rollout import Rollout, ScoredRollout
+from fastppo.sharing import reference_sharing, update_sharing
 from fastppo.update_steps import (LossInputs, MicroBatchInputs, OptimizerSteps, accumulating, backward,
                                   kl_past_target, shuffled_rows)
 
@@ -66,37 +67,6 @@ class Experience:
     ref_logprobs: torch.Tensor | None  # log π_ref(y_t); None when no KL is computed (no reference is held)
     values: torch.Tensor | None  # V(s_t); None for the critic-free estimators
     kl: torch.Tensor  # per-token KL estimate (0 without a reference)
-
-
-def prompt_sharing(config: PPOConfig, model: nn.Module, rollout: Rollout, rows_per_forward: int):
-    """``layout.group_sharing`` of ``model``'s forwards over the rollout, by the config's ``share_prompts`` and
-    ``num_generations``."""
-    return group_sharing(config.share_prompts, config.num_generations, model, rows_per_forward, rollout.query_lengths,
-                         rollout.response_lengths, lambda: rollout.groups_share_prompts(config.num_generations))
-
-
-def reference_sharing(config: PPOConfig, reference, rollout: Rollout, chunk: int):
-    """``prompt_sharing`` of the reference's forward (None without a reference)."""
-    return None if reference is None else prompt_sharing(config, reference.model, rollout, chunk)
-
-
-def update_sharing(config: PPOConfig, sizes: Sizes, actor_critic, rollout: Rollout):
-    """``prompt_sharing`` of the trained forward (the update's forward and backward, and π_θ_old's forward, which must
-    see the same layout for the first ratio to be 1): micro-batches and minibatches of whole groups (the minibatch
-    order then draws groups, each group's rows kept together, and group_by_length sorts groups), and row-count
-    micro-batches (a token budget packs rows of any group). A separate value model reads the same layout, so its
-    attention must take the same mask, in the same dtype (a value head on the policy's trunk reads its hidden
-    states)."""
-    k = config.num_generations
-    if (config.max_tokens_per_micro_batch is not None or sizes.local_micro_batch_size % k
-            or sizes.local_mini_batch_size % k):
-        return None
-    sharing = prompt_sharing(config, actor_critic.policy, rollout, sizes.local_micro_batch_size)
-    value_model = actor_critic.value_model if actor_critic.critic else None
-    if sharing is not None and value_model is not None and (
-            shared_mask_kind(value_model) != sharing[1] or next(value_model.parameters()).dtype != sharing[2]):
-        return None
-    return sharing
 
 
 def compute_experience(actor_critic, reference, rollout: Rollout, temperature: float, kl_estimator: str, chunk: int,

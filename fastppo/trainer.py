@@ -41,7 +41,8 @@ from fastppo.rewards import check_reward_fn_columns, load_reward_fn, reward_fn_n
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.tools import ToolCalling, run_episodes
-from fastppo.train import IterationResult, Learner, ppo_iteration, prompt_sharing
+from fastppo.train import IterationResult, Learner, ppo_iteration
+from fastppo.sharing import prompt_sharing
 from fastppo.rollout import (Rollout, ScoredRollout, apply_eos_penalties, assemble, contains_stop, eos_count,
                              make_rollout)
 

@@ -15,7 +15,8 @@ from fastppo.actor_critic import PolicyAndValue, Reference
 from fastppo.config import PPOConfig
 from fastppo.errors import SettingsError
 from fastppo.layout import decoder_hidden, shared_mask_kind, token_logprobs_from_hidden
-from fastppo.train import compute_experience, reference_sharing
+from fastppo.train import compute_experience
+from fastppo.sharing import reference_sharing
 from fastppo.rollout import assemble
 from test_grpo_trainer import tutorial_dataset
 
@@ -186,7 +187,7 @@ def test_grpo_updates_share_prompts_only_where_they_can(model_dir):
     """update_sharing: micro-batches and minibatches of whole groups, no token budget, a value model whose attention
     takes the policy's mask."""
     from fastppo.config import derive_sizes
-    from fastppo.train import update_sharing
+    from fastppo.sharing import update_sharing
 
     lm = model(model_dir, torch.float32, "sdpa")
     rollout = grouped_rollout(lm.config.vocab_size, 2, [3, 5], [2, 2, 3, 1], seed=2)
