@@ -25,6 +25,7 @@ from fastppo.metrics import nan_std
 if TYPE_CHECKING:
     from fastppo.config import PPOConfig
 
+
 def gae_advantages(rewards, values, response_mask, gamma: float, lam: float, whiten_rewards: bool,
                    skip_masked: bool = False):
     """Step 4: GAE and returns; the advantages are whitened over trained tokens (0 elsewhere).

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.usefixtures("reference_path")
 
 config = functools.partial(quick_config, total_episodes=8)  # one iteration of 8 episodes
 
+
 def length_reward(completions, **kw):
     return [float(len(c)) for c in completions]
 

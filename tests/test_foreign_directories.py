@@ -30,6 +30,7 @@ config = functools.partial(quick_config, total_episodes=8)  # one iteration of 8
 def length_reward(completions, **kw):
     return [float(len(c)) for c in completions]
 
+
 def tree(path) -> dict[str, str]:
     """Every file under ``path`` with its content's hash: what a refusal must leave exactly as it was."""
     out = {}
