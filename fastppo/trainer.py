@@ -668,16 +668,21 @@ class PPOTrainer:
             self.log(f"done: {state.episode} episodes in {time.perf_counter() - start:.1f}s; model saved to "
                      f"{config.output_dir}")
         self.control = self.callback_handler.on_train_end(config, state, self.control)
-        # DDP's reducer holds the process group: release it here, while every rank is alive, rather than
-        # when the trainer is collected after destroy_process_group (a rank once hung in that late teardown).
+        self._end_processes()
+        return state
+
+    def _end_processes(self) -> None:
+        """Destroys the process group this trainer started, once. DDP's reducer (and DeepSpeed's hooks and buffers)
+        hold it: they are released first, while every rank is alive, rather than when the trainer is collected
+        after destroy_process_group, where a rank hung in the reducer's teardown (evaluate() then end() on 2 ranks:
+        2 runs of 16)."""
         self._trained = self.actor_critic
         self.model = self._public_model()
-        fdist.barrier()
-        if self.dist.initialized_here:
-            if self.zero is not None:  # DeepSpeed's hooks and buffers, while every rank is alive
+        fdist.barrier()  # every rank past its last save and collective (a caller's own process group included)
+        if self.dist.initialized_here and dist.is_initialized():
+            if self.zero is not None:
                 self.zero.destroy()
             dist.destroy_process_group()
-        return state
 
     def _step_counters(self, result: IterationResult, steps: int, started: float) -> dict[str, float]:
         """transformers' ``learning_rate`` (after the batch's steps) and TRL GRPO's ``num_tokens`` (every process's
@@ -782,9 +787,7 @@ class PPOTrainer:
         trainer that never trained, and nothing twice."""
         if self._logger is not None:
             self._logger.close()
-        if self.dist.initialized_here and dist.is_initialized():
-            fdist.barrier()
-            dist.destroy_process_group()
+        self._end_processes()
 
     # ------------------------------------------------------------------ saving
 

@@ -88,6 +88,10 @@ def main() -> None:
     with open(os.path.join(out, f"eval{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(metrics, f)
     trainer.end()
+    # what the trainer still holds once end() destroyed the process group: DDP's reducer must be gone by then (a
+    # reducer collected after destroy_process_group hung a rank at exit)
+    with open(os.path.join(out, f"ended{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump({"trained": type(trainer._trained).__name__}, f)
 
 
 if __name__ == "__main__":

@@ -150,10 +150,10 @@ def test_the_first_ratio_is_exactly_one(tmp_path, model_dir, monkeypatch):
     ratios = []
     real = T.ppo_losses
 
-    def recording(new_logprobs, new_values, entropy, old_logprobs, *a, **k):
-        mask = a[3].bool()
-        ratios.append((new_logprobs - old_logprobs)[mask].detach().abs().max().item())
-        return real(new_logprobs, new_values, entropy, old_logprobs, *a, **k)
+    def recording(new_logprobs, new_values, entropy, inputs, *a, **k):
+        mask = inputs.mask.bool()
+        ratios.append((new_logprobs - inputs.old_logprobs)[mask].detach().abs().max().item())
+        return real(new_logprobs, new_values, entropy, inputs, *a, **k)
 
     monkeypatch.setattr(T, "ppo_losses", recording)
     args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
