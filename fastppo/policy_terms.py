@@ -2,8 +2,8 @@
 
 * the loss's settings, built once from the config and frozen (``LossSettings``);
 * the per-token surrogate each ``loss_type`` asks for (its row of ``fastppo.loss_types.LOSS_TYPES``, whose
-  ``policy_loss_weights`` is its aggregation), with the off-policy sequence mask (``surrogate_options``; the
-  surrogates and the mask themselves are ``fastppo.kernels.clipped_surrogate``'s);
+  ``policy_loss_weights`` is its aggregation), with the off-policy sequence mask (``LossSettings.surrogate_options``;
+  the surrogates and the mask themselves are ``fastppo.kernels.clipped_surrogate``'s);
 * ``top_entropy_quantile``'s token mask (``high_entropy_mask``): the micro-batch's entropy quantile.
 
 Each against TRL 1.16's ``GRPOTrainer._compute_loss`` in tests/test_trl1_loss_match.py."""
@@ -63,12 +63,6 @@ class LossSettings:
         return dict(cliprange_high=self.cliprange_high, delta=self.delta, surrogate=self.surrogate,
                     sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
                     vespo_gamma=self.vespo_gamma, off_policy_mask_threshold=self.off_policy_mask_threshold)
-
-
-def surrogate_options(config: PPOConfig) -> dict:
-    """``LossSettings.of(config).surrogate_options()``: the config's per-token policy loss as keywords of
-    ``clipped_surrogate`` and ``fused_ppo_policy_loss``."""
-    return LossSettings.of(config).surrogate_options()
 
 
 def reads_whole_sequences(config: PPOConfig) -> bool:

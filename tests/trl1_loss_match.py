@@ -91,7 +91,7 @@ from fastppo.actor_critic import PolicyAndValue  # noqa: E402
 from fastppo.loading import disable_dropout  # noqa: E402
 from fastppo.reward_scores import combine_rewards  # noqa: E402
 from fastppo.loss_types import policy_loss_weights  # noqa: E402
-from fastppo.policy_terms import reads_whole_sequences, surrogate_options  # noqa: E402
+from fastppo.policy_terms import LossSettings, reads_whole_sequences  # noqa: E402
 from fastppo.train import per_token_rewards
 from fastppo.rollout import assemble, trained_mask
 from fastppo.advantages import estimate_advantages
@@ -216,7 +216,7 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
     mask = trained_mask(rollout, config.mask_truncated_completions)
     rollout_tokens = mask.sum().float()  # one process, one minibatch, one micro-step
     token_weights, normalizer = policy_loss_weights(config.loss_type, mask, config.response_length, rollout_tokens)
-    clip = surrogate_options(config)
+    clip = LossSettings.of(config).surrogate_options()
     policy = load_policy(path)
     layout = rollout.layout(range(P * K))
     fused_loss = None
@@ -405,7 +405,8 @@ def fastppo_rloo(path, batch, old, ref, level: str = "sequence_sum") -> dict:
                              cliprange=config.cliprange, cliprange_value=config.cliprange_value, vf_coef=config.vf_coef,
                              entropy_coef=config.entropy_coef, ratio_threshold=config.ratio_threshold,
                              beta=config.beta, importance_sampling_level=config.importance_sampling_level,
-                             token_weights=token_weights, normalizer=normalizer, **surrogate_options(config))
+                             token_weights=token_weights, normalizer=normalizer,
+                             **LossSettings.of(config).surrogate_options())
     loss.backward()
     log_ratio = ((out.logprobs.detach() - old) * mask).sum(1)
     adv = advantages[:, 0]
