@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
 
-    from fastppo.config import derive_sizes
+    from fastppo.sizes import derive_sizes
     from fastppo.batching import token_budget_batches
     from fastppo.train import ppo_update
 

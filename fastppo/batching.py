@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fastppo.config import Sizes
+from fastppo.sizes import Sizes
 
 __all__ = ["micro_batches", "token_budget_batches"]
 

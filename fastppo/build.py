@@ -18,10 +18,11 @@ from transformers.utils import logging as hf_logging
 
 from fastppo import dist as fdist
 from fastppo.actor_critic import PolicyAndValue, Reference
-from fastppo.config import PPOConfig, Sizes
+from fastppo.config import PPOConfig
 from fastppo.loading import check_optimizer_covers
 from fastppo.rewards import RunningMoments
 from fastppo.sampling import Truncation
+from fastppo.sizes import Sizes
 from fastppo.train import Learner
 from fastppo.controllers import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
 from fastppo.zero import ZeRO

@@ -9,9 +9,9 @@ import tempfile
 import torch
 from transformers import TrainingArguments, get_scheduler
 
-from fastppo.config import (IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATOR_CHOICES,
-                            GRPO_NAMES, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, PPOConfig, as_list,
-                            given_name)
+from fastppo.aliases import GRPO_NAMES, given_name
+from fastppo.config import (IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATOR_CHOICES, MULTI_OBJECTIVE_AGGREGATIONS,
+                            SCALE_REWARDS, PPOConfig, as_list)
 from fastppo.advantages import ESTIMATORS
 from fastppo.data import looks_local
 from fastppo.errors import SettingsError, MissingPathError, require

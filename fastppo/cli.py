@@ -25,11 +25,12 @@ import torch
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from fastppo.config import GRPO_NAMES
-from fastppo.config import ModelConfig, PPOConfig, ScriptArguments, as_list, user_path  # noqa: F401  (TRL's names, re-exported)
+from fastppo.aliases import GRPO_NAMES
+from fastppo.config import PPOConfig, as_list, user_path
 from fastppo.data import load_prompt_dataset, split_names
 from fastppo.embedded import PROMPTS_PATH
 from fastppo.errors import CollectiveTimeout, SettingsError, settings_errors
+from fastppo.script_args import ModelConfig, ScriptArguments  # TRL's names: scripts import them from here
 from fastppo.trainer import PPOTrainer
 
 

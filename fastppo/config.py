@@ -1,5 +1,4 @@
-"""PPOConfig: TRL 0.26's PPO settings as a ``transformers.TrainingArguments``, fastppo's own beside them,
-and the batch sizes derived from them.
+"""PPOConfig: TRL 0.26's PPO settings as a ``transformers.TrainingArguments``, fastppo's own beside them.
 
 ``PPOConfig`` extends ``TrainingArguments`` exactly as TRL 0.26's does (``trl.experimental.ppo``: its
 ``OnPolicyConfig`` fields and defaults, then the PPO ones), so every ``TrainingArguments`` field means what it
@@ -15,12 +14,14 @@ for a bf16-capable GPU and off on a CPU). ``sft_model_path`` and ``reward_model_
 ``EleutherAI/pythia-160m``, so that a script written for TRL's ``PPOConfig`` (TRL's ``ppo.py`` loads the models
 itself from these fields) runs unchanged; fastppo itself never loads that default behind the user's back (see
 :class:`TRLDefaultPath`). The legacy API's config (TRL <= 0.11) is another class, ``fastppo.legacy.PPOConfig``.
+
+Beside ``PPOConfig``: the batch sizes derived from it (``fastppo.sizes``), its settings of two names
+(``fastppo.aliases``), TRL's script and model flags (``fastppo.script_args``).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -30,6 +31,7 @@ import torch
 from transformers import TrainingArguments
 
 from fastppo.advantages import ESTIMATORS, estimators_help
+from fastppo.aliases import Untouched, fill_aliases
 from fastppo.loss_types import loss_types_help
 from fastppo.errors import SettingsError
 
@@ -38,8 +40,6 @@ SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # TRL GRPO's
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
 CLIPRANGE_DEFAULT = 0.2  # TRL 0.26 PPO's cliprange, TRL GRPO's epsilon
-GRPO_NAMES = {"max_completion_length": "response_length", "num_iterations": "num_ppo_epochs"}  # TRL GRPO's: TRL PPO's
-ALIASES = {"epsilon": "cliprange", **GRPO_NAMES}  # every setting with two names: TRL GRPO's name -> TRL PPO's
 TRL_DEFAULT_MODEL = "EleutherAI/pythia-160m"  # TRL 0.26 PPOConfig's sft_model_path and reward_model_path
 
 
@@ -51,37 +51,6 @@ class TRLDefaultPath(str):
 
     def __str__(self):  # argparse passes a string default through the field's type, str: keep the mark
         return self
-
-
-class Untouched:
-    """A number left at its field's default, marked so that ``__post_init__`` can tell it from the same number
-    given by the user (``PPOConfig(cliprange=0.2, epsilon=0.3)`` names two values of one setting; ``cliprange``
-    left alone and ``epsilon=0.3`` names one). The marks are dropped there: every field is a plain number after."""
-
-    class Int(int):
-        pass
-
-    class Float(float):
-        pass
-
-    @staticmethod
-    def of(value):
-        return Untouched.Int(value) if isinstance(value, int) else Untouched.Float(value)
-
-    @staticmethod
-    def marked(value) -> bool:
-        return isinstance(value, (Untouched.Int, Untouched.Float))
-
-    @staticmethod
-    def plain(value):
-        return int(value) if isinstance(value, Untouched.Int) else float(value) if isinstance(value, Untouched.Float) \
-            else value
-
-
-def given_name(config, name: str) -> str:
-    """The name a setting of two names goes by in this config (``max_completion_length`` for ``response_length``
-    when the user, or GRPOConfig, gave that one): the one messages use."""
-    return getattr(config, "given_as", {}).get(name, name)
 
 
 def user_path(value):
@@ -524,19 +493,7 @@ class PPOConfig(TrainingArguments):
             self.kl_coef = defaults["kl_coef"]
         if self.loss_type is None:
             self.loss_type = defaults["loss_type"]
-        # one setting, two names (TRL GRPO's epsilon, max_completion_length, num_iterations; TRL PPO's cliprange,
-        # response_length, num_ppo_epochs): the one the user gave fills the other (its name kept for the messages,
-        # given_as); both given with two values are left for checks.check_settings to refuse, naming both
-        self.given_as = {}
-        for grpo_name, ppo_name in ALIASES.items():
-            grpo_value, ppo_value = getattr(self, grpo_name), getattr(self, ppo_name)
-            if grpo_value is None or (Untouched.marked(grpo_value) and not Untouched.marked(ppo_value)):
-                setattr(self, grpo_name, ppo_value)  # given by TRL PPO's name, or neither (a subclass's default)
-            elif Untouched.marked(ppo_value):
-                setattr(self, ppo_name, grpo_value)  # given by TRL GRPO's name (or GRPOConfig's default)
-                self.given_as[ppo_name] = grpo_name  # the name the messages use
-            for name in (grpo_name, ppo_name):
-                setattr(self, name, Untouched.plain(getattr(self, name)))
+        fill_aliases(self)  # one setting, two names: the one the user gave fills the other (fastppo.aliases)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
@@ -571,7 +528,6 @@ class PPOConfig(TrainingArguments):
             if cpu_bf16:
                 self.use_cpu, self.dataloader_pin_memory = False, pin_memory
 
-
     @property
     def critic_free(self) -> bool:
         """No value model: the advantages come from the rewards alone."""
@@ -600,184 +556,3 @@ class PPOConfig(TrainingArguments):
 def as_list(value) -> list:
     """A setting that takes one value or, repeated, several (reward_fn, reward_model_path) as a list."""
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-# ============================================================================ sizes
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Every batch size of the run, derived once (names as TRL's PPOConfig)."""
-
-    world_size: int
-    local_batch_size: int  # rollout rows per process per iteration
-    batch_size: int  # rollout rows per iteration, all processes
-    local_mini_batch_size: int  # rows per process per optimizer step
-    mini_batch_size: int
-    local_micro_batch_size: int  # rows per process per forward/backward (the config's micro_batch_size: all processes)
-    micro_steps: int  # backward passes per optimizer step
-    num_mini_batches: int  # optimizer steps per PPO epoch
-    num_total_batches: int  # PPO iterations
-    sample_generations_freq: int  # iterations between sample tables (0: never)
-    num_generations: int = 1  # completions per prompt, side by side in the rollout (a group never spans processes)
-    local_prompts: int = 0  # prompts per process per iteration: local_batch_size / num_generations
-    # what global_step counts: iterations (TRL PPO: one per generation batch, steps_per_iteration 1), or optimizer
-    # steps (TRL GRPO: num_ppo_epochs × num_mini_batches per generation batch, the schedule stepped after each)
-    counts_optimizer_steps: bool = False
-    steps_per_iteration: int = 1
-    total_steps: int = 0  # where global_step ends: max_steps, or num_total_batches × steps_per_iteration
-
-
-def exact_div(a: int, b: int, what: str) -> int:
-    if b <= 0 or a % b:
-        raise SettingsError(f"{what}: {a} is not divisible by {b}")
-    return a // b
-
-
-def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
-    """All sizes from the flags (TRL 0.17-0.26's formulas); raises ValueError on any inexact split."""
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs"):
-        if getattr(config, name) < 1:
-            raise SettingsError(f"{name} must be >= 1, got {getattr(config, name)}")
-    local_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps
-    local_mini = exact_div(
-        local_batch_size,
-        config.num_mini_batches,
-        "per_device_train_batch_size × gradient_accumulation_steps must be divisible by num_mini_batches",
-    )
-    k = config.num_generations
-    if not isinstance(k, int) or k < 1:
-        raise SettingsError(f"num_generations must be an integer >= 1, got {k!r}")
-    local_prompts = exact_div(
-        local_batch_size, k,
-        f"num_generations ({k} completions per prompt) must divide the rollout batch per process "
-        f"(per_device_train_batch_size × gradient_accumulation_steps = {local_batch_size}): a prompt's group stays in "
-        "one process")
-    micro = min(config.per_device_train_batch_size, local_mini)
-    micro_steps = exact_div(
-        local_mini,
-        micro,
-        f"each minibatch ({local_mini} rows = per_device_train_batch_size × gradient_accumulation_steps / "
-        "num_mini_batches) must be a whole number of per_device_train_batch_size micro-batches",
-    )
-    batch_size = local_batch_size * world_size
-    total_episodes = config.total_episodes
-    if total_episodes is None:
-        total_episodes = int(config.num_train_epochs * num_prompts * k)  # each prompt's k completions
-    if total_episodes < 1 and config.max_steps <= 0:
-        raise SettingsError(f"total_episodes must be >= 1, got {total_episodes}")
-    # TRL GRPO counts optimizer steps (config.COUNTS_OPTIMIZER_STEPS): max_steps of them may end inside the last
-    # generation batch's update, which then runs only the steps left
-    counted = config.COUNTS_OPTIMIZER_STEPS
-    per_iteration = config.num_ppo_epochs * config.num_mini_batches if counted else 1
-    if config.max_steps > 0:
-        total_steps, num_total_batches = config.max_steps, math.ceil(config.max_steps / per_iteration)
-    else:
-        num_total_batches = math.ceil(total_episodes / batch_size)
-        total_steps = num_total_batches * per_iteration
-    freq = max(1, num_total_batches // config.num_sample_generations) if config.num_sample_generations > 0 else 0
-    return Sizes(
-        world_size=world_size,
-        local_batch_size=local_batch_size,
-        batch_size=batch_size,
-        local_mini_batch_size=local_mini,
-        mini_batch_size=local_mini * world_size,
-        local_micro_batch_size=micro,
-        micro_steps=micro_steps,
-        num_mini_batches=config.num_mini_batches,
-        num_total_batches=num_total_batches,
-        sample_generations_freq=freq,
-        num_generations=k,
-        local_prompts=local_prompts,
-        counts_optimizer_steps=counted,
-        steps_per_iteration=per_iteration,
-        total_steps=total_steps,
-    )
-
-
-def every(steps: float, total: int) -> int:
-    """``logging_steps``/``save_steps`` as transformers reads them: a count, or in (0, 1) a fraction of ``total``."""
-    return max(1, math.ceil(steps * total)) if 0 < steps < 1 else max(1, int(steps))
-
-
-# ============================================================================ TRL's script and model flags
-# (beside PPOConfig: the trainer takes a ModelConfig too; the command line parses all three)
-
-
-@dataclass
-class ScriptArguments:
-    """The dataset flags of TRL's scripts (``trl.ScriptArguments``: same names, defaults and meanings)."""
-
-    dataset_name: str | None = field(
-        default=None,
-        metadata={"help": "Prompt dataset: a Hub name or a local file/directory (jsonl, json, parquet, arrow, csv, or "
-                  "a save_to_disk directory). Unset: fastppo's built-in prompt set."},
-    )
-    dataset_config: str | None = field(
-        default=None, metadata={"help": "Dataset configuration name (load_dataset's name=)."}
-    )
-    dataset_train_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
-    dataset_test_split: str = field(
-        default="test",
-        metadata={"help": "Split the sample tables are drawn from (eval_dataset), when the dataset has it."},
-    )
-    dataset_streaming: bool = field(
-        default=False, metadata={"help": "Stream the dataset (not supported by PPO's prompt sampler: refused)."}
-    )
-    gradient_checkpointing_use_reentrant: bool = field(
-        default=False, metadata={"help": "use_reentrant of gradient checkpointing (TRL 0.26)."}
-    )
-    ignore_bias_buffers: bool = field(
-        default=False, metadata={"help": "TRL's DDP workaround for bool buffers (no effect in fastppo)."}
-    )
-
-
-@dataclass
-class ModelConfig:
-    """How the models load (``trl.ModelConfig``: same names, defaults and meanings)."""
-
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "The tokenizer, and the policy unless --sft_model_path names another: a local directory or "
-                  "a Hub id. Unset (and no --sft_model_path): fastppo's embedded tiny model."},
-    )
-    model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
-    dtype: str | None = field(
-        default=None,
-        metadata={"help": "Load every model's weights in this dtype. Unset: fp32 for the trained models and, under "
-                  "bf16, bf16 for the frozen reference and reward models.",
-                  "choices": ["auto", "bfloat16", "float16", "float32"]},
-    )
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with their own modeling code."})
-    attn_implementation: str | None = field(
-        default=None, metadata={"help": "Attention implementation: sdpa (unset), eager or flash_attention_2."}
-    )
-    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters on the policy."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Modules to adapt (default: peft's choice for the architecture)."}
-    )
-    lora_target_parameters: list[str] | None = field(
-        default=None, metadata={"help": "LoRA on parameters (not supported: refused)."}
-    )
-    lora_modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Modules to train fully beside the adapters (not supported: refused)."}
-    )
-    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type (PPO's policy: CAUSAL_LM)."})
-    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA."})
-    use_dora: bool = field(default=False, metadata={"help": "DoRA (not supported: refused)."})
-    load_in_8bit: bool = field(default=False, metadata={"help": "8-bit weights (not supported: refused)."})
-    load_in_4bit: bool = field(default=False, metadata={"help": "4-bit weights (not supported: refused)."})
-    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit quantisation type.",
-                                                              "choices": ["fp4", "nf4"]})
-    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Nested 4-bit quantisation."})
-    bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "4-bit storage dtype."})
-    torch_dtype: str | None = field(default=None, metadata={"help": "Older name of --dtype."})
-
-    def __post_init__(self):
-        if self.torch_dtype and not self.dtype:
-            self.dtype = self.torch_dtype
-        if self.load_in_8bit and self.load_in_4bit:
-            raise SettingsError("load_in_8bit and load_in_4bit are exclusive; set one")

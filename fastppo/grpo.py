@@ -34,7 +34,8 @@ import datasets
 import torch
 from transformers import TrainerCallback
 
-from fastppo.config import ALIASES, ModelConfig, PPOConfig, Sizes, Untouched
+from fastppo.aliases import ALIASES, Untouched
+from fastppo.config import PPOConfig
 from fastppo.data import load_prompts, prompt_batches
 from fastppo.environments import Environments
 from fastppo.errors import SettingsError, SettingsTypeError
@@ -42,6 +43,8 @@ from fastppo.kernels.ppo_loss import off_policy_keep
 from fastppo.metrics import print_completions
 from fastppo.policy_terms import high_entropy_mask
 from fastppo.sampling import Truncation
+from fastppo.script_args import ModelConfig
+from fastppo.sizes import Sizes
 from fastppo.train import ppo_iteration
 from fastppo.trainer import SETTINGS_LOG, PPOTrainer
 

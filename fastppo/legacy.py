@@ -31,7 +31,6 @@ from transformers import DataCollatorForLanguageModeling
 from fastppo.build import build_learner, start_runtime
 from fastppo.checkpoint import refuse_foreign, save_model_files
 from fastppo.checks import check_settings
-from fastppo.config import ModelConfig, derive_sizes
 from fastppo.config import PPOConfig as CorePPOConfig
 from fastppo.data import left_pad, right_pad
 from fastppo.dist import all_reduce, barrier
@@ -47,6 +46,8 @@ from fastppo.policy_terms import LossSettings
 from fastppo.train import per_token_rewards, ppo_iteration, ppo_losses
 from fastppo.update_steps import LossInputs
 from fastppo.rollout import ScoredRollout, assemble, eos_count
+from fastppo.script_args import ModelConfig
+from fastppo.sizes import derive_sizes
 from fastppo.trainer import fill_derived_sizes
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
 

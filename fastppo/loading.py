@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from fastppo.config import given_name
+from fastppo.aliases import given_name
 from fastppo.errors import LoadError, SettingsError
 from fastppo.layout import (FP32_HEAD, backbone_and_head, causal_lm_of, decoder_hidden, lm_head_of, lm_of,
                             make_layout, reads_last_token, token_logprobs_from_hidden)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from fastppo.config import PPOConfig, Sizes
+from fastppo.config import PPOConfig
 from fastppo.layout import group_sharing, shared_mask_kind
 from fastppo.rollout import Rollout
+from fastppo.sizes import Sizes
 
 
 def prompt_sharing(config: PPOConfig, model: nn.Module, rollout: Rollout, rows_per_forward: int):

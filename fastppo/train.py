@@ -45,7 +45,7 @@ import torch.nn as nn
 from fastppo import dist as fdist
 from fastppo.advantages import estimate_advantages
 from fastppo.batching import micro_batches
-from fastppo.config import PPOConfig, Sizes
+from fastppo.config import PPOConfig
 from fastppo.controllers import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
 from fastppo.kernels import clip_sides, clipped_surrogate, fused_full_kl, kl_penalty, masked_mean, masked_var
 from fastppo.layout import gathered, head_input, head_precision, lm_head_of
@@ -54,6 +54,7 @@ from fastppo.policy_terms import LossSettings, high_entropy_mask
 from fastppo.rewards import transform_scores
 from fastppo.rollout import Rollout, ScoredRollout
 from fastppo.sharing import reference_sharing, update_sharing
+from fastppo.sizes import Sizes
 from fastppo.update_steps import (LossInputs, MicroBatchInputs, OptimizerSteps, accumulating, backward,
                                   kl_past_target, shuffled_rows)
 

@@ -29,7 +29,7 @@ from fastppo import loading as L
 from fastppo.advantages import ESTIMATORS
 from fastppo.build import build_learner, default_scheduler, start_runtime
 from fastppo.checks import check_settings
-from fastppo.config import ModelConfig, PPOConfig, Sizes, as_list, derive_sizes, every, user_path
+from fastppo.config import PPOConfig, as_list, user_path
 from fastppo.data import chat_token_ids, left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
@@ -38,6 +38,8 @@ from fastppo.layout import lm_of, shared_mask_kind
 from fastppo.metrics import MetricsLogger, RewardLogs, plot_curves, print_samples
 from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, score_rewards
 from fastppo.rewards import check_reward_fn_columns, load_reward_fn, reward_fn_name
+from fastppo.script_args import ModelConfig
+from fastppo.sizes import Sizes, derive_sizes, every
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
 from fastppo.tools import ToolCalling, run_episodes

@@ -14,11 +14,12 @@ import torch
 
 from fastppo import dist as fdist
 from fastppo.batching import token_budget_batches
-from fastppo.config import PPOConfig, Sizes
+from fastppo.config import PPOConfig
 from fastppo.loss_types import divides_by_rollout_tokens, policy_loss_weights
 from fastppo.metrics import STAT
 from fastppo.policy_terms import LossSettings, reads_whole_sequences
 from fastppo.rollout import Rollout, trained_mask
+from fastppo.sizes import Sizes
 
 if TYPE_CHECKING:
     from fastppo.train import Experience, Targets

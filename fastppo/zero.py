@@ -42,9 +42,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fastppo import dist as fdist
-from fastppo.config import PPOConfig, Sizes
+from fastppo.config import PPOConfig
 from fastppo.errors import MissingPathError, SettingsError, require
 from fastppo.layout import causal_lm_of, lm_head_of
+from fastppo.sizes import Sizes
 
 # ============================================================================ what the run asks for
 

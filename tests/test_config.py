@@ -10,8 +10,9 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from fastppo import legacy
 from fastppo.cli import EMBEDDED_PRESET, ModelConfig, ScriptArguments, cli_settings, parse_args
-from fastppo.config import PPOConfig, derive_sizes
+from fastppo.config import PPOConfig
 from fastppo.errors import SettingsError
+from fastppo.sizes import derive_sizes
 from fastppo.trainer import fill_derived_sizes
 
 TRL_LINE = ("--dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style --dataset_train_split "

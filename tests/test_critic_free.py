@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings as hsettings, strategies as st
 
 from fastppo import PPOConfig
-from fastppo.config import derive_sizes
+from fastppo.sizes import derive_sizes
 from fastppo.errors import SettingsError
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.train import per_token_rewards

@@ -19,7 +19,7 @@ import torch
 from fastppo import PPOConfig
 from fastppo.checks import check_settings
 from fastppo.cli import EMBEDDED_PRESET, ModelConfig
-from fastppo.config import derive_sizes
+from fastppo.sizes import derive_sizes
 from fastppo.zero import DEEPSPEED_INSTALL, deepspeed_request
 from helpers import cli_config
 from helpers import metrics_without_clock

@@ -8,7 +8,8 @@ import functools
 import pytest
 import torch
 
-from fastppo.config import PPOConfig, derive_sizes
+from fastppo.config import PPOConfig
+from fastppo.sizes import derive_sizes
 from fastppo.data import left_pad
 from fastppo.generation import sample_responses
 from fastppo.trainer import PPOTrainer

@@ -18,9 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastppo.config import PPOConfig, derive_sizes
+from fastppo.config import PPOConfig
 from fastppo.errors import SettingsError
 from fastppo.metrics import STAT
+from fastppo.sizes import derive_sizes
 from fastppo.loss_types import LOSS_TYPES, policy_loss_weights
 from fastppo.train import Experience, Targets, aggregate, compute_experience, per_token_rewards, ppo_update
 from fastppo.rollout import trained_mask

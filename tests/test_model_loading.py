@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from fastppo.config import ModelConfig
+from fastppo.script_args import ModelConfig
 from fastppo.errors import LoadError
 from fastppo.loading import load_causal_lm
 

@@ -186,7 +186,7 @@ def test_the_update_forward_and_backward_with_shared_prompts_equal_unshared(mode
 def test_grpo_updates_share_prompts_only_where_they_can(model_dir):
     """update_sharing: micro-batches and minibatches of whole groups, no token budget, a value model whose attention
     takes the policy's mask."""
-    from fastppo.config import derive_sizes
+    from fastppo.sizes import derive_sizes
     from fastppo.sharing import update_sharing
 
     lm = model(model_dir, torch.float32, "sdpa")

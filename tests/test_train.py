@@ -14,11 +14,12 @@ import torch
 
 from helpers import make_trainer, small_config, grid_losses
 from fastppo.cli import ModelConfig
-from fastppo.config import PPOConfig, derive_sizes
+from fastppo.config import PPOConfig
 from fastppo.data import left_pad, prompt_batches
 from fastppo.loading import load_tokenizer
 from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import call_reward_fn, reward_model_scores
+from fastppo.sizes import derive_sizes
 from fastppo.trainer import PPOTrainer
 from fastppo.train import Targets, compute_experience, per_token_rewards, ppo_update
 from fastppo.controllers import AdaptiveKLController

@@ -13,7 +13,7 @@ import torch
 
 from fastppo import PPOConfig, PPOTrainer
 from fastppo.cli import parse_args
-from fastppo.config import derive_sizes
+from fastppo.sizes import derive_sizes
 from helpers import make_trainer, small_config
 from fastppo.train import compute_experience, per_token_rewards
 from fastppo.rollout import apply_eos_penalties
@@ -271,7 +271,7 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, model
 
 @pytest.mark.parametrize("target_kl", [1e-12, 1e6])
 def test_early_stopping_stops_the_epochs_on_the_policy_kl_legacy_semantics(tmp_path, model_dir, target_kl):
-    from fastppo.config import derive_sizes as sizes_of
+    from fastppo.sizes import derive_sizes as sizes_of
     from fastppo.metrics import STAT
     from fastppo.train import Targets, ppo_update
 
