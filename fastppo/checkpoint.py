@@ -15,6 +15,8 @@ Atomic: every process writes into ``.tmp-checkpoint-N``; rank 0 fsyncs every fil
 renames it to ``checkpoint-N`` and only then rewrites the ``latest`` pointer (itself written to a
 temporary file and renamed). A process killed at any moment leaves either the previous checkpoint as
 ``latest`` or the new one complete; a ``.tmp-*`` directory is never read and is cleared by the next save.
+
+Whose files an output directory holds, its lock, and which checkpoint a run continues: ``fastppo.output_dir``.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import random
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,30 +123,48 @@ def set_rng_state(state: dict, shuffle: torch.Generator) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def training_state(optimizer, lr_scheduler, kl_ctl, moments, state, zero, tag: str, prompt_batches_drawn: int,
-                   entropy_ctl=None) -> dict:
+@dataclass(frozen=True)
+class TrainingParts:
+    """A built trainer's parts that a checkpoint saves and restores, beside the config: the models, the optimizer
+    and schedule, β's controller, the running score moments, transformers' ``TrainerState`` (the counters and
+    log history), the DeepSpeed engines (None without), the update's shuffle generator and TRL GRPO's adaptive
+    entropy coefficient (None where it is off)."""
+
+    policy: Any
+    value_model: Any
+    optimizer: Any
+    lr_scheduler: Any
+    kl_ctl: Any
+    moments: Any
+    state: Any
+    zero: Any
+    shuffle: torch.Generator
+    entropy_ctl: Any = None
+
+
+def training_state(parts: TrainingParts, tag: str, prompt_batches_drawn: int) -> dict:
     """``trainer_state.pt``'s contents: everything but the weights and RNG states a run needs to continue.
     Under DeepSpeed its engine checkpoint (``deepspeed/<tag>``) holds each rank's optimizer partition.
-    ``prompt_batches_drawn``: the iterations run (global_step counts TRL GRPO's optimizer steps);
-    ``entropy_ctl``: TRL GRPO's adaptive entropy coefficient, where it is on."""
+    ``prompt_batches_drawn``: the iterations run (global_step counts TRL GRPO's optimizer steps)."""
+    zero, state = parts.zero, parts.state
     return {
-        "optimizer": optimizer.state_dict() if zero is None else None,
+        "optimizer": parts.optimizer.state_dict() if zero is None else None,
         "deepspeed": None if zero is None else {"zero_stage": zero.stage, "tag": tag},
-        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-        "kl_coef": kl_ctl.value,
-        "moments": moments.state_dict() if moments is not None else None,
+        "lr_scheduler": parts.lr_scheduler.state_dict() if parts.lr_scheduler is not None else None,
+        "kl_coef": parts.kl_ctl.value,
+        "moments": parts.moments.state_dict() if parts.moments is not None else None,
         "global_step": state.global_step, "episode": state.episode, "log_history": state.log_history,
         "prompt_batches_drawn": prompt_batches_drawn,
         "num_input_tokens_seen": getattr(state, "num_input_tokens_seen", 0),  # TRL GRPO's logged num_tokens
-        "entropy_ctl": None if entropy_ctl is None else entropy_ctl.state_dict(),
+        "entropy_ctl": None if parts.entropy_ctl is None else parts.entropy_ctl.state_dict(),
     }
 
 
-def restore_training_state(path: str, policy, value_model, optimizer, lr_scheduler, kl_ctl, moments, state, zero,
-                           shuffle: torch.Generator, rank: int, entropy_ctl=None) -> int:
+def restore_training_state(path: str, parts: TrainingParts, rank: int) -> int:
     """A checkpoint back into a built trainer's parts (weights, optimizer, schedule, β, score moments, counters,
     this rank's RNG states), exactly. Returns how many prompt batches the run had drawn (the caller replays
     its sampler that far)."""
+    policy, value_model, state, zero = parts.policy, parts.value_model, parts.state, parts.zero
     saved = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
     lm = lm_of(policy)
     if zero is None and not is_peft(policy):  # every part checked before any is written
@@ -162,29 +184,39 @@ def restore_training_state(path: str, policy, value_model, optimizer, lr_schedul
             policy.v_head.load_state_dict(read_value_head(path))
         if value_model is not None:
             load_weights(value_model, os.path.join(path, "value_model"))
-        optimizer.load_state_dict(saved["optimizer"])
-    if lr_scheduler is not None and saved["lr_scheduler"] is not None:
-        lr_scheduler.load_state_dict(saved["lr_scheduler"])
-    kl_ctl.value = saved["kl_coef"]
-    if moments is not None and saved["moments"] is not None:
-        moments.load_state_dict(saved["moments"])
-    if entropy_ctl is not None and saved.get("entropy_ctl") is not None:
-        entropy_ctl.load_state_dict(saved["entropy_ctl"])
+        parts.optimizer.load_state_dict(saved["optimizer"])
+    if parts.lr_scheduler is not None and saved["lr_scheduler"] is not None:
+        parts.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    parts.kl_ctl.value = saved["kl_coef"]
+    if parts.moments is not None and saved["moments"] is not None:
+        parts.moments.load_state_dict(saved["moments"])
+    if parts.entropy_ctl is not None and saved.get("entropy_ctl") is not None:
+        parts.entropy_ctl.load_state_dict(saved["entropy_ctl"])
     state.global_step, state.episode = saved["global_step"], saved["episode"]
     state.num_input_tokens_seen = saved.get("num_input_tokens_seen", 0)
     state.log_history = list(saved["log_history"])
     set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), map_location="cpu", weights_only=False),
-                  shuffle)
+                  parts.shuffle)
     return saved["prompt_batches_drawn"]
 
 
-def save_checkpoint(output_dir: str, step: int, rank: int, world_size: int, write_models, trainer_state: dict,
-                    rng: dict, save_total_limit: int | None, barrier, write_every_rank=None) -> str:
-    """``checkpoint-<step>`` in ``output_dir``, atomically (module docstring); every rank calls this.
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """What one rank puts into a checkpoint: ``write_models(path)`` writes the model files (rank 0 only);
+    ``trainer_state`` is rank 0's (``training_state``), ``rng`` this rank's (``rng_state``);
+    ``write_every_rank(path)``, if given, runs on every rank before them (DeepSpeed's engine checkpoint, a ZeRO-3
+    gather)."""
 
-    ``write_models(path)`` writes the model files (rank 0 only); ``trainer_state`` is rank 0's,
-    ``rng`` this rank's; ``write_every_rank(path)``, if given, runs on every rank before them (DeepSpeed's
-    engine checkpoint, a ZeRO-3 gather). Returns the checkpoint's path."""
+    write_models: Callable[[str], None]
+    trainer_state: dict
+    rng: dict
+    write_every_rank: Callable[[str], None] | None = None
+
+
+def save_checkpoint(output_dir: str, step: int, rank: int, world_size: int, files: CheckpointFiles,
+                    save_total_limit: int | None, barrier: Callable[[], None]) -> str:
+    """``checkpoint-<step>`` in ``output_dir``, atomically (module docstring); every rank calls this. Returns the
+    checkpoint's path."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
     if rank == 0:
@@ -193,13 +225,13 @@ def save_checkpoint(output_dir: str, step: int, rank: int, world_size: int, writ
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     barrier()
-    if write_every_rank is not None:
-        write_every_rank(tmp)
-    torch.save(rng, os.path.join(tmp, f"rng_state_{rank}.pt"))
+    if files.write_every_rank is not None:
+        files.write_every_rank(tmp)
+    torch.save(files.rng, os.path.join(tmp, f"rng_state_{rank}.pt"))
     barrier()
     if rank == 0:
-        write_models(tmp)
-        torch.save({**trainer_state, "world_size": world_size}, os.path.join(tmp, STATE_FILE))
+        files.write_models(tmp)
+        torch.save({**files.trainer_state, "world_size": world_size}, os.path.join(tmp, STATE_FILE))
         _fsync_tree(tmp)
         if os.path.isdir(final):  # only when a run is redone from an earlier checkpoint: replaced whole
             shutil.rmtree(final)
@@ -309,51 +341,6 @@ def finished_step(output_dir: str) -> int | None:
         return None
 
 
-LOCK_FILE = ".fastppo.lock"
-
-
-class RunLock:
-    """One run writes an output_dir at a time: an exclusive ``flock`` on ``output_dir/.fastppo.lock``, taken
-    before a run decides what to do with the directory and held until its last file is written. Two trainers
-    built on one directory (in one process or two) cannot both write it; the kernel drops the lock when its
-    process dies, so a crashed run never leaves a stale one. Where ``flock`` is missing (not Linux/macOS) or
-    the filesystem refuses it, the lock is skipped."""
-
-    def __init__(self, output_dir: str):
-        self.path = os.path.join(output_dir, LOCK_FILE)
-        self.file = None
-
-    def acquire(self) -> str | None:
-        """None when held now; else who holds it."""
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover
-            return None
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        file = open(self.path, "a+")
-        try:
-            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip() or "another process"
-            file.close()
-            return holder
-        except OSError:  # pragma: no cover  (a filesystem without flock)
-            file.close()
-            return None
-        file.seek(0)
-        file.truncate()
-        file.write(f"pid {os.getpid()}")
-        file.flush()
-        self.file = file
-        return None
-
-    def release(self) -> None:
-        if self.file is not None:
-            self.file.close()  # closing the descriptor drops the flock
-            self.file = None
-
-
 def _engine_name(zero_stage: int | None) -> str:
     return "no DeepSpeed" if zero_stage is None else f"DeepSpeed ZeRO-{zero_stage}"
 
@@ -452,24 +439,6 @@ def _tied_names(model) -> set[str]:
     return tied
 
 
-# What a fastppo run writes into output_dir (anything else there is the user's and is left alone).
-RUN_FILES = re.compile(r"^(checkpoint-\d+|\.tmp-checkpoint-\d+|latest|metrics\.jsonl|samples\.jsonl|curves\.png|runs|"
-                       r"completions|value_model|fastppo_config\.json|config\.json|generation_config\.json|model.*\.safetensors|"
-                       r"model\.safetensors\.index\.json|adapter_.*|v_head\.safetensors|tokenizer.*|"
-                       r"special_tokens_map\.json|chat_template\.jinja|vocab\.json|merges\.txt|trainer_state\.json)$")
-# A checkpoint directory of any trainer: transformers' (and so TRL's) checkpoint-N, its tmp-checkpoint-N
-# staging, fastppo's .tmp-checkpoint-N. fastppo's own hold its config (every version wrote it) or its state.
-CHECKPOINT_LIKE = re.compile(r"^\.?(tmp-)?checkpoint-\d+$")
-# Model, tokenizer and trainer files of any origin (a transformers Trainer's output, a downloaded model, a GGUF
-# file): in a directory no fastppo run wrote they are the user's, and fastppo neither writes beside them nor
-# deletes them.
-MODEL_FILES = re.compile(r"^(config\.json|generation_config\.json|.*\.safetensors|.*\.safetensors\.index\.json|"
-                         r"pytorch_model.*\.bin|.*\.bin\.index\.json|training_args\.bin|.*\.(gguf|pt|pth|ckpt|h5|"
-                         r"msgpack|onnx)|adapter_.*|tokenizer.*|special_tokens_map\.json|chat_template\.jinja|"
-                         r"vocab\.(json|txt)|merges\.txt|.*\.model|trainer_state\.json|all_results\.json|"
-                         r"(train|eval)_results\.json|value_model|latest)$")
-
-
 def is_fastppo_checkpoint(path: str) -> bool:
     """Whether a checkpoint-like directory is fastppo's: its config or its training state is in it; for a save
     that a crash interrupted (``.tmp-checkpoint-N``, a name only fastppo uses), nothing but fastppo's RNG files."""
@@ -477,130 +446,6 @@ def is_fastppo_checkpoint(path: str) -> bool:
         return True
     return (os.path.basename(os.path.normpath(path)).startswith(".tmp-checkpoint-") and os.path.isdir(path)
             and all(re.match(r"^(rng_state_\d+\.pt|deepspeed)$", name) for name in os.listdir(path)))
-
-
-def _first_json_line(path: str) -> dict | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            line = f.readline(1 << 20)
-        row = json.loads(line)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return row if isinstance(row, dict) else None
-
-
-def _fastppo_log(path: str, name: str) -> bool:
-    """Whether ``metrics.jsonl``/``samples.jsonl`` has fastppo's lines (those of a run that stopped before its
-    first checkpoint: the only trace it leaves). Every version's metrics lines carry ``step`` and TRL's
-    ``objective/*`` names; its samples lines ``query``/``response`` (the legacy API's: ``step`` and ``reward``)."""
-    row = _first_json_line(path)
-    if row is None:
-        return False
-    if name == "metrics.jsonl":
-        return "step" in row and any(k.startswith("objective/") for k in row)
-    return ("iteration" in row and "response" in row and "score" in row) or ("step" in row and "reward" in row)
-
-
-def fastppo_marker(output_dir: str) -> str | None:
-    """What says ``output_dir`` holds a fastppo run (None: nothing does, whatever else is there): fastppo's
-    config beside a final model, a checkpoint of fastppo's, or fastppo's metrics or samples lines."""
-    if not os.path.isdir(output_dir):
-        return None
-    if os.path.isfile(os.path.join(output_dir, CONFIG_FILE)):
-        return CONFIG_FILE
-    names = sorted(os.listdir(output_dir))
-    for name in names:
-        if CHECKPOINT_LIKE.match(name) and is_fastppo_checkpoint(os.path.join(output_dir, name)):
-            return f"{name}/"
-    for name in ("metrics.jsonl", "samples.jsonl"):
-        if name in names and _fastppo_log(os.path.join(output_dir, name), name):
-            return name
-    return None
-
-
-def _shown(output_dir: str, name: str) -> str:
-    return f"{name}/" if os.path.isdir(os.path.join(output_dir, name)) else name
-
-
-def foreign_files(output_dir: str) -> list[str]:
-    """What in ``output_dir`` no fastppo run wrote and a fastppo run would write over or delete: another trainer's
-    checkpoints (a transformers or TRL Trainer's ``checkpoint-N/``), model, tokenizer or trainer files beside
-    which fastppo wrote no config (a Trainer's final model, a downloaded or hand-made checkpoint), and, in a
-    directory without any fastppo marker, the files a run would write (metrics, samples, curves). fastppo never
-    writes into a directory that holds any of them, ``--overwrite_output_dir`` included; ``runs/`` alone
-    (tensorboard logs, which a run only adds to) is not among them."""
-    if not os.path.isdir(output_dir):
-        return []
-    marker = fastppo_marker(output_dir)
-    own_top = os.path.isfile(os.path.join(output_dir, CONFIG_FILE))
-    found = []
-    for name in sorted(os.listdir(output_dir)):
-        path = os.path.join(output_dir, name)
-        if CHECKPOINT_LIKE.match(name):
-            if os.path.isdir(path) and not is_fastppo_checkpoint(path):
-                found.append(name)
-        elif MODEL_FILES.match(name):
-            if name == "latest" and marker is not None:
-                continue  # fastppo's pointer to its newest checkpoint
-            if not own_top:
-                found.append(name)
-        elif marker is None and RUN_FILES.match(name) and name != "runs":
-            found.append(name)
-    return [_shown(output_dir, name) for name in found]
-
-
-def describe_foreign(output_dir: str, found: list[str]) -> str:
-    """What ``found`` (``foreign_files``) looks like, for the refusal: whose output it is, then the names."""
-    names = [n.rstrip("/") for n in found]
-    trainer_dirs = [n for n in names if CHECKPOINT_LIKE.match(n)]
-    if ("trainer_state.json" in names or "training_args.bin" in names
-            or any(os.path.isfile(os.path.join(output_dir, n, "trainer_state.json")) for n in trainer_dirs)):
-        what = "a transformers/TRL Trainer's output"
-    elif trainer_dirs:
-        what = "another trainer's checkpoints"
-    elif "adapter_config.json" in names:
-        what = "a PEFT adapter"
-    elif "config.json" in names or any(n.endswith((".safetensors", ".bin", ".gguf")) for n in names):
-        what = "a model"
-    else:
-        what = "files"
-    shown = []
-    for name in found:  # a checkpoint directory is shown with the files that say whose it is
-        path = os.path.join(output_dir, name.rstrip("/"))
-        inside = [f for f in ("trainer_state.json", "training_args.bin", "optimizer.pt")
-                  if CHECKPOINT_LIKE.match(name.rstrip("/")) and os.path.isfile(os.path.join(path, f))]
-        shown.append(f"{name} holding {inside[0]}" if inside else name)
-    more = f", and {len(shown) - 8} more" if len(shown) > 8 else ""
-    return f"{what} ({', '.join(shown[:8])}{more})"
-
-
-def refuse_foreign(output_dir: str, what: str = "--output_dir") -> None:
-    """A SettingsError naming what in ``output_dir`` no fastppo run wrote (``foreign_files``), if anything: fastppo
-    writes nothing there, so the way out is another directory (``--overwrite_output_dir`` does not change it)."""
-    found = foreign_files(output_dir)
-    if found:
-        raise SettingsError(
-            f"{what} {output_dir!r} holds {describe_foreign(output_dir, found)}: files that no fastppo run wrote. "
-            "fastppo never writes over or deletes them, --overwrite_output_dir included: use another "
-            f"{'--output_dir' if what == '--output_dir' else 'directory'}")
-
-
-def run_files(output_dir: str) -> list[str]:
-    """The files and directories of a previous fastppo run in ``output_dir`` (none where no fastppo marker is:
-    ``fastppo_marker``; never another trainer's checkpoint directory)."""
-    if fastppo_marker(output_dir) is None:
-        return []
-    own_top = os.path.isfile(os.path.join(output_dir, CONFIG_FILE))
-    return sorted(name for name in os.listdir(output_dir) if RUN_FILES.match(name)
-                  and (is_fastppo_checkpoint(os.path.join(output_dir, name)) if CHECKPOINT_LIKE.match(name)
-                       else own_top or not MODEL_FILES.match(name) or name == "latest"))
-
-
-def remove_run_files(output_dir: str) -> None:
-    """Delete a previous fastppo run's files (``run_files``: only where fastppo's marker is, only fastppo's)."""
-    for name in run_files(output_dir):
-        path = os.path.join(output_dir, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def truncate_jsonl(path: str, key: str, last: int) -> None:
@@ -618,67 +463,3 @@ def _jsonl_key(line: str, key: str) -> float:
         return json.loads(line).get(key, 0)
     except json.JSONDecodeError:
         return math.inf
-
-
-# ============================================================================ which run this one continues
-
-
-def decide_resume(config: PPOConfig, model_args, world_size: int, zero_stage: int | None, total_iterations: int,
-              log: Callable[[str], None] | None) -> str | None:
-    """Which checkpoint this run continues (None: a fresh run), and whether the output_dir may be written:
-    decided before any model loads, and again when ``train()`` starts writing (under the directory's
-    lock). A previous run there is never silently mixed with or overwritten. ``log``: where the notes go (None:
-    not again)."""
-    notes_to = log or (lambda _: None)
-    spec = config.resume_from_checkpoint
-    if spec is True or (isinstance(spec, str) and spec.lower() == "true"):
-        spec = "latest"  # transformers' meaning of True: the newest checkpoint in output_dir
-    elif spec is False or (isinstance(spec, str) and spec.lower() == "false"):
-        spec = None
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if spec is None and restarted:  # torchrun --max-restarts: carry on from the last checkpoint, if any
-        spec = "latest" if checkpoints(config.output_dir) else None
-        if spec:
-            notes_to("elastic restart: resuming from the latest checkpoint")
-    # a directory no fastppo run wrote (a transformers Trainer's output, the policy's own source): never written
-    refuse_foreign(config.output_dir)
-    existing = run_files(config.output_dir)  # a fastppo run's files: only where fastppo's own marker is
-    if spec is not None:
-        path = resolve_checkpoint(spec, config.output_dir, log=notes_to)
-
-        for note in check_compatible(path, config, world_size, zero_stage, model_args):
-            notes_to(note)
-        _check_resume_keeps_outputs(config, total_iterations, path, existing)
-        return path
-    if existing and not config.overwrite_output_dir and not restarted:
-        resumable = checkpoints(config.output_dir)
-        raise SettingsError(
-            f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}"
-            f"{', ...' if len(existing) > 6 else ''}); "
-            + ("pass --resume_from_checkpoint latest to continue it, " if resumable else
-               "it has no checkpoint to continue from: ")
-            + "--overwrite_output_dir to replace it, or another --output_dir"
-        )
-    return None
-
-def _check_resume_keeps_outputs(config: PPOConfig, total: int, path: str, existing: list[str]) -> None:
-    """A resume may redo what came after its checkpoint only where nothing finished lies there: the
-    iterations past a crash are lost anyway, but a finished run's final model and metrics are not."""
-    step = saved_step(path)
-    if step >= total:
-        raise SettingsError(
-            f"{path} is after iteration {step}, and this run has {total} iteration(s) in all (max_steps / "
-            "total_episodes): nothing is left to train; raise max_steps or total_episodes to train further")
-    inside = os.path.abspath(os.path.dirname(path)) == os.path.abspath(config.output_dir)
-    final = finished_step(config.output_dir)
-    if final is not None and final > step:
-        raise SettingsError(
-            f"--output_dir {config.output_dir!r} holds a finished run's final model (iteration {final}), newer "
-            f"than {os.path.basename(path)}: resuming there would replace that model and drop the metrics after "
-            f"iteration {step}; to redo from the checkpoint, resume into another --output_dir "
-            f"(--resume_from_checkpoint {path} --output_dir NEW)")
-    if not inside and existing and not config.overwrite_output_dir:
-        raise SettingsError(
-            f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}), and "
-            f"{path} is another directory's checkpoint: resume into an empty --output_dir, or pass "
-            "--overwrite_output_dir to replace that run")

@@ -29,7 +29,7 @@ from torch.utils.data import default_collate as torch_default_collate
 from transformers import DataCollatorForLanguageModeling
 
 from fastppo.build import build_learner, start_runtime
-from fastppo.checkpoint import refuse_foreign, save_model_files
+from fastppo.checkpoint import save_model_files
 from fastppo.checks import check_settings
 from fastppo.config import PPOConfig as CorePPOConfig
 from fastppo.data import left_pad, right_pad
@@ -42,6 +42,7 @@ from fastppo.layout import causal_lm_of, lm_of
 from fastppo.legacy_stats import legacy_log_stats, legacy_step_stats
 from fastppo.loading import build_models, embedding_rows, ensure_pad_token, is_peft, position_limit
 from fastppo.metrics import STAT
+from fastppo.output_dir import refuse_foreign
 from fastppo.policy_terms import LossSettings
 from fastppo.train import per_token_rewards, ppo_iteration, ppo_losses
 from fastppo.update_steps import LossInputs

@@ -45,6 +45,7 @@ from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage
 from fastppo.tools import ToolCalling, run_episodes
 from fastppo.train import IterationResult, Learner, ppo_iteration
 from fastppo.sharing import prompt_sharing
+from fastppo.output_dir import RunLock, decide_resume, refuse_foreign, remove_run_files
 from fastppo.rollout import (Rollout, ScoredRollout, apply_eos_penalties, assemble, contains_stop, eos_count,
                              make_rollout)
 
@@ -551,7 +552,7 @@ class PPOTrainer:
     def _lock_output_dir(self) -> None:
         """Take the output_dir's lock (rank 0, for the run's life) and decide again, under it, what this run
         does there: another trainer may have written it since this one was built."""
-        lock = C.RunLock(self.config.output_dir) if self.dist.is_main else None
+        lock = RunLock(self.config.output_dir) if self.dist.is_main else None
         holder = lock.acquire() if lock is not None else None
         refused = torch.tensor([float(holder is not None)], device=self.device)
         fdist.all_reduce(refused)
@@ -728,7 +729,7 @@ class PPOTrainer:
         path = self._resume_path
         elsewhere = path is not None and os.path.abspath(os.path.dirname(path)) != os.path.abspath(config.output_dir)
         if (path is None or elsewhere) and config.overwrite_output_dir and self.dist.is_main:
-            C.remove_run_files(config.output_dir)
+            remove_run_files(config.output_dir)
         if path is None:
             fdist.barrier()
             return 1
@@ -740,15 +741,14 @@ class PPOTrainer:
         return self.iterations_done + 1
 
     def _decide_resume(self, log_notes: bool = True) -> str | None:
-        return C.decide_resume(self.config, self.model_args, self.dist.world_size, zero_stage_of(self.ds_config),
-                               self.sizes.total_steps, self.log if log_notes else None)
+        return decide_resume(self.config, self.model_args, self.dist.world_size, zero_stage_of(self.ds_config),
+                             self.sizes.total_steps, self.log if log_notes else None)
 
     def save_checkpoint(self) -> str:
         """``checkpoint-<iteration>`` with everything needed to continue exactly (see ``fastppo.checkpoint``)."""
         config, state = self.config, self.state
         tag = f"global_step{state.global_step}"
-        trainer_state = C.training_state(self.optimizer, self.lr_scheduler, self.kl_ctl, self.moments, state,
-                                         self.zero, tag, self.iterations_done, self.entropy_ctl)
+        trainer_state = C.training_state(self._training_parts(), tag, self.iterations_done)
         states = [None, None]  # whole weights gathered under ZeRO-3 (rank 0)
 
         def every_rank(tmp):
@@ -756,25 +756,28 @@ class PPOTrainer:
             states[:] = self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)
 
         start = time.perf_counter()
-        path = C.save_checkpoint(
-            config.output_dir, state.global_step, self.dist.rank, self.dist.world_size,
+        contents = C.CheckpointFiles(
             lambda tmp: C.save_model_files(tmp, self.policy, self.value_model, self.tokenizer, config, self.model_args,
                                            *states),
-            trainer_state, C.rng_state(self.shuffle), config.save_total_limit, fdist.barrier,
-            every_rank if self.zero is not None else None)
+            trainer_state, C.rng_state(self.shuffle), every_rank if self.zero is not None else None)
+        path = C.save_checkpoint(config.output_dir, state.global_step, self.dist.rank, self.dist.world_size,
+                                 contents, config.save_total_limit, fdist.barrier)
         if self.dist.is_main:
             size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
             self.log(f"checkpoint saved: {path} ({size / 1e6:.1f} MB in {time.perf_counter() - start:.2f} s)")
         return path
 
     def _load_checkpoint(self, path: str) -> None:
-        drawn = C.restore_training_state(path, self.policy, self.value_model, self.optimizer, self.lr_scheduler,
-                                         self.kl_ctl, self.moments, self.state, self.zero, self.shuffle, self.dist.rank,
-                                         self.entropy_ctl)
+        drawn = C.restore_training_state(path, self._training_parts(), self.dist.rank)
         for _ in range(drawn):  # the prompt order is a function of the seed: replay it
             next(self._batches)
         self.iterations_done = drawn
         self.log(f"resumed from {path} (iteration {self.state.global_step}, episode {self.state.episode})")
+
+    def _training_parts(self) -> C.TrainingParts:
+        """What a checkpoint saves of this trainer and restores into it."""
+        return C.TrainingParts(self.policy, self.value_model, self.optimizer, self.lr_scheduler, self.kl_ctl,
+                               self.moments, self.state, self.zero, self.shuffle, self.entropy_ctl)
 
     def _log_state(self, metrics: dict) -> None:
         """transformers' ``Trainer.log``: the entry joins ``log_history`` and callbacks get a copy (one that
@@ -798,7 +801,7 @@ class PPOTrainer:
         states = (None, None) if self.zero is None else \
             self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)  # ZeRO-3: every rank calls
         if self.dist.is_main:
-            C.refuse_foreign(output_dir or self.config.output_dir, "save_model:")  # another's model is never replaced
+            refuse_foreign(output_dir or self.config.output_dir, "save_model:")  # another's model is never replaced
             C.save_model_files(output_dir or self.config.output_dir, self.policy, self.value_model, self.tokenizer,
                              self.config, self.model_args, *states)
 

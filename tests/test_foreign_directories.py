@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from fastppo import PPOTrainer
 from fastppo import checkpoint as C
+from fastppo.output_dir import fastppo_marker, foreign_files, remove_run_files, run_files
 from helpers import quick_config
 
 pytestmark = pytest.mark.usefixtures("reference_path")
@@ -79,8 +80,8 @@ def test_a_transformers_trainers_output_is_never_taken_for_a_fastppo_run(tmp_pat
                                              r"--overwrite_output_dir included: use another --output_dir") as err:
             PPOTrainer(args=config(tmp_path, name="sft", overwrite_output_dir=overwrite), reward_model=length_reward)
         assert "to replace it" not in str(err.value)
-    assert C.fastppo_marker(str(own)) is None and C.run_files(str(own)) == []
-    C.remove_run_files(str(own))  # where no marker is, nothing is fastppo's to delete
+    assert fastppo_marker(str(own)) is None and run_files(str(own)) == []
+    remove_run_files(str(own))  # where no marker is, nothing is fastppo's to delete
     assert tree(own) == before
 
 
@@ -175,10 +176,10 @@ def test_directories_fastppo_wrote_are_still_its_own(tmp_path, model_dir):
     crash interrupted (.tmp-checkpoint-N holding RNG files). Every version wrote fastppo_config.json into each
     checkpoint and beside each final model."""
     PPOTrainer(args=config(tmp_path, name="done"), reward_model=length_reward).train()
-    assert C.fastppo_marker(str(tmp_path / "done")) == C.CONFIG_FILE
+    assert fastppo_marker(str(tmp_path / "done")) == C.CONFIG_FILE
     PPOTrainer(args=config(tmp_path, name="stopped", total_episodes=24),
                callbacks=[_StopAfter(1)], reward_model=length_reward).train()
-    assert C.foreign_files(str(tmp_path / "stopped")) == []
+    assert foreign_files(str(tmp_path / "stopped")) == []
     crashed = tmp_path / "crashed"
     crashed.mkdir()
     (crashed / "metrics.jsonl").write_text(json.dumps({"objective/kl": 0.1, "episode": 8, "step": 1}) + "\n")
@@ -186,7 +187,7 @@ def test_directories_fastppo_wrote_are_still_its_own(tmp_path, model_dir):
     (torn / ".tmp-checkpoint-1").mkdir(parents=True)
     torch.save({}, torn / ".tmp-checkpoint-1" / "rng_state_0.pt")
     for name in ("done", "stopped", "crashed", "torn"):
-        assert C.fastppo_marker(str(tmp_path / name)) is not None and C.foreign_files(str(tmp_path / name)) == []
+        assert fastppo_marker(str(tmp_path / name)) is not None and foreign_files(str(tmp_path / name)) == []
         with pytest.raises(ValueError, match="already holds a run .*--overwrite_output_dir to replace it"):
             PPOTrainer(args=config(tmp_path, name=name), reward_model=length_reward)
     # the run that stopped after a checkpoint resumes; the crashed one is replaced with --overwrite_output_dir
@@ -200,4 +201,4 @@ def test_directories_fastppo_wrote_are_still_its_own(tmp_path, model_dir):
     # a fastppo checkpoint whose final model's config is missing (written last by earlier versions): the top-level
     # model files are not provably fastppo's, so the run is refused rather than guessed at
     os.remove(tmp_path / "done" / C.CONFIG_FILE)
-    assert "model.safetensors" in C.foreign_files(str(tmp_path / "done"))
+    assert "model.safetensors" in foreign_files(str(tmp_path / "done"))

@@ -16,6 +16,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 
 from fastppo import PPOConfig, PPOTrainer, legacy
 from fastppo import checkpoint as C
+from fastppo.output_dir import RunLock, run_files
 from helpers import quick_config
 from fastppo.value_head import AutoModelForCausalLMWithValueHead
 from fastppo.advantages import whiten_trained
@@ -151,7 +152,7 @@ def test_two_trainers_on_one_output_dir_cannot_both_write_it(tmp_path, model_dir
 
 
 def test_an_output_dir_being_written_is_locked(tmp_path, model_dir):
-    lock = C.RunLock(str(tmp_path / "out"))
+    lock = RunLock(str(tmp_path / "out"))
     assert lock.acquire() is None  # as a run in another process would hold it
     trainer = PPOTrainer(args=config(tmp_path, total_episodes=8))
     with pytest.raises(ValueError, match=r"is being written by another run \(pid \d+"):
@@ -219,7 +220,7 @@ def test_a_run_that_fails_in_its_first_iteration_leaves_a_usable_directory(tmp_p
     with pytest.raises(RuntimeError, match="reward_fn .*broken.* raised KeyError"):
         PPOTrainer(args=config(tmp_path), reward_model=broken).train()
     out = tmp_path / "out"
-    assert not (out / "metrics.jsonl").exists() and C.run_files(str(out)) == []
+    assert not (out / "metrics.jsonl").exists() and run_files(str(out)) == []
     PPOTrainer(args=config(tmp_path, total_episodes=8), reward_model=length_reward).train()  # same directory
 
 
