@@ -42,7 +42,7 @@ def build(model: str, rows: int, micro: int, response_length: int, output_dir: s
     """(trainer, rollout, experience, targets) of one scored GAE rollout."""
     from fastppo.trainer import PPOTrainer
     from fastppo.config import PPOConfig
-    from fastppo.train import per_token_rewards, compute_experience
+    from fastppo.train import Scoring, compute_experience, per_token_rewards
     from fastppo.advantages import gae_advantages
     from e2e_common import gpu_bf16
 
@@ -60,8 +60,8 @@ def build(model: str, rows: int, micro: int, response_length: int, output_dir: s
     trainer = PPOTrainer(args=PPOConfig(**kwargs))
     torch.manual_seed(0)
     rollout = trainer.rollout().rollout
-    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, trainer.config.temperature, "k1",
-                               rows, packed=True)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout,
+                                    Scoring(trainer.config.temperature, "k1", rows, packed=True))
     scores = torch.randn(rows, generator=torch.Generator().manual_seed(0)).to(experience.kl.device)
     rewards, nsr = per_token_rewards(experience.kl, scores, rollout.response_mask, rollout.score_index, 0.05)
     advantages, returns = gae_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
@@ -83,7 +83,7 @@ def main(argv=None) -> None:
 
     from fastppo.sizes import derive_sizes
     from fastppo.batching import token_budget_batches
-    from fastppo.train import ppo_update
+    from fastppo.train import UpdateBatch, UpdateModel, ppo_update
 
     with tempfile.TemporaryDirectory() as out:
         trainer, rollout, experience, targets = build(args.model, args.rows, args.micro, args.response_length, out)
@@ -103,8 +103,8 @@ def main(argv=None) -> None:
                 cfg.max_tokens_per_micro_batch = budget or None
                 sync()
                 start = time.perf_counter()
-                ppo_update(module, trainer.optimizer, rollout, experience, targets, cfg, sizes,
-                           torch.Generator().manual_seed(0))
+                ppo_update(UpdateModel(module, trainer.optimizer), UpdateBatch(rollout, experience, targets), cfg,
+                           sizes, torch.Generator().manual_seed(0))
                 sync()  # a GPU's queued kernels are part of the update
                 times[budget].append(time.perf_counter() - start)
         largest = max(tokens // min(groups.values()), 1)

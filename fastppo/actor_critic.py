@@ -71,7 +71,7 @@ class PolicyAndValue(nn.Module):
             out = token_logprobs_from_hidden(self.policy, hidden, layout.targets, temperature, return_entropy)
             logprobs, entropy = out if return_entropy else (out, None)
         else:
-            fused = fused_policy_loss(self.policy, hidden, layout, temperature, **policy_loss)
+            fused = fused_policy_loss(self.policy, hidden, layout, temperature, policy_loss)
             logprobs, entropy = fused.logprobs, fused.entropy
         logprobs = layout.scatter(logprobs)
         entropy = None if entropy is None else layout.scatter(entropy)
@@ -102,14 +102,18 @@ class PolicyAndValue(nn.Module):
                                             seen, return_entropy)
 
 
-def fused_policy_loss(model, hidden, layout: Layout, temperature: float, old_logprobs, advantages, mask, cliprange,
-                      entropy_coef, top_entropy_quantile: float = 1.0, **options):
-    """``fused_ppo_policy_loss`` on the layout's real tokens (its [b, T] grids picked there, ``options``' among
-    them; its other keyword-only settings as they are): the gradient is formed in the forward.
+def fused_policy_loss(model, hidden, layout: Layout, temperature: float, policy_loss: dict):
+    """``fused_ppo_policy_loss`` on the layout's real tokens, ``policy_loss`` its arguments by name
+    (``MicroBatchInputs.fused_loss``'s: its [b, T] grids picked there; its other keyword-only settings as they
+    are): the gradient is formed in the forward.
 
     ``top_entropy_quantile`` < 1 (TRL GRPO's): the kernel forms each token's gradient as it goes, so the tokens'
     entropies come first from a forward of the LM head without gradient (one more logits GEMM), and the tokens
     ``high_entropy_mask`` keeps become the policy term's token weights and the entropy bonus's mean."""
+    options = dict(policy_loss)
+    old_logprobs, advantages, mask, cliprange, entropy_coef = (
+        options.pop(k) for k in ("old_logprobs", "advantages", "mask", "cliprange", "entropy_coef"))
+    top_entropy_quantile = options.pop("top_entropy_quantile", 1.0)
     head = lm_head_of(model)
     bias = getattr(head, "bias", None)
     options = {k: layout.pick(v) if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in options.items()}

@@ -24,6 +24,7 @@ from fastppo.metrics import nan_std
 
 if TYPE_CHECKING:
     from fastppo.config import PPOConfig
+    from fastppo.rollout import ScoredRollout
 
 
 def gae_advantages(rewards, values, response_mask, gamma: float, lam: float, whiten_rewards: bool,
@@ -213,6 +214,15 @@ ESTIMATORS: dict[str, Estimator] = {
 def estimators_help() -> str:
     """Every row, as the config's ``advantage_estimator`` help lists them."""
     return "; ".join(f"{name} ({row.summary})" for name, row in ESTIMATORS.items())
+
+
+def reward_columns_of(batch: ScoredRollout, config: PPOConfig, dtype: torch.dtype):
+    """GDPO's inputs (``multi_objective_aggregation="normalize_then_sum"``): [B, F] each reward's scores and their
+    [F] weights; (None, None) otherwise."""
+    if config.multi_objective_aggregation != "normalize_then_sum":
+        return None, None
+    columns = torch.stack(list(batch.reward_columns.values()), 1).to(dtype)
+    return columns, torch.tensor(config.reward_weights or [1.0] * columns.shape[1], device=columns.device)
 
 
 def estimate_advantages(estimator: str, rewards, values, response_mask, config: PPOConfig, skip_masked: bool = False,

@@ -18,6 +18,7 @@ sampling, so with the same random state the two draw the same tokens.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -91,6 +92,14 @@ def draw_tokens(logits, temperature: float, done, stops, pad_id: int, synced: bo
     return token, done, _all_stopped(done, synced)  # one host sync per token: the loop ends once every row stopped
 
 
+def cut_after_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
+    """A sampled row up to and including its first stop token (the sampler pads after it)."""
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
 def _stop_tensor(stop_ids, like):
     return torch.tensor(stop_ids, dtype=like.dtype, device=like.device) if stop_ids else None
 
@@ -160,31 +169,93 @@ def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, respon
     """``_sample_chunk`` with the prompt's forward eager into the decoder's static cache and every later token's
     forward through its compiled step; rows past ``B`` are the bucket's padding and are never sampled."""
     b, width = queries.shape
-    stops = _stop_tensor(stop_ids, queries)
     inputs, mask, positions, cache, key = decoder.prepare(queries, query_mask, response_length)
-    tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=queries.device)
+    logits = prefill_static(decoder, lm, inputs, mask, positions, cache, b, group_size)
+    draw = TokenDraw(temperature, _stop_tensor(stop_ids, queries), pad_id, synced, truncation,
+                     _history(queries, query_mask, truncation, logits.shape[-1]))
     done = torch.zeros(b, dtype=torch.bool, device=queries.device)
-    g = prompt_groups(queries, query_mask, group_size) if decoder.can_fill_shared(cache) else 1
-    if g > 1:  # each prompt's forward once, into a dynamic cache whose rows are then written g times
-        prefill = _new_dynamic_cache(lm)
-        logits = lm(input_ids=inputs[:b:g], attention_mask=mask[:b:g, :width], position_ids=positions[:b:g],
-                    **{cache_keyword(lm): prefill}, use_cache=True, logits_to_keep=1).logits[:, -1]
-        logits = logits[decoder.fill_shared(cache, prefill, b, inputs.shape[0], g)]
-    else:
-        logits = lm(input_ids=inputs, attention_mask=mask[:, :width], position_ids=positions,
-                    **{cache_keyword(lm): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
-    seen = _history(queries, query_mask, truncation, logits.shape[-1])
-    for t in range(response_length):
-        tokens[:, t], done, finished = draw_tokens(logits[:b], temperature, done, stops, pad_id, synced, truncation,
-                                                   seen)
-        if finished or t + 1 == response_length:
-            break
-        inputs = inputs[:, -1:].clone()  # the padding rows feed their own last input again
-        inputs[:b, 0] = torch.where(done, 0, tokens[:, t])
-        mask[:, width + t] = 1
-        positions = positions[:, -1:] + 1
-        logits = decoder.step_logits(inputs, mask, positions, cache, key, cache_position=width + t)
+    tokens, _ = decode_static(decoder, StaticRows(inputs, mask, positions, cache, key), logits, width,
+                              response_length, done, draw)
     return tokens
+
+
+def prefill_static(decoder: StaticDecoder, lm, inputs, mask, positions, cache, rows: int,
+                   group_size: int = 1) -> torch.Tensor:
+    """The last position's logits [R, V] of the prompts ``inputs`` [R, W] (``decoder.prepare``'s), their keys and
+    values written into the static ``cache``. Where each ``group_size`` consecutive rows of the first ``rows`` hold
+    one prompt, each prompt's forward runs once, into a dynamic cache whose rows are then written g times."""
+    width = inputs.shape[1]
+    g = prompt_groups(inputs[:rows], mask[:rows, :width], group_size) if decoder.can_fill_shared(cache) else 1
+    if g > 1:
+        prefill = _new_dynamic_cache(lm)
+        logits = lm(input_ids=inputs[:rows:g], attention_mask=mask[:rows:g, :width], position_ids=positions[:rows:g],
+                    **{cache_keyword(lm): prefill}, use_cache=True, logits_to_keep=1).logits[:, -1]
+        return logits[decoder.fill_shared(cache, prefill, rows, inputs.shape[0], g)]
+    return lm(input_ids=inputs, attention_mask=mask[:, :width], position_ids=positions,
+              **{cache_keyword(lm): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+@dataclass
+class StaticRows:
+    """A chunk's rows in the decoder's static cache: the last inputs fed [R, W], the attention mask over the cache's
+    columns [R, L], the last positions fed [R, W], the cache and its bucket key."""
+
+    inputs: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    cache: object
+    key: tuple[int, int]
+
+
+@dataclass
+class TokenDraw:
+    """How ``draw_tokens`` draws for a chunk: the temperature, the stop ids (a tensor, or None), the pad id, whether
+    every process's rows must stop first, the processed distribution and the tokens each row holds."""
+
+    temperature: float
+    stops: torch.Tensor | None
+    pad_id: int
+    synced: bool = False
+    truncation: Truncation | None = None
+    seen: torch.Tensor | None = None
+
+    def __call__(self, logits, done, rows: torch.Tensor | None = None):
+        """``draw_tokens`` over every row, or over ``rows`` only (the others get the pad id and keep their ``done``):
+        the random state then moves as a chunk of those rows alone would move it."""
+        if rows is None:
+            return draw_tokens(logits, self.temperature, done, self.stops, self.pad_id, self.synced,
+                               self.truncation, self.seen)
+        seen = None if self.seen is None else self.seen[rows]
+        drawn, drawn_done, finished = draw_tokens(logits[rows], self.temperature, done[rows], self.stops,
+                                                  self.pad_id, self.synced, self.truncation, seen)
+        if seen is not None:
+            self.seen[rows] = seen
+        tokens = torch.full_like(done, self.pad_id, dtype=drawn.dtype).index_copy_(0, rows, drawn)
+        return tokens, done.index_copy(0, rows, drawn_done), finished
+
+
+def decode_static(decoder: StaticDecoder, state: StaticRows, logits, column: int, length: int, done,
+                  draw: TokenDraw, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Up to ``length`` tokens for the rows not ``done`` (the first ``B`` of ``done``'s; a done row draws the pad id)
+    after ``logits``, each token fed through the compiled step into cache column ``column`` + t; ``rows``: draw for
+    these rows only (``TokenDraw``). Returns the tokens [B, length] and how many of them were fed (the last one drawn
+    never is); ``state``'s inputs and positions are the last fed, and its mask keeps every fed column for every
+    row."""
+    b = done.shape[0]
+    tokens = torch.full((b, length), draw.pad_id, dtype=state.inputs.dtype, device=state.inputs.device)
+    fed = 0
+    for t in range(length):
+        tokens[:, t], done, finished = draw(logits[:b], done, rows)
+        if finished or t + 1 == length:
+            break
+        state.inputs = state.inputs[:, -1:].clone()  # the padding rows feed their own last input again
+        state.inputs[:b, 0] = torch.where(done, 0, tokens[:, t])
+        state.mask[:, column + t] = 1
+        state.positions = state.positions[:, -1:] + 1
+        logits = decoder.step_logits(state.inputs, state.mask, state.positions, state.cache, state.key,
+                                     cache_position=column + t)
+        fed = t + 1
+    return tokens, fed
 
 
 @torch.no_grad()

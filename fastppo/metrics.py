@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from rich.table import Table
@@ -68,21 +69,29 @@ VALUE_METRICS = ("loss/value_avg", "val/clipfrac_avg")
 KL_IN_LOSS_METRIC = "kl"
 
 
-def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int, critic: bool = True,
-                   kl: bool = True, kl_in_loss: bool = False,
-                   reward_columns: dict[str, torch.Tensor] | None = None, kl_in_reward: bool = False,
-                   entropy_coef: float | None = None) -> dict[str, float]:
-    """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration (two more
-    for the rewards' moments).
+@dataclass(frozen=True)
+class MetricTerms:
+    """The terms a run has, which decide the metrics it logs. ``critic=False``: no value terms; ``kl=False``: no
+    reference ran, so no ``objective/kl``; ``kl_in_loss``: + TRL GRPO's ``kl``, the in-loss per-token KL
+    (ρ-weighted under ``use_bias_correction_kl``) as a token mean over every process for each micro-step, averaged
+    over the micro-steps, whatever ``loss_type`` aggregates the loss by; ``kl_in_reward``: + TRL RLOO's ``kl``, the
+    reward's per-token KL (π_θ_old against π_ref) as a token mean over every process; ``entropy_coef`` not None
+    (critic-free, the bonus on: a coefficient ≠ 0, or the adaptive one): + TRL GRPO's ``policy_loss`` (the loss
+    before the entropy bonus) and ``entropy_coef``, as TRL logs them."""
 
-    ``critic=False``: no value terms; ``kl=False``: no reference ran, so no ``objective/kl``; ``kl_in_loss``:
-    + TRL GRPO's ``kl``, the in-loss per-token KL (ρ-weighted under ``use_bias_correction_kl``) as a token mean
-    over every process for each micro-step, averaged over the micro-steps, whatever ``loss_type`` aggregates
-    the loss by. ``reward_columns``: each reward's scores (NaN where it did not judge), logged as TRL GRPO's
-    ``rewards/<name>/mean`` and ``/std`` over the completions it judged on every process (``reward_moments``).
-    ``kl_in_reward``: + TRL RLOO's ``kl``, the reward's per-token KL (π_θ_old against π_ref) as a token mean over
-    every process. ``entropy_coef`` not None (critic-free, the bonus on: a coefficient ≠ 0, or the adaptive one):
-    + TRL GRPO's ``policy_loss`` (the loss before the entropy bonus) and ``entropy_coef``, as TRL logs them."""
+    critic: bool = True
+    kl: bool = True
+    kl_in_loss: bool = False
+    kl_in_reward: bool = False
+    entropy_coef: float | None = None
+
+
+def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int, terms: MetricTerms = MetricTerms(),
+                   reward_columns: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration (two more
+    for the rewards' moments); ``terms`` says which (``MetricTerms``). ``reward_columns``: each reward's scores
+    (NaN where it did not judge), logged as TRL GRPO's ``rewards/<name>/mean`` and ``/std`` over the completions
+    it judged on every process (``reward_moments``)."""
     stats = result.stats.flatten(1)  # [S, n]
     ran = torch.isfinite(stats)
     counts = ran.sum(1).float()
@@ -127,23 +136,34 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
         "train/skipped_steps": skipped / w,
         "train/ratio_skipped_microbatches": sums[STAT["ratio_skipped"]],
     }
-    if kl_in_loss:  # TRL GRPO's: each micro-step's token mean over every process, averaged over the micro-steps
+    if terms.kl_in_loss:  # TRL GRPO's: each micro-step's token mean over every process, averaged over the micro-steps
         metrics[KL_IN_LOSS_METRIC] = _global_mean(by_slot, KL_IN_LOSS_METRIC)
-    elif kl_in_reward:  # TRL RLOO's: the reward's KL, a token mean over the batch of every process
+    elif terms.kl_in_reward:  # TRL RLOO's: the reward's KL, a token mean over the batch of every process
         metrics[KL_IN_LOSS_METRIC] = kl_tokens / max(tokens, 1.0)
-    if not critic:  # TRL GRPO's entropy and loss (a critic-free run logs TRL GRPO's names)
+    if not terms.critic:  # TRL GRPO's entropy and loss (a critic-free run logs TRL GRPO's names)
         metrics["entropy"] = _global_mean(by_slot, "entropy")
         metrics["loss"] = mean["loss"]  # each optimizer step's loss as minimised, averaged
         metrics.update(extreme_clip_fractions(result.stats))
         metrics["grad_norm"] = float(result.grad_norm)  # transformers': the last step's, before clipping
-        if entropy_coef is not None:
-            metrics["policy_loss"], metrics["entropy_coef"] = mean["policy_loss"], entropy_coef
+        if terms.entropy_coef is not None:
+            metrics["policy_loss"], metrics["entropy_coef"] = mean["policy_loss"], terms.entropy_coef
     for name, (mean_r, std_r) in zip(columns, reward_moments(list(columns.values()))):
         metrics[f"rewards/{name}/mean"] = mean_r
         metrics[f"rewards/{name}/std"] = std_r
-    for name in (() if critic else VALUE_METRICS) + (() if kl else ("objective/kl",)):
+    for name in (() if terms.critic else VALUE_METRICS) + (() if terms.kl else ("objective/kl",)):
         del metrics[name]
     return metrics
+
+
+def sampling_difference(sampled: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """TRL's ``sampling/sampling_logp_difference/{mean,max}``: |log π_θ_old − the sampler's log-prob| over the trained
+    tokens the sampler reported, every process's."""
+    shared = mask.bool() & ~torch.isnan(sampled)
+    gap = torch.where(shared, (old.float() - sampled.float()).abs(), torch.zeros((), device=old.device))
+    total = all_reduce(torch.stack([gap.sum(), shared.sum().float()]))
+    largest = all_reduce(gap.max().reshape(1), torch.distributed.ReduceOp.MAX if is_distributed() else None)
+    return {"sampling/sampling_logp_difference/mean": (total[0] / total[1].clamp(min=1)).item(),
+            "sampling/sampling_logp_difference/max": largest.item()}
 
 
 def extreme_clip_fractions(stats: torch.Tensor) -> dict[str, float]:
@@ -334,11 +354,21 @@ def print_completions(console, table: dict[str, list], step: int, rows: list[int
     console.print(shown)
 
 
-def print_samples(console, prompts, completions, scores, update: int, path: str | None, n: int = 6,
-                  columns: dict[str, list[float]] | None = None, extra: dict[str, list] | None = None) -> None:
-    """A rich table of sample completions, also appended to ``path`` (samples.jsonl; None: printed only).
-    ``columns``: each reward's own score beside the total (NaN: that reward did not judge the row); ``extra``:
-    the columns reward functions logged (``log_extra``), one value per row."""
+class Samples(NamedTuple):
+    """The rows of a sample table: prompts, completions and their scores; ``columns``: each reward's own score
+    beside the total (NaN: that reward did not judge the row); ``extra``: the columns reward functions logged
+    (``log_extra``), one value per row."""
+
+    prompts: list[str]
+    completions: list[str]
+    scores: list[float]
+    columns: dict[str, list[float]] | None = None
+    extra: dict[str, list] | None = None
+
+
+def print_samples(console, samples: Samples, update: int, path: str | None, n: int = 6) -> None:
+    """A rich table of sample completions, also appended to ``path`` (samples.jsonl; None: printed only)."""
+    prompts, completions, scores, columns, extra = samples
     columns = columns if columns and len(columns) > 1 else {}  # one reward: its column is the score
     extra = extra or {}
     table = Table(title=f"samples at iteration {update}", show_lines=False)

@@ -164,9 +164,22 @@ def check_model_scores(name: str, scores: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: str, chunk: int,
-                  packed: bool, device, context: dict | None = None, unjudged_allowed: bool = False,
-                  completion_messages: list[list[dict]] | None = None, sharing: Callable | None = None
+@dataclass(frozen=True)
+class RewardScoring:
+    """How a run's rewards are read: the dataset column holding a row's prompt (``text_field``), the reward
+    models' rows per forward (``chunk``), packed or padded, on ``device``; ``unjudged_allowed``: a completion no
+    reward judged is allowed (the advantage estimator leaves it out) rather than refused."""
+
+    text_field: str
+    chunk: int
+    packed: bool
+    device: torch.device
+    unjudged_allowed: bool = False
+
+
+def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, scoring: RewardScoring,
+                  context: dict | None = None, completion_messages: list[list[dict]] | None = None,
+                  sharing: Callable | None = None
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str] | None, list[str] | None]:
     """Step 1's scores: each reward on the rollout (a model on the policy's token ids, or on its own tokens when it
     has its own tokenizer; the functions on the texts, as TRL GRPO calls them, ``context``'s keywords added:
@@ -182,7 +195,8 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     if any(r.tokenizer is not None for r in rewards):  # prompt + completion as one text: the spacing the policy wrote
         texts = tokenizer.batch_decode([p + c for p, c in zip(prompt_ids, completion_ids)], skip_special_tokens=True)
-    messages = list(rows[text_field]) if rows is not None and text_field in rows.column_names else None
+    field = scoring.text_field
+    messages = list(rows[field]) if rows is not None and field in rows.column_names else None
     functions = [r for r in rewards if r.fn is not None]
     if functions:  # all at once: the async ones run together
         chat = messages is not None and all(is_conversation(m) for m in messages)
@@ -190,7 +204,7 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
             [(reward_fn_name(r.fn), r.fn) for r in functions],
             messages if chat else prompts,  # TRL GRPO: a conversational row's prompt messages, as the dataset has them
             (completion_messages or [[{"role": "assistant", "content": c}] for c in completions]) if chat
-            else completions, device,
+            else completions, scoring.device,
             **reward_fn_columns(prompt_ids, completion_ids, rows), **(context or {}))
         columns.update((r.name, column) for r, column in zip(functions, scored))
     for reward in rewards:
@@ -198,11 +212,11 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
             continue
         if reward.tokenizer is None:  # the policy's tokenizer: its token ids, read at the last token, no decode
             shared = None if sharing is None else sharing(reward.model)
-            columns[reward.name] = check_model_scores(reward.name, reward_model_scores(reward.model, rollout, chunk,
-                                                                                       packed, shared))
+            columns[reward.name] = check_model_scores(reward.name, reward_model_scores(
+                reward.model, rollout, scoring.chunk, scoring.packed, shared))
         else:
             columns[reward.name] = check_model_scores(reward.name, retokenized_scores(
-                reward, texts, completions, messages, chunk, device))
+                reward, texts, completions, messages, scoring.chunk, scoring.device))
     columns = {r.name: columns[r.name] for r in rewards}  # reward_weights' order: the sum's order
     if len(rewards) == 1 and rewards[0].weight == 1.0 and not torch.isnan(columns[rewards[0].name]).any():
         return columns[rewards[0].name], columns, prompts, completions  # one reward: its scores, bit for bit
@@ -212,5 +226,5 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, text_field: s
         return {**shown, "prompt": None if prompts is None else prompts[row],
                 "completion": None if completions is None else completions[row]}
 
-    return (combine_rewards(columns, {r.name: r.weight for r in rewards}, unjudged_allowed, describe), columns,
-            prompts, completions)
+    return (combine_rewards(columns, {r.name: r.weight for r in rewards}, scoring.unjudged_allowed, describe),
+            columns, prompts, completions)

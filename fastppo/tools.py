@@ -27,6 +27,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -271,6 +272,16 @@ SAMPLE_EXCHANGE = [
 ]
 
 
+class TurnSampler(Protocol):
+    """Writes the next turn of each of ``rows`` (up to ``length`` tokens, cut after its stop token) after its whole
+    episode so far, ``contexts`` (prompt, turns, tool messages), whose last tokens are ``suffixes`` (the tool
+    messages' tokens that round appended): a sampler that prefills every context anew reads ``contexts``, one that
+    keeps each episode in its KV cache (``episode_decode.EpisodeDecode``) feeds ``suffixes``."""
+
+    def __call__(self, rows: list[int], contexts: list[list[int]], suffixes: list[list[int]],
+                 length: int) -> list[list[int]]: ...
+
+
 @dataclass
 class Episodes:
     """Each row's completion over every turn (the model's tokens and the template's tool-message tokens), which of
@@ -283,20 +294,35 @@ class Episodes:
     calls: int
     failures: int
 
+    @staticmethod
+    def joined(parts: list[Episodes]) -> Episodes:
+        """The episodes of consecutive chunks of rows as one."""
+        return Episodes([c for p in parts for c in p.completions], [m for p in parts for m in p.model_tokens],
+                        [m for p in parts for m in p.messages], sum(p.calls for p in parts),
+                        sum(p.failures for p in parts))
 
-def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[list[int]], budget: int,
-                 sample: Callable[[list[list[int]], int], list[list[int]]], max_rounds: int | None,
-                 synced: bool = False, device=None, tools: list[list[Callable]] | None = None,
-                 stop_ids: tuple[int, ...] = ()) -> Episodes:
+
+@dataclass(frozen=True)
+class TurnLimits:
+    """What bounds an episode: ``budget`` completion tokens over every turn, at most ``max_rounds`` rounds of tool
+    calls (None: no limit), and the stop ids that end a turn (a turn that did not end at one ran out of room, and
+    its calls are not run: the template's tool turn follows an ended turn)."""
+
+    budget: int
+    max_rounds: int | None
+    stop_ids: tuple[int, ...] = ()
+
+
+def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[list[int]], sample: TurnSampler,
+                 limits: TurnLimits, tools: list[list[Callable]] | None = None, synced: bool = False,
+                 device=None) -> Episodes:
     """Rounds of tool calls after each row's first turn ``first`` (cut after its stop token): the calls of every row
-    that made some are run, the tool messages' tokens appended, and ``sample(contexts, length)`` writes the next
-    turns (each cut after its stop token), until no row calls a tool or ``max_rounds`` rounds ran (None: no limit).
-    The whole completion stays within ``budget`` tokens: a round whose tool messages would leave no room is rolled
-    back for that row, and a turn is cut at the room left. ``synced`` (ZeRO-3, where every forward is a collective):
-    every process runs the same rounds, sampling one throwaway row when it has none of its own (``device``: where
-    the process group's collectives run). ``tools``: each row's (default: the run's). ``stop_ids``: a turn that
-    did not end at one of them ran out of room, and its calls are not run (the template's tool turn follows an
-    ended turn)."""
+    that made some are run, the tool messages' tokens appended, and ``sample`` writes the next turns (each cut after
+    its stop token), until no row calls a tool or ``limits.max_rounds`` rounds ran. The whole completion stays
+    within ``limits.budget`` tokens: a round whose tool messages would leave no room is rolled back for that row,
+    and a turn is cut at the room left. ``synced`` (ZeRO-3, where every forward is a collective): every process runs
+    the same rounds, sampling one throwaway row when it has none of its own (``device``: where the process group's
+    collectives run). ``tools``: each row's (default: the run's)."""
     from fastppo import dist as fdist
 
     completions = [list(ids) for ids in first]
@@ -304,7 +330,7 @@ def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[lis
     row_tools = [None] * len(first) if tools is None else tools
     messages = [[calling.parse(ids, prefix, row_tools[i])] for i, (ids, prefix) in enumerate(zip(first, prompts))]
     calls = failures = rounds = 0
-    ended = set(stop_ids)
+    budget, max_rounds, ended = limits.budget, limits.max_rounds, set(limits.stop_ids)
 
     def calls_tools(message: dict, turn: list[int]) -> bool:
         return bool(message.get("tool_calls")) and (not ended or (bool(turn) and turn[-1] in ended))
@@ -316,7 +342,7 @@ def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[lis
         done = calling.run([messages[i][-1]["tool_calls"] if i in pending else None for i in range(len(first))],
                            tools)
         calls, failures = calls + done.calls, failures + done.failures
-        contexts, rows, rooms = [], [], []
+        contexts, rows, rooms, suffixes = [], [], [], []
         for i in pending:
             suffix = calling.suffix_ids(done.messages[i])
             room = budget - len(completions[i]) - len(suffix)
@@ -328,11 +354,13 @@ def run_episodes(calling: ToolCalling, prompts: list[list[int]], first: list[lis
             contexts.append(prompts[i] + completions[i])
             rows.append(i)
             rooms.append(room)
+            suffixes.append(suffix)
         length = max(rooms, default=0)
         if synced:  # every process samples the same number of tokens' forwards
             length = int(fdist.all_reduce(torch.tensor([float(length)], device=device),
                                           torch.distributed.ReduceOp.MAX).item())
-        turns = sample(contexts or [prompts[0]], length) if (contexts or synced) and length > 0 else []
+        turns = sample(rows, contexts or [prompts[0]], suffixes, length) if (contexts or synced) and length > 0 \
+            else []
         pending = []
         for i, room, turn in zip(rows, rooms, turns):
             turn = turn[:room]

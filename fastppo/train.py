@@ -43,13 +43,14 @@ import torch
 import torch.nn as nn
 
 from fastppo import dist as fdist
-from fastppo.advantages import estimate_advantages
+from fastppo.advantages import estimate_advantages, reward_columns_of
 from fastppo.batching import micro_batches
 from fastppo.config import PPOConfig
 from fastppo.controllers import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
 from fastppo.kernels import clip_sides, clipped_surrogate, fused_full_kl, kl_penalty, masked_mean, masked_var
 from fastppo.layout import gathered, head_input, head_precision, lm_head_of
-from fastppo.metrics import STAT, STAT_NAMES, UpdateResult, completion_metrics, gather_metrics, objective_sums
+from fastppo.metrics import (STAT, STAT_NAMES, MetricTerms, UpdateResult, completion_metrics, gather_metrics,
+                             objective_sums, sampling_difference)
 from fastppo.policy_terms import LossSettings, high_entropy_mask
 from fastppo.rewards import transform_scores
 from fastppo.rollout import Rollout, ScoredRollout
@@ -71,29 +72,43 @@ class Experience:
     kl: torch.Tensor  # per-token KL estimate (0 without a reference)
 
 
-def compute_experience(actor_critic, reference, rollout: Rollout, temperature: float, kl_estimator: str, chunk: int,
-                       packed: bool = False, seconds: dict | None = None, policy: bool = True,
-                       shared: tuple | None = None, policy_shared: tuple | None = None) -> Experience:
+@dataclass(frozen=True)
+class Scoring:
+    """How step 2's forwards run: at ``temperature``, the KL by ``kl_estimator``, ``chunk`` rows at a time, packed
+    or padded. ``policy=False``: π_θ_old is not run (``old_logprobs_in_update``): its log-probs and KL come back
+    None and 0, and the update fills them in. ``shared`` (``reference_sharing``): the reference runs each group's
+    prompt once (its layout's outputs land in the same order, so the full KL's hidden states still pair up);
+    ``policy_shared`` (``update_sharing``, with a ``chunk`` of whole groups): π_θ_old too, as the update will."""
+
+    temperature: float
+    kl_estimator: str
+    chunk: int
+    packed: bool = False
+    policy: bool = True
+    shared: tuple | None = None
+    policy_shared: tuple | None = None
+
+
+def compute_experience(actor_critic, reference, rollout: Rollout, scoring: Scoring,
+                       seconds: dict | None = None) -> Experience:
     """Step 2: log π_θ_old and V (one call of the trained module), log π_ref and the per-token KL, in
-    chunks of ``chunk`` rows, under ``torch.inference_mode``.
+    chunks of rows, under ``torch.inference_mode`` (``scoring`` says how).
 
     ``actor_critic`` is the same module and call as the training forward, on the same layout, so with
     dropout off the first PPO ratio is exactly 1. ``seconds`` collects the time of each model's forwards.
     ``reference=None``: no KL anywhere (critic-free at kl_coef = beta = 0): π_ref is never run, the KL is 0.
-    ``policy=False``: π_θ_old is not run here (``old_logprobs_in_update``): its log-probs and KL come back None
-    and 0, and the update fills them in. ``shared`` (``reference_sharing``): the reference runs each group's
-    prompt once (its layout's outputs land in the same order, so the full KL's hidden states still pair up);
-    ``policy_shared`` (``update_sharing``, with a ``chunk`` of whole groups): π_θ_old too, as the update will.
     """
-    full = kl_estimator == "full" and reference is not None and policy
+    temperature, chunk = scoring.temperature, scoring.chunk
+    shared, policy_shared = scoring.shared, scoring.policy_shared
+    full = scoring.kl_estimator == "full" and reference is not None and scoring.policy
     logprobs, ref_logprobs, values, kls = [], [], [], []
     clock = {"policy_value": 0.0, "reference": 0.0}
     with torch.inference_mode():
         for i in range(0, rollout.query_responses.shape[0], chunk):
             rows = range(i, min(i + chunk, rollout.query_responses.shape[0]))
-            layout = rollout.layout(rows, packed, shared=policy_shared)
+            layout = rollout.layout(rows, scoring.packed, shared=policy_shared)
             t0 = time.perf_counter()
-            if policy:
+            if scoring.policy:
                 out = actor_critic(layout, temperature, return_hidden=full)
                 logp, value, hidden = out.logprobs, out.values, out.hidden
             else:
@@ -116,14 +131,14 @@ def compute_experience(actor_critic, reference, rollout: Rollout, temperature: f
                         temperature, bias=None if bias is None else bias.to(hidden.dtype),
                         ref_bias=None if ref_bias is None else ref_bias.to(ref_hidden.dtype))))
             else:
-                kls.append(kl_penalty(logp, ref_logp, kl_estimator))
+                kls.append(kl_penalty(logp, ref_logp, scoring.kl_estimator))
             clock["policy_value"] += t1 - t0
             clock["reference"] += time.perf_counter() - t1
             logprobs.append(logp)
             ref_logprobs.append(ref_logp)
             values.append(value)
         mask = rollout.response_mask
-        out = [torch.cat(logprobs) if policy else None, None if reference is None else torch.cat(ref_logprobs),
+        out = [torch.cat(logprobs) if scoring.policy else None, None if reference is None else torch.cat(ref_logprobs),
                None if values[0] is None else torch.cat(values) * mask, torch.cat(kls) * mask]
     if seconds is not None:
         seconds.update(clock)
@@ -328,29 +343,50 @@ def loss_statistics(terms: LossTerms, inputs: LossInputs, settings: LossSettings
     return stats
 
 
-def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targets: Targets, config: PPOConfig,
-               sizes: Sizes, generator: torch.Generator, autocast: Callable = contextlib.nullcontext,
-               log: Callable[[str], None] = print, zero=None, train: bool = True, max_steps: int | None = None,
-               entropy_ctl: AdaptiveEntropyController | None = None,
-               after_step: Callable[[], None] | None = None, shared: tuple | None = None) -> UpdateResult:
+@dataclass(frozen=True)
+class UpdateModel:
+    """What the update trains and how it steps: ``model`` (the actor-critic, or DDP's or DeepSpeed's wrapper around
+    it) and its optimizer; ``zero`` (``fastppo.zero.ZeRO``, ``model`` its engine): DeepSpeed accumulates, clips,
+    steps and skips; ``entropy_ctl``: TRL GRPO's adaptive entropy coefficient, read before each step and moved
+    after it; ``after_step``: called after each optimizer step (TRL GRPO's schedule, stepped per optimizer step)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    autocast: Callable = contextlib.nullcontext
+    log: Callable[[str], None] = print
+    zero: object | None = None
+    entropy_ctl: AdaptiveEntropyController | None = None
+    after_step: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class UpdateBatch:
+    """What the update learns from: the rollout, step 2's forwards and steps 3-4's targets; ``shared``
+    (``update_sharing``): each micro-batch's forward runs each group's prompt once, the minibatch order drawing
+    whole groups."""
+
+    rollout: Rollout
+    experience: Experience
+    targets: Targets
+    shared: tuple | None = None
+
+
+def ppo_update(trained: UpdateModel, data: UpdateBatch, config: PPOConfig, sizes: Sizes, generator: torch.Generator,
+               train: bool = True, max_steps: int | None = None) -> UpdateResult:
     """Step 5: num_ppo_epochs × num_mini_batches optimizer steps, each over micro_steps micro-batches.
 
     ``max_steps``: stop after this many (the run's last steps, where TRL GRPO's max_steps ends inside a generation
-    batch); ``entropy_ctl``: TRL GRPO's adaptive entropy coefficient, read before each step and moved after it;
-    ``after_step``: called after each optimizer step (TRL GRPO's schedule, stepped per optimizer step). Where
-    ``sizes.counts_optimizer_steps`` (TRL GRPO's loop), the rows are shuffled once and every epoch walks the same
-    minibatches in the same order, as TRL's buffered generation batch is revisited.
-
-    ``shared`` (``update_sharing``): each micro-batch's forward runs each group's prompt once, the minibatch order
-    drawing whole groups.
+    batch). Where ``sizes.counts_optimizer_steps`` (TRL GRPO's loop), the rows are shuffled once and every epoch
+    walks the same minibatches in the same order, as TRL's buffered generation batch is revisited.
 
     ``train=False`` (an evaluation, under the caller's ``torch.no_grad``): one epoch of the same forwards and
     losses with the model in eval mode, and no backward or step: the stats are the loss and metrics at θ_old
     (ratio 1), as TRL's ``prediction_step`` computes them.
 
-    A step whose loss or gradient is not finite (on any process) is skipped (``OptimizerSteps``); ``zero``
-    (``fastppo.zero.ZeRO``, ``model`` its engine): DeepSpeed accumulates, clips, steps and skips.
+    A step whose loss or gradient is not finite (on any process) is skipped (``OptimizerSteps``).
     """
+    model, zero, entropy_ctl = trained.model, trained.zero, trained.entropy_ctl
+    rollout, experience, shared = data.rollout, data.experience, data.shared
     device = rollout.query_responses.device
     budget = config.max_tokens_per_micro_batch
     # a token budget may cut a minibatch into up to one micro-batch per row
@@ -361,8 +397,8 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
     # log-probs are π_θ_old's; they are kept for the metrics
     seen = torch.zeros_like(rollout.response_mask, dtype=torch.float32) if experience.logprobs is None else None
     total_lengths = [q + r for q, r in zip(rollout.query_lengths, rollout.response_lengths)]
-    inputs = MicroBatchInputs(rollout, experience, targets, config, sizes)
-    stepper = OptimizerSteps(optimizer, config.max_grad_norm, zero, log, after_step, device)
+    inputs = MicroBatchInputs(rollout, experience, data.targets, config, sizes)
+    stepper = OptimizerSteps(trained.optimizer, config.max_grad_norm, zero, trained.log, trained.after_step, device)
     epochs_run = config.num_ppo_epochs if train else 1
     steps_left = math.inf if max_steps is None or not train else max_steps
     model.train(train)
@@ -385,7 +421,7 @@ def ppo_update(model, optimizer, rollout: Rollout, experience: Experience, targe
                 batch = inputs.rows(rows, step_weights)
                 last = k == len(micro) - 1  # DDP all-reduces gradients on the last micro-step only
                 with accumulating(model, zero, last):
-                    with autocast():
+                    with trained.autocast():
                         out = model(rollout.layout(rows, config.padding_free, shared=shared), config.temperature,
                                     return_entropy=True, policy_loss=inputs.fused_loss(batch, rows, entropy_coef))
                     if seen is not None:
@@ -435,26 +471,6 @@ def with_old_logprobs(experience: Experience, logprobs: torch.Tensor, mask: torc
 
 
 # ============================================================================ 6. one iteration, steps 1-6 in order
-
-
-def reward_columns(batch: ScoredRollout, config: PPOConfig, dtype: torch.dtype):
-    """GDPO's inputs (``multi_objective_aggregation="normalize_then_sum"``): [B, F] each reward's scores and their
-    [F] weights; (None, None) otherwise."""
-    if config.multi_objective_aggregation != "normalize_then_sum":
-        return None, None
-    columns = torch.stack(list(batch.reward_columns.values()), 1).to(dtype)
-    return columns, torch.tensor(config.reward_weights or [1.0] * columns.shape[1], device=columns.device)
-
-
-def sampling_difference(sampled: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """TRL's ``sampling/sampling_logp_difference/{mean,max}``: |log π_θ_old − the sampler's log-prob| over the trained
-    tokens the sampler reported, every process's."""
-    shared = mask.bool() & ~torch.isnan(sampled)
-    gap = torch.where(shared, (old.float() - sampled.float()).abs(), torch.zeros((), device=old.device))
-    total = fdist.all_reduce(torch.stack([gap.sum(), shared.sum().float()]))
-    largest = fdist.all_reduce(gap.max().reshape(1), torch.distributed.ReduceOp.MAX if fdist.is_distributed() else None)
-    return {"sampling/sampling_logp_difference/mean": (total[0] / total[1].clamp(min=1)).item(),
-            "sampling/sampling_logp_difference/max": largest.item()}
 
 
 @dataclass(frozen=True)
@@ -513,11 +529,9 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     shared = reference_sharing(config, learner.reference, rollout, chunk)
     update_shared = update_sharing(config, sizes, learner.actor_critic, rollout)
     with learner.autocast():
-        experience = compute_experience(learner.actor_critic, learner.reference, rollout, config.temperature,
-                                   config.kl_estimator, chunk, config.padding_free, scoring_seconds,
-                                   policy=not in_update, shared=shared,
-                                   policy_shared=update_shared if update_shared and chunk % update_shared[0] == 0
-                                   else None)
+        scoring = Scoring(config.temperature, config.kl_estimator, chunk, config.padding_free, not in_update, shared,
+                          update_shared if update_shared and chunk % update_shared[0] == 0 else None)
+        experience = compute_experience(learner.actor_critic, learner.reference, rollout, scoring, scoring_seconds)
     t_forward = time.perf_counter()
     # 3. rewards: R_t = −β·KL_t, + the (transformed) score on the last trained token
     moments = learner.moments if train else copy.deepcopy(learner.moments)  # an evaluation moves no moment
@@ -529,7 +543,7 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     # 4. advantages (and GAE's returns) by the advantage_estimator (GDPO: from each reward's own scores)
     advantages, returns = estimate_advantages(config.advantage_estimator, rewards, experience.values,
                                               rollout.response_mask, config, skip_masked,
-                                              *reward_columns(batch, config, scores.dtype))
+                                              *reward_columns_of(batch, config, scores.dtype))
     targets = Targets(rewards, non_score_reward, advantages, returns)
     t1 = time.perf_counter()
     # 5. PPO update, at this iteration's learning rate
@@ -539,21 +553,22 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
         order = learner.shuffle if train else torch.Generator().manual_seed(0)
         per_step = learner.lr_scheduler.step if learner.lr_scheduler is not None and sizes.counts_optimizer_steps \
             else None
-        update = ppo_update(learner.model, learner.optimizer, rollout, experience, targets, config, sizes, order,
-                            learner.autocast, learner.log, zero=learner.zero, train=train, max_steps=max_steps,
-                            entropy_ctl=learner.entropy_ctl, after_step=per_step, shared=update_shared)
+        trained = UpdateModel(learner.model, learner.optimizer, learner.autocast, learner.log, learner.zero,
+                              learner.entropy_ctl, after_step=per_step)
+        update = ppo_update(trained, UpdateBatch(rollout, experience, targets, update_shared), config, sizes, order,
+                            train, max_steps)
     t2 = time.perf_counter()
     if in_update:  # π_θ_old's log-probs, and the KL they make with π_ref, as step 2 would have measured them
         experience = with_old_logprobs(experience, update.logprobs, rollout.response_mask, config.kl_estimator)
     # 6. metrics (one all-reduce), then β and the learning-rate schedule move on
     objective = objective_sums(experience.kl, experience.logprobs, non_score_reward, rollout.response_mask,
                                batch.scores, batch.eos_count)
-    metrics = gather_metrics(objective, update, sizes.world_size, critic=experience.values is not None,
-                             kl=experience.ref_logprobs is not None, kl_in_loss=bool(config.beta),
-                             reward_columns=batch.reward_columns,
-                             kl_in_reward=config.advantage_estimator == "rloo" and bool(kl_coef),
-                             entropy_coef=learner.entropy_ctl.value if learner.entropy_ctl is not None
-                             else config.entropy_coef or None)
+    terms = MetricTerms(critic=experience.values is not None, kl=experience.ref_logprobs is not None,
+                        kl_in_loss=bool(config.beta),
+                        kl_in_reward=config.advantage_estimator == "rloo" and bool(kl_coef),
+                        entropy_coef=learner.entropy_ctl.value if learner.entropy_ctl is not None
+                        else config.entropy_coef or None)
+    metrics = gather_metrics(objective, update, sizes.world_size, terms, batch.reward_columns)
     if batch.sampling_logprobs is not None:  # how far a caller's sampler was from π_θ_old (TRL's vLLM metrics)
         metrics.update(sampling_difference(batch.sampling_logprobs, experience.logprobs, rollout.response_mask))
     if config.critic_free:  # TRL GRPO's completion and reward metrics

@@ -33,16 +33,17 @@ from fastppo.config import PPOConfig, as_list, user_path
 from fastppo.data import chat_token_ids, left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
-from fastppo.generation import sample_responses, stop_ids_of
+from fastppo.episode_decode import EpisodeDecode
+from fastppo.generation import cut_after_stop, sample_responses, stop_ids_of
 from fastppo.layout import lm_of, shared_mask_kind
-from fastppo.metrics import MetricsLogger, RewardLogs, plot_curves, print_samples
-from fastppo.reward_scores import processing_classes_by_name, resolve_rewards, score_rewards
+from fastppo.metrics import MetricsLogger, RewardLogs, Samples, plot_curves, print_samples
+from fastppo.reward_scores import RewardScoring, processing_classes_by_name, resolve_rewards, score_rewards
 from fastppo.rewards import check_reward_fn_columns, load_reward_fn, reward_fn_name
 from fastppo.script_args import ModelConfig
 from fastppo.sizes import Sizes, derive_sizes, every
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
-from fastppo.tools import ToolCalling, run_episodes
+from fastppo.tools import Episodes, ToolCalling, TurnLimits, run_episodes
 from fastppo.train import IterationResult, Learner, ppo_iteration
 from fastppo.sharing import prompt_sharing
 from fastppo.output_dir import RunLock, decide_resume, refuse_foreign, remove_run_files
@@ -296,9 +297,11 @@ class PPOTrainer:
             self.zero.generation(self._lm(), config.ds3_gather_for_generation)
         temperature = config.temperature if temperature is None else temperature
         with self.autocast(), context:
-            if self.rollout_func is None:
+            if self.rollout_func is None and not self._episodes_in_cache(synced):
                 responses = self._sample(queries, query_mask, config.response_length, temperature, synced)
                 rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
+            elif self.rollout_func is None:  # the compiled decode samples each episode's first turn too
+                rollout = None
             if self.tool_calling is not None:  # the turns after each tool call (fastppo.tools)
                 rollout, episodes = self._tool_episodes(rollout, queries, query_mask, temperature, synced, row_tools)
         if sampling_logprobs is not None:  # the caller's first turn has them; the later turns' are not known (NaN)
@@ -312,14 +315,14 @@ class PPOTrainer:
         """Step 1's scoring: the rewards of the rollout's completions, the missing-eos penalty, the timing."""
         config, tok = self.config, self.tokenizer
         with self.autocast():
+            scoring = RewardScoring(config.dataset_text_field, config.local_rollout_forward_batch_size,
+                                    config.padding_free, self.device, ESTIMATORS[config.advantage_estimator].unjudged)
             scores, columns, prompts, completions = score_rewards(
-                self.rewards, rollout, self.tokenizer, rows, config.dataset_text_field,
-                config.local_rollout_forward_batch_size, config.padding_free, self.device,
+                self.rewards, rollout, self.tokenizer, rows, scoring,
                 context=dict(trainer_state=self.state, log_extra=self.reward_logs.log_extra,
                              log_metric=self.reward_logs.log_metric,
                              **({} if instances is None else {"environments": instances})),
                 completion_messages=None if episodes is None else episodes.messages,
-                unjudged_allowed=ESTIMATORS[config.advantage_estimator].unjudged,
                 sharing=lambda model: prompt_sharing(config, model, rollout, config.local_rollout_forward_batch_size))
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
         scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,
@@ -411,29 +414,57 @@ class PPOTrainer:
             ids.append(prompt if limit is None else prompt[-limit:])
         return ids, instances, [self._environments.row_tools(i) for i in instances], messages
 
-    def _tool_episodes(self, rollout: Rollout, queries, query_mask, temperature: float, synced: bool,
-                       row_tools=None):
-        """The rollout's first turns carried on through their tool calls (``tools.run_episodes``): the completions
-        of every turn, the template's tool-message tokens in them left out of training (the rollout's train mask),
-        within ``response_length``; TRL's ``tools/call_frequency`` and ``tools/failure_frequency`` logged (every
-        process's calls over every process's completions)."""
-        pad, stops = self.tokenizer.pad_token_id, self.stop_ids
+    def _episodes_in_cache(self, synced: bool) -> bool:
+        """Whether the rollout's episodes are sampled whole, each chunk's in one static KV cache
+        (``episode_decode``): with tools, the compiled decode and the first turns fastppo's own."""
+        return self.tool_calling is not None and self.rollout_func is None and not synced and \
+            self._decoder() is not None
 
-        def sample(contexts: list[list[int]], length: int) -> list[list[int]]:
+    def _tool_episodes(self, rollout: Rollout | None, queries, query_mask, temperature: float, synced: bool,
+                       row_tools=None):
+        """The rollout's first turns carried on through their tool calls (``tools.run_episodes``; ``rollout`` None:
+        the first turns too, each chunk's episodes in one static KV cache): the completions of every turn, the
+        template's tool-message tokens in them left out of training (the rollout's train mask), within
+        ``response_length``; TRL's ``tools/call_frequency`` and ``tools/failure_frequency`` logged (every process's
+        calls over every process's completions)."""
+        pad, stops = self.tokenizer.pad_token_id, self.stop_ids
+        limits = TurnLimits(self.config.response_length, getattr(self.config, "max_tool_calling_iterations", None),
+                            tuple(stops))
+
+        def sample(rows, contexts: list[list[int]], suffixes, length: int) -> list[list[int]]:
             ids, mask = left_pad(contexts, pad, self.config.pad_to_multiple_of)
             tokens = self._sample(ids.to(self.device), mask.to(self.device), length, temperature, synced)
-            return [_cut_after_stop(row, stops) for row in tokens.tolist()]
+            return [cut_after_stop(row, stops) for row in tokens.tolist()]
 
-        prompts, first = rollout.token_ids()
-        episodes = run_episodes(self.tool_calling, prompts, first, self.config.response_length, sample,
-                                getattr(self.config, "max_tool_calling_iterations", None), synced, self.device,
-                                row_tools, tuple(stops))
-        counts = fdist.all_reduce(torch.tensor([float(episodes.calls), float(episodes.failures), float(len(first))],
-                                               device=self.device))
+        if rollout is None:
+            episodes = self._cached_episodes(queries, query_mask, temperature, limits, row_tools)
+        else:
+            prompts, first = rollout.token_ids()
+            episodes = run_episodes(self.tool_calling, prompts, first, sample, limits, row_tools, synced,
+                                    self.device)
+        counts = fdist.all_reduce(torch.tensor([float(episodes.calls), float(episodes.failures),
+                                                float(len(episodes.completions))], device=self.device))
         calls, failures, completions = counts.tolist()
         self.reward_logs.log_metric("tools/call_frequency", calls / completions)
         self.reward_logs.log_metric("tools/failure_frequency", failures / calls if calls else 0.0)
         return self._rollout_of(queries, query_mask, episodes.completions, episodes.model_tokens), episodes
+
+    def _cached_episodes(self, queries, query_mask, temperature: float, limits: TurnLimits, row_tools) -> Episodes:
+        """Each chunk of ``local_rollout_forward_batch_size`` rows sampled whole, first turn to last, in one static
+        KV cache of the compiled decode (``episode_decode.EpisodeDecode``): a turn after tool messages prefills only
+        them; the chunk's tools run together."""
+        chunk, real = self.config.local_rollout_forward_batch_size, query_mask.bool().cpu()
+        prompts = [q[m].tolist() for q, m in zip(queries.cpu(), real)]
+        group = 1 if self.config.share_prompts is False else self.sizes.num_generations
+        parts = []
+        for start in range(0, len(prompts), chunk):
+            rows = slice(start, start + chunk)
+            decode = EpisodeDecode(self._decoder(), self._lm(), queries[rows], query_mask[rows], limits.budget,
+                                   temperature, self.stop_ids, self.tokenizer.pad_token_id,
+                                   self.actor_critic.truncation, group)
+            parts.append(run_episodes(self.tool_calling, prompts[rows], decode.first_turn(), decode, limits,
+                                      None if row_tools is None else row_tools[rows]))
+        return Episodes.joined(parts)
 
     def _rollout_of(self, queries, query_mask, completions: list[list[int]], trained: list[list[int]]) -> Rollout:
         """The rollout of completions given as token lists (a multi-turn episode's, a rollout_func's) after the
@@ -489,9 +520,9 @@ class PPOTrainer:
                 for name, column in batch.reward_columns.items():
                     columns.setdefault(name, []).extend(column.tolist())
         if self.dist.is_main:  # samples.jsonl is the run's: written while train() holds the output_dir
-            print_samples(self.console, prompts, completions, scores, self.state.global_step,
+            print_samples(self.console, Samples(prompts, completions, scores, columns), self.state.global_step,
                           os.path.join(self.config.output_dir, "samples.jsonl") if self._training else None,
-                          n=len(prompts), columns=columns)
+                          n=len(prompts))
         return prompts, completions, scores
 
     def _lm(self):
@@ -637,10 +668,10 @@ class PPOTrainer:
                     elif self.dist.is_main:  # no eval_dataset: this iteration's own samples
                         prompts, completions = (batch.prompts, batch.completions) if batch.prompts is not None \
                             else self.decode(*batch.rollout.token_ids())
-                        print_samples(self.console, prompts, completions, batch.scores.tolist(), state.global_step,
-                                      os.path.join(config.output_dir, "samples.jsonl"),
-                                      columns={k: v.tolist() for k, v in batch.reward_columns.items()},
-                                      extra=logged_columns)
+                        samples = Samples(prompts, completions, batch.scores.tolist(),
+                                          {k: v.tolist() for k, v in batch.reward_columns.items()}, logged_columns)
+                        print_samples(self.console, samples, state.global_step,
+                                      os.path.join(config.output_dir, "samples.jsonl"))
                 self._step_end_events(before)
                 if self.control.should_evaluate:  # transformers' flow, at eval_steps under eval_strategy="steps"
                     self._scheduled_evaluation()
@@ -843,14 +874,6 @@ class _StopSignals:
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         return False
-
-
-def _cut_after_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
-    """A sampled row up to and including its first stop token (the sampler pads after it)."""
-    for i, token in enumerate(tokens):
-        if token in stop_ids:
-            return tokens[:i + 1]
-    return tokens
 
 
 def progress_line(metrics: dict) -> str:

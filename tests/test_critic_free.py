@@ -482,7 +482,7 @@ def test_one_epoch_of_one_minibatch_needs_no_forward_of_the_old_policy(tmp_path,
     forward = T.compute_experience
 
     def counted(*args, **kw):
-        calls.append(kw.get("policy", True))
+        calls.append(args[3].policy)
         return forward(*args, **kw)
 
     monkeypatch.setattr(T, "compute_experience", counted)

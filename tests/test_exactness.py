@@ -15,7 +15,8 @@ from fastppo.generation import sample_responses
 from fastppo.trainer import PPOTrainer
 from fastppo.batching import micro_batches
 from fastppo.advantages import gae_advantages
-from fastppo.train import Targets, compute_experience, per_token_rewards, ppo_update
+from fastppo.train import (Scoring, Targets, UpdateBatch, UpdateModel, compute_experience, per_token_rewards,
+                           ppo_update)
 
 from helpers import small_config
 
@@ -156,8 +157,9 @@ def test_packed_scoring_and_reward_model_equal_padded(tmp_path, model_dir):
 
     trainer, batch = scored(tmp_path)
     rm = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(model_dir, num_labels=1)).eval()
-    padded = compute_experience(trainer.actor_critic, trainer.reference, batch.rollout, 1.0, "k3", 3, packed=False)
-    packed = compute_experience(trainer.actor_critic, trainer.reference, batch.rollout, 1.0, "k3", 5, packed=True)
+    padded = compute_experience(trainer.actor_critic, trainer.reference, batch.rollout, Scoring(1.0, "k3", 3))
+    packed = compute_experience(trainer.actor_critic, trainer.reference, batch.rollout,
+                                Scoring(1.0, "k3", 5, packed=True))
     for a, b in zip(padded.__dict__.values(), packed.__dict__.values()):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(reward_model_scores(rm, batch.rollout, 3, False),
@@ -205,7 +207,7 @@ def prepared_update(tmp_path, fused: bool, optimizer_fused: bool = True, **overr
     """Everything ppo_update needs for one scored rollout, and a function that runs it."""
     trainer, batch = scored(tmp_path, fused_policy_loss=fused, entropy_coef=0.05, **overrides)
     rollout = batch.rollout
-    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, 1.0, "k1", 8)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, Scoring(1.0, "k1", 8))
     rewards, nsr = per_token_rewards(experience.kl, torch.linspace(-1, 1, 8), rollout.response_mask,
                                      rollout.score_index, 0.05)
     adv, ret = gae_advantages(rewards, experience.values, rollout.response_mask, 1.0, 0.95, False)
@@ -216,8 +218,8 @@ def prepared_update(tmp_path, fused: bool, optimizer_fused: bool = True, **overr
     sizes = derive_sizes(cfg, 1, 8)
 
     def run():
-        return ppo_update(module, optimizer, rollout, experience, Targets(rewards, nsr, adv, ret), cfg, sizes,
-                          torch.Generator().manual_seed(0))
+        batch = UpdateBatch(rollout, experience, Targets(rewards, nsr, adv, ret))
+        return ppo_update(UpdateModel(module, optimizer), batch, cfg, sizes, torch.Generator().manual_seed(0))
 
     return module, run
 
@@ -258,14 +260,14 @@ def test_update_loop_never_waits_for_the_device(tmp_path, model_dir, monkeypatch
 def test_non_finite_steps_are_skipped_on_the_device_or_host(tmp_path, model_dir, optimizer_fused, capsys):
     trainer, batch = scored(tmp_path)
     rollout = batch.rollout
-    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, 1.0, "k1", 8)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, Scoring(1.0, "k1", 8))
     nan = torch.full_like(experience.values, float("nan"))
     module = trainer.actor_critic
     before = {k: v.clone() for k, v in module.state_dict().items()}
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2,
                                   fused=optimizer_fused)
-    result = ppo_update(module, optimizer, rollout, experience, Targets(nan, nan, nan, experience.values),
-                        trainer.config, derive_sizes(trainer.config, 1, 8), torch.Generator().manual_seed(0))
+    batch = UpdateBatch(rollout, experience, Targets(nan, nan, nan, experience.values))
+    result = ppo_update(UpdateModel(module, optimizer), batch, trainer.config, derive_sizes(trainer.config, 1, 8), torch.Generator().manual_seed(0))
     assert float(result.skipped_steps) == 2 and float(result.optimizer_steps) == 0
     for k, v in module.state_dict().items():
         assert torch.equal(v, before[k]), k

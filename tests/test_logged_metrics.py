@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastppo.metrics import OBJECTIVE_ROWS, STAT, UpdateResult, gather_metrics, reward_moments
+from fastppo.metrics import OBJECTIVE_ROWS, STAT, MetricTerms, UpdateResult, gather_metrics, reward_moments
 from fastppo.loss_types import policy_loss_weights
 from helpers import grid_losses
 
@@ -40,7 +40,8 @@ def test_reward_mean_and_std_are_the_float64_ones(centre, spread):
     0.0245)."""
     columns = {"a": judged_rewards(1, 40, centre, spread), "b": judged_rewards(2, 40, centre, spread)}
     stats = torch.full((len(STAT), 1, 1, 1), math.nan)
-    logged = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stats, 0.0, 1.0, 1), 1, critic=False, kl=False,
+    logged = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stats, 0.0, 1.0, 1), 1,
+                            MetricTerms(critic=False, kl=False),
                             reward_columns=columns)
     for name, column in columns.items():
         mean, std = logged[f"rewards/{name}/mean"], logged[f"rewards/{name}/std"]
@@ -114,8 +115,8 @@ def logged_kl(loss_type: str, cases) -> float:
         assert row[STAT["loss"]].item() == pytest.approx(loss.item(), rel=1e-6)  # the logged loss is the minimised one
         stats.append(row)
     stacked = torch.stack(stats, 1)[:, None, None, :]  # [S, epochs 1, minibatches 1, micro-steps]
-    metrics = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stacked, 0.0, 1.0, 1), 1, critic=False, kl=False,
-                             kl_in_loss=True)
+    metrics = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stacked, 0.0, 1.0, 1), 1,
+                             MetricTerms(critic=False, kl=False, kl_in_loss=True))
     return metrics["kl"], stacked
 
 
@@ -161,7 +162,8 @@ def test_entropy_and_clip_fractions_are_global_means_in_trls_units():
                 want["clip_ratio/high_mean"].append((((ratio > 1.03) & (advantages > 0))[mask].sum()
                                                      / mask.sum()).item())
         stacked = torch.stack(rows, 1)[:, None, None, :]
-        logged = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stacked, 0.0, 1.0, 1), 1, critic=False, kl=False)
+        logged = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stacked, 0.0, 1.0, 1), 1,
+                                MetricTerms(critic=False, kl=False))
         for name, values in want.items():
             assert logged[name] == pytest.approx(sum(values) / len(values), rel=1e-6, abs=1e-7), (name, sequence_level)
         assert 0 < logged["clip_ratio/low_mean"] + logged["clip_ratio/high_mean"] < 1

@@ -23,7 +23,8 @@ from fastppo.errors import SettingsError
 from fastppo.metrics import STAT
 from fastppo.sizes import derive_sizes
 from fastppo.loss_types import LOSS_TYPES, policy_loss_weights
-from fastppo.train import Experience, Targets, aggregate, compute_experience, per_token_rewards, ppo_update
+from fastppo.train import (Experience, Scoring, Targets, UpdateBatch, UpdateModel, aggregate, compute_experience,
+                           per_token_rewards, ppo_update)
 from fastppo.rollout import trained_mask
 from fastppo.advantages import estimate_advantages
 from helpers import cli_trainer, make_trainer, metrics_without_clock, small_config
@@ -50,7 +51,7 @@ def scored(tmp_path_factory, model_dir):
     assert len(set(rollout.response_lengths)) > 2, rollout.response_lengths
     assert 0 < int(rollout.has_stop.sum()) < B, rollout.has_stop
     module = trainer.actor_critic.double()
-    experience = compute_experience(module, trainer.reference, rollout, trainer.config.temperature, "k1", B)
+    experience = compute_experience(module, trainer.reference, rollout, Scoring(trainer.config.temperature, "k1", B))
     g = torch.Generator().manual_seed(3)
     mask = rollout.response_mask
     old = experience.logprobs + 0.4 * torch.randn(experience.logprobs.shape, generator=g, dtype=torch.float64) * mask
@@ -75,7 +76,7 @@ def update(scored, micro_batch_size: int, *, advantages=None, **settings):
     module = copy.deepcopy(trainer.actor_critic)
     before = [p.detach().clone() for p in module.parameters()]
     optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1.0)
-    result = ppo_update(module, optimizer, rollout, experience, targets, config, sizes,
+    result = ppo_update(UpdateModel(module, optimizer), UpdateBatch(rollout, experience, targets), config, sizes,
                         torch.Generator().manual_seed(0))
     assert float(result.skipped_steps) == 0
     return torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(module.parameters(), before)]), result.stats
@@ -402,7 +403,7 @@ def scored_gae(tmp_path_factory, model_dir):
     torch.manual_seed(7)
     rollout = trainer.rollout(ids).rollout
     module = trainer.actor_critic.double()
-    experience = compute_experience(module, trainer.reference, rollout, trainer.config.temperature, "k1", B)
+    experience = compute_experience(module, trainer.reference, rollout, Scoring(trainer.config.temperature, "k1", B))
     g = torch.Generator().manual_seed(4)
     mask = rollout.response_mask
     noise = lambda: torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask  # noqa: E731

@@ -18,7 +18,7 @@ from fastppo.data import left_pad
 from fastppo.generation import sample_responses
 from fastppo.kernels import masked_mean
 from fastppo.metrics import STAT, objective_sums
-from fastppo.train import per_token_rewards, compute_experience
+from fastppo.train import Scoring, compute_experience, per_token_rewards
 from fastppo.advantages import gae_advantages
 from helpers import grid_losses
 
@@ -74,8 +74,8 @@ def assert_first_ratio_is_one(trainer) -> None:
     batch = trainer.rollout()
     assert all(isinstance(c, str) for c in batch.completions) and any(c.strip() for c in batch.completions)
     rollout = batch.rollout
-    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, config.temperature,
-                               config.kl_estimator, config.local_rollout_forward_batch_size)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, rollout, Scoring(
+        config.temperature, config.kl_estimator, config.local_rollout_forward_batch_size))
     trainer.actor_critic.train()
     n = rollout.query_responses.shape[0]
     # a smaller micro-batch is another shape (fewer rows, its own padding): fp32 rounding differs there, measured
@@ -330,9 +330,10 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, smoll
 
     # scoring: the log-probs of every real token, the stop token included, are those of the sequence run alone;
     # padded and packed (padding-free) layouts agree
-    experience = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, cfg.kl_estimator, 64)
-    packed = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, cfg.kl_estimator, 64,
-                           packed=True)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, r,
+                                    Scoring(cfg.temperature, cfg.kl_estimator, 64))
+    packed = compute_experience(trainer.actor_critic, trainer.reference, r,
+                                Scoring(cfg.temperature, cfg.kl_estimator, 64, packed=True))
     torch.testing.assert_close(packed.logprobs, experience.logprobs, atol=1e-4, rtol=0)
     torch.testing.assert_close(packed.values, experience.values, atol=1e-4, rtol=0)
     alone = [standalone_logprobs(trainer.policy, seen["prompt_ids"][i], seen["completion_ids"][i], cfg.temperature)

@@ -15,7 +15,7 @@ from fastppo.actor_critic import PolicyAndValue, Reference
 from fastppo.config import PPOConfig
 from fastppo.errors import SettingsError
 from fastppo.layout import decoder_hidden, shared_mask_kind, token_logprobs_from_hidden
-from fastppo.train import compute_experience
+from fastppo.train import Scoring, compute_experience
 from fastppo.sharing import reference_sharing
 from fastppo.rollout import assemble
 from test_grpo_trainer import tutorial_dataset
@@ -110,9 +110,9 @@ def test_compute_experience_with_the_shared_reference_and_the_full_kl(model_dir)
     rollout = grouped_rollout(policy.config.vocab_size, 4, [5, 2, 8], [3, 1, 4, 2, 6, 5, 1, 2, 3, 3, 4, 2], seed=4)
     actor = PolicyAndValue(policy, None, critic=False)
     for estimator in ("k3", "full"):
-        plain = compute_experience(actor, Reference(ref, policy), rollout, 1.0, estimator, chunk=8)
-        shared = compute_experience(actor, Reference(ref, policy), rollout, 1.0, estimator, chunk=8,
-                                    shared=(4, "bool", torch.float64))
+        plain = compute_experience(actor, Reference(ref, policy), rollout, Scoring(1.0, estimator, 8))
+        shared = compute_experience(actor, Reference(ref, policy), rollout,
+                                    Scoring(1.0, estimator, 8, shared=(4, "bool", torch.float64)))
         torch.testing.assert_close(shared.ref_logprobs, plain.ref_logprobs, rtol=0, atol=1e-12)
         torch.testing.assert_close(shared.kl, plain.kl, rtol=0, atol=1e-12)
         assert plain.kl.abs().max() > 1e-4  # the reference differs from the policy

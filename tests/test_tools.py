@@ -537,7 +537,7 @@ def test_episodes_are_trained_exactly_on_the_models_tokens(tmp_path):
     """Episodes of three, two and one turns in one batch: π_θ_old's log-probs of the model's tokens equal a plain
     forward of each whole episode (what the update's first ratio compares against), the KL is 0 on the tool
     messages' tokens and not on the model's, and the packed (padding-free) and padded layouts give the same."""
-    from fastppo.train import compute_experience
+    from fastppo.train import Scoring, compute_experience
 
     turns = [[call("multiply", a=3, b=4) + "<|im_end|>", call("multiply", a=12, b=2) + "<|im_end|>",
               "Twenty-four.<|im_end|>"],
@@ -549,8 +549,9 @@ def test_episodes_are_trained_exactly_on_the_models_tokens(tmp_path):
     with torch.no_grad():  # a reference that differs from the policy: a KL to see
         for p in trainer.reference.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    experience = {packed: compute_experience(trainer.actor_critic, trainer.reference, rollout, 0.7, "k3", 2,
-                                             packed=packed) for packed in (False, True)}
+    experience = {packed: compute_experience(trainer.actor_critic, trainer.reference, rollout,
+                                             Scoring(0.7, "k3", 2, packed=packed))
+                  for packed in (False, True)}
     for a, b in zip(experience[False].__dict__.values(), experience[True].__dict__.values()):
         if a is not None:
             torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)

@@ -21,7 +21,7 @@ from fastppo.metrics import STAT, STAT_NAMES
 from fastppo.rewards import call_reward_fn, reward_model_scores
 from fastppo.sizes import derive_sizes
 from fastppo.trainer import PPOTrainer
-from fastppo.train import Targets, compute_experience, per_token_rewards, ppo_update
+from fastppo.train import Scoring, Targets, UpdateBatch, UpdateModel, compute_experience, per_token_rewards, ppo_update
 from fastppo.controllers import AdaptiveKLController
 from fastppo.rollout import make_rollout
 from fastppo.advantages import gae_advantages
@@ -152,8 +152,8 @@ def build_rollout(config: PPOConfig, n: int = 8):
     trainer = PPOTrainer(args=config)
     prompts = [trainer.tokenizer(p)["input_ids"] for p in ["the movie was", "i think the plot is", "overall the cast"] * 3]
     batch = trainer.rollout(prompts[:n])
-    experience = compute_experience(trainer.actor_critic, trainer.reference, batch.rollout, config.temperature,
-                               config.kl_estimator, config.local_rollout_forward_batch_size)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, batch.rollout, Scoring(
+        config.temperature, config.kl_estimator, config.local_rollout_forward_batch_size))
     return trainer, batch.rollout, experience
 
 
@@ -186,7 +186,8 @@ def test_update_decreases_both_losses_on_its_batch(tmp_path, model_dir):
     module = trainer.actor_critic
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=config.learning_rate)
     sizes = derive_sizes(config, 1, 8)
-    result = ppo_update(module, optimizer, rollout, experience, targets, config, sizes, torch.Generator().manual_seed(0))
+    result = ppo_update(UpdateModel(module, optimizer), UpdateBatch(rollout, experience, targets), config, sizes,
+                        torch.Generator().manual_seed(0))
     pg, vf = result.stats[STAT["pg_loss"]], result.stats[STAT["vf_loss"]]
     assert pg[-1].mean() < pg[0].mean() - 1e-3
     assert vf[-1].mean() < vf[0].mean()

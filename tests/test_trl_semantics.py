@@ -15,7 +15,7 @@ from fastppo import PPOConfig, PPOTrainer
 from fastppo.cli import parse_args
 from fastppo.sizes import derive_sizes
 from helpers import make_trainer, small_config
-from fastppo.train import compute_experience, per_token_rewards
+from fastppo.train import Scoring, compute_experience, per_token_rewards
 from fastppo.rollout import apply_eos_penalties
 from fastppo.advantages import gae_advantages
 
@@ -255,7 +255,7 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, model
         assert r.response_mask[i, :length].all() and not r.response_mask[i, length:].any()  # and trained on
         assert (r.responses[i, length:] == eos).all()  # padding (== eos) after it is not part of the response
     assert batch.eos_count.item() == sum(stopped)  # eos tokens among real tokens only: never the padding
-    experience = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, "k1", 8)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, r, Scoring(cfg.temperature, "k1", 8))
     rewards, _ = per_token_rewards(experience.kl, batch.scores, r.response_mask, r.score_index, 0.05)
     for i in range(len(stopped)):
         last = r.response_lengths[i] - 1
@@ -273,18 +273,19 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, model
 def test_early_stopping_stops_the_epochs_on_the_policy_kl_legacy_semantics(tmp_path, model_dir, target_kl):
     from fastppo.sizes import derive_sizes as sizes_of
     from fastppo.metrics import STAT
-    from fastppo.train import Targets, ppo_update
+    from fastppo.train import Targets, UpdateBatch, UpdateModel, ppo_update
 
     cfg = tiny(tmp_path, num_ppo_epochs=4, num_mini_batches=2, early_stopping=True, target_kl=target_kl,
                stop_token="eos", total_episodes=8)
     trainer = PPOTrainer(args=cfg)
     batch = trainer.rollout()
     r = batch.rollout
-    experience = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, "k1", 8)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, r, Scoring(cfg.temperature, "k1", 8))
     rewards, nsr = per_token_rewards(experience.kl, torch.linspace(-2, 2, 8), r.response_mask, r.score_index, 0.05)
     adv, ret = gae_advantages(rewards, experience.values, r.response_mask, 1.0, 0.95, False)
-    result = ppo_update(trainer.actor_critic, trainer.optimizer, r, experience, Targets(rewards, nsr, adv, ret), cfg,
-                        sizes_of(cfg, 1, 8), torch.Generator().manual_seed(0))
+    result = ppo_update(UpdateModel(trainer.actor_critic, trainer.optimizer),
+                        UpdateBatch(r, experience, Targets(rewards, nsr, adv, ret)),
+                        cfg, sizes_of(cfg, 1, 8), torch.Generator().manual_seed(0))
     # after each epoch: the policy KL (mean old − new) of its last minibatch against 1.5 × target_kl
     policykl = result.stats[STAT["policykl"], :, -1].nanmean(-1)
     expected = next((e + 1 for e in range(4) if policykl[e] > 1.5 * target_kl), 4)
@@ -315,7 +316,7 @@ def test_full_kl_includes_the_lm_head_bias(tmp_path, model_dir):
         trainer.policy.lm_head.bias.add_(torch.randn_like(trainer.policy.lm_head.bias))
     batch = trainer.rollout()
     r = batch.rollout
-    experience = compute_experience(trainer.actor_critic, trainer.reference, r, cfg.temperature, "full", 8)
+    experience = compute_experience(trainer.actor_critic, trainer.reference, r, Scoring(cfg.temperature, "full", 8))
     with torch.no_grad():
         ids, mask, c = r.query_responses, r.attention_mask, r.context_length
         pos = (mask.cumsum(1) - 1).clamp(min=0)

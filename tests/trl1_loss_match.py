@@ -239,11 +239,11 @@ def fastppo_variant(path, batch, old, ref, settings: dict, fused: bool) -> dict:
                              token_weights=token_weights, normalizer=normalizer,
                              top_entropy_quantile=config.top_entropy_quantile, **clip)
     loss.backward()
-    from fastppo.metrics import OBJECTIVE_ROWS, STAT, UpdateResult, gather_metrics
+    from fastppo.metrics import OBJECTIVE_ROWS, STAT, MetricTerms, UpdateResult, gather_metrics
 
     # the logged metric as a run logs it: one process, one micro-step (TRL GRPO's name, "kl", only with beta)
-    logged = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stats[:, None, None, None], 0.0, 1.0, 1), 1, critic=False,
-                            kl=False, kl_in_loss=bool(config.beta))
+    logged = gather_metrics(torch.zeros(len(OBJECTIVE_ROWS)), UpdateResult(stats[:, None, None, None], 0.0, 1.0, 1), 1,
+                            MetricTerms(critic=False, kl=False, kl_in_loss=bool(config.beta)))
     return {"loss": loss.detach().clone(), "tokens": int(mask.sum()),
             "grads": {n: p.grad.detach().clone() for n, p in policy.named_parameters()},
             "clip_low": stats[STAT["clip_low"]].item(), "clip_high": stats[STAT["clip_high"]].item(),
