@@ -11,16 +11,12 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from transformers import TrainerCallback, TrainerControl, TrainerState
+from transformers import TrainerControl
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
 from fastppo import checkpoint as C
@@ -29,24 +25,26 @@ from fastppo import loading as L
 from fastppo.advantages import ESTIMATORS
 from fastppo.build import build_learner, default_scheduler, start_runtime
 from fastppo.checks import check_settings
-from fastppo.config import PPOConfig, as_list, user_path
+from fastppo.config import PPOConfig, user_path
 from fastppo.data import chat_token_ids, left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.episode_decode import EpisodeDecode
 from fastppo.generation import cut_after_stop, sample_responses, stop_ids_of
-from fastppo.layout import lm_of, shared_mask_kind
-from fastppo.metrics import MetricsLogger, RewardLogs, Samples, plot_curves, print_samples
+from fastppo.layout import lm_of
+from fastppo.metrics import RewardLogs, Samples, print_samples
 from fastppo.reward_scores import RewardScoring, processing_classes_by_name, resolve_rewards, score_rewards
-from fastppo.rewards import check_reward_fn_columns, load_reward_fn, reward_fn_name
+from fastppo.rewards import check_reward_fn_columns, reward_fn_name
 from fastppo.script_args import ModelConfig
-from fastppo.sizes import Sizes, derive_sizes, every
+from fastppo.sizes import derive_sizes
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
 from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
-from fastppo.tools import Episodes, ToolCalling, TurnLimits, run_episodes
+from fastppo.tools import Episodes, TurnLimits, run_episodes
 from fastppo.train import IterationResult, Learner, ppo_iteration
+from fastppo.trainer_setup import check_models_share_prompts, fill_derived_sizes, load_tokenizer, tool_calling
+from fastppo.training_loop import TrainingLoop, check_callbacks, new_state
 from fastppo.sharing import prompt_sharing
-from fastppo.output_dir import RunLock, decide_resume, refuse_foreign, remove_run_files
+from fastppo.output_dir import decide_resume, refuse_foreign, remove_run_files
 from fastppo.rollout import (Rollout, ScoredRollout, apply_eos_penalties, assemble, contains_stop, eos_count,
                              make_rollout)
 
@@ -54,17 +52,7 @@ from fastppo.rollout import (Rollout, ScoredRollout, apply_eos_penalties, assemb
 SETTINGS_LOG = logging.getLogger("fastppo.checks")
 
 
-def _check_callbacks(callbacks) -> None:
-    """transformers takes callback instances and classes; anything else would fail mid-run: refused here."""
-    for callback in callbacks or []:
-        if not (isinstance(callback, TrainerCallback) or
-                (isinstance(callback, type) and issubclass(callback, TrainerCallback))):
-            raise SettingsTypeError(f"callbacks: {callback!r} is not a transformers.TrainerCallback (an instance "
-                                    "or a subclass); wrap a function in a TrainerCallback subclass's on_log/"
-                                    "on_step_end")
-
-
-class PPOTrainer:
+class PPOTrainer(TrainingLoop):
     """PPO on a causal LM, TRL 0.26's ``PPOTrainer`` (``trl.experimental.ppo``)::
 
         PPOTrainer(args=PPOConfig(...), processing_class=tokenizer, model=policy, ref_model=None,
@@ -99,7 +87,51 @@ class PPOTrainer:
             policy_path = embedded_model_path()
 
         ds_request = deepspeed_request(config)  # DeepSpeed asked for (--deepspeed, --zero_stage, accelerate launch)
-        self.runtime = start_runtime(config, need_group=ds_request is not None)
+        self._start_runtime(ds_request is not None, notes, data_collator)
+
+        # --- reward, tokenizer and data first: bad input fails here, before any model is loaded
+        # the rewards: one or a list of functions, models and paths (TRL GRPO's reward_funcs), weighted
+        self.rewards = resolve_rewards(reward_model, config)
+        functions = [r for r in self.rewards if r.fn is not None]
+        self.reward_fn = functions[0].fn if functions else None  # the first function (TRL 0.26 has one reward)
+        self.reward_fn_name = reward_fn_name(self.reward_fn) if functions else None
+        self.processing_class = self.tokenizer = tokenizer = load_tokenizer(processing_class, model, policy_path,
+                                                                            model_args, self.log)
+        self.stop_ids = stop_ids_of(config, tokenizer)
+        self.rollout_func = rollout_func  # TRL GRPO's: a caller's own sampling (PPOTrainer._custom_rollout)
+        # TRL GRPO's environment_factory (fastppo.environments.Environments): an instance per rollout, reset before
+        # sampling, its methods the rollout's tools
+        self._environments = environments
+        self.environments: list = []  # the last batch's instances, one per rollout (TRL's attribute)
+        self.tool_calling = tool_calling(tools, environments, config, tokenizer, self.stop_ids)
+        self._load_prompts(train_dataset, eval_dataset, functions)
+        self._derive_sizes(ds_request)
+        longest_prompt = max(len(p) for p in self.prompts + (self.eval_prompts or []))
+        L.check_positions(model if isinstance(model, nn.Module) else policy_path, config, model_args, longest_prompt)
+        fill_derived_sizes(config, self.sizes)
+        if self.embedded:
+            self.log(f"no model given: the embedded default (tiny Llama at {policy_path}, "
+                     f"reward {', '.join(r.name for r in self.rewards)})")
+
+        # --- models, then the learner: actor-critic and its wrapper, reference, optimizer, schedule, controllers,
+        # randomness
+        self._build_models(dict(model=model, ref_model=ref_model, value_model=value_model, rewards=self.rewards,
+                                reward_processing_classes=processing_classes_by_name(reward_processing_classes,
+                                                                                     self.rewards),
+                                peft_config=peft_config), policy_path, longest_prompt)
+        self._build_learner(optimizers, None if ds_request is None else ds_request[1])
+        self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
+                                                        None if self.zero is None else self.zero.stage, self._lm(),
+                                                        self.log, iterations=self.sizes.num_total_batches,
+                                                        backend=config.compiled_decode_backend)
+        self._static_decoder: StaticDecoder | None = None
+        self._batches = prompt_batches(len(self.prompts), self.sizes.local_prompts, self.dist.rank,
+                                       self.dist.world_size, config.seed, config.shuffle_dataset)
+        self._start_events(callbacks)
+
+    def _start_runtime(self, need_group: bool, notes: list[str], data_collator) -> None:
+        """The process group, device, precision and console (``build.start_runtime``); the settings' notes logged."""
+        self.runtime = start_runtime(self.config, need_group=need_group)
         self.dist, self.device, self.bf16, self.console = (self.runtime.dist, self.runtime.device, self.runtime.bf16,
                                                            self.runtime.console)
         self.accelerator = fdist.AcceleratorView(self.dist)  # what TRL's scripts read of transformers' Trainer
@@ -112,66 +144,54 @@ class PPOTrainer:
             self.log("data_collator is not used: fastppo left-pads the prompts itself (with the tokenizer's pad "
                      "token); pass the dataset with a text column or input_ids")
 
-        # --- reward, tokenizer and data first: bad input fails here, before any model is loaded
-        # the rewards: one or a list of functions, models and paths (TRL GRPO's reward_funcs), weighted
-        self.rewards = resolve_rewards(reward_model, config)
-        functions = [r for r in self.rewards if r.fn is not None]
-        self.reward_fn = functions[0].fn if functions else None  # the first function (TRL 0.26 has one reward)
-        self.reward_fn_name = reward_fn_name(self.reward_fn) if functions else None
-        self.processing_class = self.tokenizer = tokenizer = self._load_tokenizer(processing_class, model,
-                                                                                  policy_path)
-        self.stop_ids = stop_ids_of(config, tokenizer)
-        self.rollout_func = rollout_func  # TRL GRPO's: a caller's own sampling (PPOTrainer._custom_rollout)
-        # TRL GRPO's environment_factory (fastppo.environments.Environments): an instance per rollout, reset before
-        # sampling, its methods the rollout's tools
-        self._environments = environments
-        self.environments: list = []  # the last batch's instances, one per rollout (TRL's attribute)
-        self.tool_calling = self._tool_calling(tools, environments)
+    def _load_prompts(self, train_dataset, eval_dataset, functions: list) -> None:
+        """The train and eval prompts with their rows, whose columns the reward ``functions`` must find (a
+        rollout_func's fields are columns too: then not checked)."""
+        config, tokenizer = self.config, self.tokenizer
         self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log,
                                                       tools=self.tool_calling)
         self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log,
                                                           self.tool_calling)
                                              if eval_dataset is not None else (None, None))
-        for reward in functions if rollout_func is None else ():  # a rollout_func's fields are columns too
+        for reward in functions if self.rollout_func is None else ():
             for what, rows in (("train_dataset", self.prompt_rows), ("eval_dataset", self.eval_rows)):
                 if rows is not None:
                     check_reward_fn_columns(reward.fn, reward_fn_name(reward.fn), rows, what,
-                                            ("environments",) if environments is not None else ())
-        self.sizes = derive_sizes(config, self.dist.world_size, len(self.prompts))
+                                            ("environments",) if self._environments is not None else ())
+
+    def _derive_sizes(self, ds_request) -> None:
+        """The run's sizes, DeepSpeed's config for them, and the checkpoint it would continue from."""
+        self.sizes = derive_sizes(self.config, self.dist.world_size, len(self.prompts))
         self.ds_config = None
         if ds_request is not None:
-            self.ds_config, ds_notes = resolve_deepspeed_config(ds_request, config, self.sizes)
+            self.ds_config, ds_notes = resolve_deepspeed_config(ds_request, self.config, self.sizes)
             for note in ds_notes:
                 self.log(note)
         self._resume_path = self._decide_resume()
-        longest_prompt = max(len(p) for p in self.prompts + (self.eval_prompts or []))
-        L.check_positions(model if isinstance(model, nn.Module) else policy_path, config, model_args, longest_prompt)
-        fill_derived_sizes(config, self.sizes)
-        if self.embedded:
-            self.log(f"no model given: the embedded default (tiny Llama at {policy_path}, "
-                     f"reward {', '.join(r.name for r in self.rewards)})")
 
-        # --- models
+    def _build_models(self, given: dict, policy_path: str | None, longest_prompt: int) -> None:
+        """The policy, reference, value and reward models (``loading.build_models``) from the ``given`` arguments;
+        those that read prompt + response beside the policy checked for the positions it takes."""
+        config, model_args = self.config, self.model_args
         torch.manual_seed(config.seed)  # the same fresh value head on every process
-        built = L.build_models(dict(model=model, ref_model=ref_model, value_model=value_model, rewards=self.rewards,
-                                    reward_processing_classes=processing_classes_by_name(
-                                        reward_processing_classes, self.rewards),
-                                    peft_config=peft_config),
-                               config, model_args, policy_path, tokenizer, self.bf16, self.device,
-                               self.log, max([0, *self.stop_ids, *(max(p) for p in self.prompts + (self.eval_prompts or []) if p)]))
+        largest_id = max([0, *self.stop_ids, *(max(p) for p in self.prompts + (self.eval_prompts or []) if p)])
+        built = L.build_models(given, config, model_args, policy_path, self.tokenizer, self.bf16, self.device,
+                               self.log, largest_id)
         self.policy, self.ref_model, self.value_model, self.reward_models = built
         self.reward_model = self.reward_models[0] if self.reward_models else None  # TRL 0.26's one reward model
-        # the models that read prompt + response beside the policy must have the positions for it
         for what, other in (("reference model", self.ref_model), ("value model", self.value_model),
                             *(("reward model", r.model) for r in self.rewards if r.tokenizer is None)):
             if other is not None:
                 L.check_positions(other, config, model_args, longest_prompt, what)
 
-        # --- the learner: actor-critic and its wrapper, reference, optimizer, schedule, controllers, randomness
+    def _build_learner(self, optimizers, ds_engine_args) -> None:
+        """The learner (``build.build_learner``) over the built models, the caller's optimizer and schedule or
+        TRL's defaults; its parts become the trainer's attributes."""
+        config = self.config
         optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)
         learner = build_learner(config, self.runtime, self.policy, self.ref_model, self.value_model,
                                 [self.ref_model, *self.reward_models], optimizer, lr_scheduler, self.ds_config,
-                                None if ds_request is None else ds_request[1])
+                                ds_engine_args)
         if lr_scheduler is None:  # TRL 0.26 builds the schedule when none is given (Trainer.create_scheduler)
             learner = dataclasses.replace(learner, lr_scheduler=default_scheduler(config, self.sizes,
                                                                                  learner.optimizer))
@@ -181,72 +201,21 @@ class PPOTrainer:
             learner.kl_ctl, learner.moments, learner.shuffle, learner.zero, learner.entropy_ctl)
         self.model = self._public_model()
         if config.share_prompts:
-            self._check_models_share_prompts()
-        self._compiled_decode = compiled_decode_enabled(config.compiled_decode, self.device,
-                                                        None if self.zero is None else self.zero.stage, self._lm(),
-                                                        self.log, iterations=self.sizes.num_total_batches,
-                                                        backend=config.compiled_decode_backend)
-        self._static_decoder: StaticDecoder | None = None
-        self._batches = prompt_batches(len(self.prompts), self.sizes.local_prompts, self.dist.rank,
-                                       self.dist.world_size, config.seed, config.shuffle_dataset)
+            check_models_share_prompts(self.actor_critic, self.reference)
 
-        # transformers' handler, as TRL's trainer uses it: callback classes are instantiated, the default flow
-        # callback decides should_save/should_training_stop from save_steps and max_steps
-        _check_callbacks(callbacks)
+    def _start_events(self, callbacks) -> None:
+        """transformers' handler, as TRL's trainer uses it (callback classes are instantiated, the default flow
+        callback decides should_save/should_training_stop from save_steps and max_steps), its state and control."""
+        check_callbacks(callbacks)
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.actor_critic,
-                                                tokenizer, self.optimizer, self.lr_scheduler)
-        self.state = _new_state(self.sizes, len(self.prompts), self.dist.is_main, config)
+                                                self.tokenizer, self.optimizer, self.lr_scheduler)
+        self.state = new_state(self.sizes, len(self.prompts), self.dist.is_main, self.config)
         self.iterations_done = 0  # generation batches drawn (global_step counts optimizer steps under TRL GRPO's)
         self.control = TrainerControl()
         self._logger = None
         self._run_lock = None
         self._training = False  # inside train(): the output_dir is this run's to write
         self.reward_logs = RewardLogs(self.log)  # what reward functions log (log_metric, log_extra)
-
-    def _load_tokenizer(self, processing_class, model, policy_path):
-        """The tokenizer: the one given (an object, or a path to load), else the model's (its path, or the object's
-        ``_name_or_path``), with a pad token ensured."""
-        tokenizer, model_args = processing_class, self.model_args
-        given_tokenizer = tokenizer is not None and not isinstance(tokenizer, str)
-        if isinstance(tokenizer, str):
-            tokenizer = L.load_tokenizer(tokenizer, model_args, self.log)
-        if tokenizer is None:
-            tokenizer_path = model_args.model_name_or_path or policy_path or getattr(
-                getattr(model, "config", None), "_name_or_path", None)
-            if not tokenizer_path:
-                raise SettingsError("processing_class (the tokenizer) is required when model is an object")
-            tokenizer = L.load_tokenizer(tokenizer_path, model_args, self.log)
-        L.ensure_pad_token(tokenizer, self.log, given=given_tokenizer)
-        return tokenizer
-
-    def _tool_calling(self, tools, environments) -> ToolCalling | None:
-        """TRL GRPO's tools: shown to the model by the chat template, called in the rollout (fastppo.tools); the
-        config's --tools ("module:function") where none are passed; None without tools or environments."""
-        config = self.config
-        if tools and config.tools:
-            raise SettingsError(f"tools given twice: as the trainer's tools= and as the config's tools "
-                                f"{as_list(config.tools)}; give them in one place")
-        if tools is None and config.tools:
-            tools = [load_reward_fn(spec, "tools") for spec in as_list(config.tools)]
-        every_tool = list(tools or []) + [t for e in (environments.tools.values() if environments else ()) for t in e]
-        if not every_tool:
-            return None
-        calling = ToolCalling(list(tools or []), self.tokenizer, config.chat_template_kwargs, config.tool_timeout)
-        if not self.stop_ids:
-            raise SettingsError("tools: a tool call ends the model's turn at its eos token; set stop_token='eos'")
-        return calling
-
-    def _check_models_share_prompts(self) -> None:
-        """share_prompts=True: every model that reads the shared rows (the reference, the policy, a value model)
-        takes the group mask, or the run is refused by name."""
-        critic = self.actor_critic.critic
-        for what, model in (("reference model", None if self.reference is None else self.reference.model),
-                            ("policy", self.actor_critic.policy),
-                            ("value model", self.actor_critic.value_model if critic else None)):
-            if model is not None and shared_mask_kind(model) is None:
-                raise SettingsError(f"share_prompts: the {what}'s attention "
-                                    f"({getattr(model.config, '_attn_implementation', None)!r}) takes no group "
-                                    "mask (sdpa and eager do); leave share_prompts unset or false")
 
     def _scheduled_evaluation(self) -> None:
         """An evaluation transformers' eval_strategy asks for: none in PPO (TRL 0.26's PPOTrainer has no eval loop;
@@ -554,204 +523,6 @@ class PPOTrainer:
         self.iterations_done += 1
         return result
 
-    # ------------------------------------------------------------------ the TRL 0.26 loop
-
-    def train(self):
-        """``num_total_batches`` iterations of rollout → update; metrics, samples, callbacks, checkpoints.
-
-        Resumes from ``resume_from_checkpoint`` (or, after a torchrun elastic restart, from ``latest``);
-        SIGTERM or Ctrl-C makes every process finish its iteration, save a checkpoint and return. Callbacks see
-        TRL's events: on_train_begin, on_step_begin, on_log every iteration, on_step_end, on_save after each
-        checkpoint (``control.should_save``: save_steps through transformers' DefaultFlowCallback, or a
-        callback's own request), on_train_end."""
-        sizes = self.sizes
-        if self.state.global_step >= sizes.total_steps:
-            unit = "optimizer steps" if sizes.counts_optimizer_steps else "iterations"
-            raise SettingsError(f"train() has already run all {sizes.total_steps} {unit} of this trainer "
-                                "(its schedule is spent); to train further, build a new PPOTrainer (with "
-                                "resume_from_checkpoint and a larger total_episodes or max_steps to continue this run)")
-        self._lock_output_dir()
-        try:
-            self._training = True
-            return self._train()
-        finally:
-            self._training = False
-            if self._run_lock is not None:
-                self._run_lock.release()
-                self._run_lock = None
-
-    def _lock_output_dir(self) -> None:
-        """Take the output_dir's lock (rank 0, for the run's life) and decide again, under it, what this run
-        does there: another trainer may have written it since this one was built."""
-        lock = RunLock(self.config.output_dir) if self.dist.is_main else None
-        holder = lock.acquire() if lock is not None else None
-        refused = torch.tensor([float(holder is not None)], device=self.device)
-        fdist.all_reduce(refused)
-        if refused.item():
-            raise SettingsError(
-                f"--output_dir {self.config.output_dir!r} is being written by another run ({holder or 'rank 0 says'}"
-                f"{' (this process: another PPOTrainer)' if holder == f'pid {os.getpid()}' else ''}); wait for it "
-                "to finish, or use another --output_dir")
-        self._run_lock = lock
-        try:
-            self._resume_path = self._decide_resume(log_notes=False)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            self._run_lock = None
-            raise
-
-    def _train(self):
-        config, sizes, state = self.config, self.sizes, self.state
-        first = self._start_output()
-        self.log(f"{sizes.num_total_batches} iterations × {sizes.batch_size} episodes on {sizes.world_size} "
-                 f"process(es), {sizes.local_batch_size} per process"
-                 + (f", {sizes.total_steps} optimizer steps" if sizes.counts_optimizer_steps else "")
-                 + f"; output in {config.output_dir}"
-                 + (f"; resuming after iteration {first - 1}" if first > 1 else ""))
-        logger = self._logger = MetricsLogger(config, self.dist.is_main, self.log)
-        progress = None
-        stack = contextlib.ExitStack()
-        stack.callback(logger.close)
-        stop = stack.enter_context(_StopSignals(self.log))
-        if self.dist.is_main and not config.disable_tqdm:
-            progress = Progress(TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                console=self.console, transient=False)
-            task = progress.add_task("train", total=sizes.num_total_batches * sizes.batch_size,
-                                     completed=state.episode)
-            progress.start()
-            stack.callback(progress.stop)
-        self.control = self.callback_handler.on_train_begin(config, state, self.control)
-        if config.eval_on_start and first == 1:
-            self._scheduled_evaluation()
-        start, start_episode = time.perf_counter(), state.episode
-        preempted = False
-        with stack:
-            while state.global_step < sizes.total_steps:
-                update, before = self.iterations_done + 1, state.global_step  # this generation batch's number
-                started = time.perf_counter()
-                self.control = self.callback_handler.on_step_begin(config, state, self.control)
-                result = self.iteration()  # steps 1-6: rollout, scoring, rewards, GAE, update, metrics
-                last = state.global_step >= sizes.total_steps
-                batch = result.batch
-                logged_columns = self.reward_logs.take_extra(len(batch.scores))
-                # then what a run shows: metrics, samples, callbacks, checkpoints
-                # an episode is one completion: a pass over the prompts is num_generations episodes of each
-                state.epoch = state.episode / max(len(self.prompts) * sizes.num_generations, 1)
-                metrics = {
-                    **result.metrics,
-                    **self.reward_logs.take_metrics(self.device),  # the reward functions' own (log_metric)
-                    "eps": (state.episode - start_episode) / (time.perf_counter() - start),
-                    "lr": result.lr,
-                    "episode": state.episode,
-                    **{f"time/{k}": v for k, v in result.seconds.items()},
-                    "epoch": state.epoch,  # transformers' Trainer.log adds it to every entry, TRL's PPO's too
-                }
-                if config.critic_free:  # what TRL GRPO's trainer logs beside its own metrics
-                    metrics.update(self._step_counters(result, state.global_step - before, started))
-                if config.adaptive_kl:
-                    metrics["kl_coef"] = result.kl_coef
-                if progress is not None:
-                    progress.update(task, completed=state.episode)
-                self._log_state(metrics)  # every iteration, as TRL's loop calls self.log
-                # logging_steps counts global steps: a batch whose steps reach a multiple of it is logged
-                if (state.global_step // state.logging_steps > before // state.logging_steps or last
-                        or (before == 0 and config.logging_first_step)):
-                    logger.log(metrics, state.global_step)
-                    self.log(f"iter {update}/{sizes.num_total_batches}"
-                             + (f" step {state.global_step}/{sizes.total_steps}" if sizes.counts_optimizer_steps else "")
-                             + f" episode {state.episode}: " + progress_line(metrics))
-                    self._log_completions(result, logged_columns)
-                if sizes.sample_generations_freq and (update - 1) % sizes.sample_generations_freq == 0:
-                    if self.eval_prompts is not None:  # TRL's table: the eval prompts, near-greedy
-                        self.generate_completions(sampling=True)
-                    elif self.dist.is_main:  # no eval_dataset: this iteration's own samples
-                        prompts, completions = (batch.prompts, batch.completions) if batch.prompts is not None \
-                            else self.decode(*batch.rollout.token_ids())
-                        samples = Samples(prompts, completions, batch.scores.tolist(),
-                                          {k: v.tolist() for k, v in batch.reward_columns.items()}, logged_columns)
-                        print_samples(self.console, samples, state.global_step,
-                                      os.path.join(config.output_dir, "samples.jsonl"))
-                self._step_end_events(before)
-                if self.control.should_evaluate:  # transformers' flow, at eval_steps under eval_strategy="steps"
-                    self._scheduled_evaluation()
-                    self.control.should_evaluate = False
-                preempted = stop.requested_anywhere()
-                # transformers' flow asks for a checkpoint at save_steps and after the last iteration (as TRL's
-                # loop saves it): a finished run can be continued with a larger max_steps
-                wants_save = self.control.should_save and config.save_strategy != "no"
-                # a callback's stop ends the run early: its final model gets a checkpoint too, to continue from
-                stopping = self.control.should_training_stop and not last
-                if preempted or wants_save or (stopping and config.save_strategy != "no"):
-                    self.save_checkpoint()
-                    self.control = self.callback_handler.on_save(config, state, self.control)
-                self.control.should_save = False
-                if preempted:
-                    self.log(f"stopped by a signal after iteration {update}: checkpoint saved; continue with "
-                             "--resume_from_checkpoint latest")
-                    break
-                if stopping:
-                    self.log(f"a callback stopped training after iteration {update}")
-                    break
-        if not preempted:
-            self.save_model(config.output_dir)  # every rank: a collective under ZeRO-3; rank 0 writes
-            if self.dist.is_main:  # which iteration the final model is (a later resume must not replace it)
-                state.save_to_json(os.path.join(config.output_dir, C.FINAL_STATE_FILE))
-        if self.dist.is_main and not preempted:
-            plot_curves(state.log_history, os.path.join(config.output_dir, "curves.png"), self.log)
-            self.log(f"done: {state.episode} episodes in {time.perf_counter() - start:.1f}s; model saved to "
-                     f"{config.output_dir}")
-        self.control = self.callback_handler.on_train_end(config, state, self.control)
-        self._end_processes()
-        return state
-
-    def _end_processes(self) -> None:
-        """Destroys the process group this trainer started, once. DDP's reducer (and DeepSpeed's hooks and buffers)
-        hold it: they are released first, while every rank is alive, rather than when the trainer is collected
-        after destroy_process_group, where a rank hung in the reducer's teardown (evaluate() then end() on 2 ranks:
-        2 runs of 16)."""
-        self._trained = self.actor_critic
-        self.model = self._public_model()
-        fdist.barrier()  # every rank past its last save and collective (a caller's own process group included)
-        if self.dist.initialized_here and dist.is_initialized():
-            if self.zero is not None:
-                self.zero.destroy()
-            dist.destroy_process_group()
-
-    def _step_counters(self, result: IterationResult, steps: int, started: float) -> dict[str, float]:
-        """transformers' ``learning_rate`` (after the batch's steps) and TRL GRPO's ``num_tokens`` (every process's
-        prompt and completion tokens so far: ``state.num_input_tokens_seen``) and ``step_time`` (the batch's
-        seconds over its training steps, each optimizer step's gradient_accumulation_steps micro-steps, as TRL
-        averages its steps' times)."""
-        seen = fdist.all_reduce(result.batch.rollout.attention_mask.sum().float().reshape(1)).item()
-        self.state.num_input_tokens_seen = getattr(self.state, "num_input_tokens_seen", 0) + int(seen)
-        micro_steps = max(steps, 1) * self.config.gradient_accumulation_steps
-        return {"learning_rate": self.optimizer.param_groups[0]["lr"],
-                "num_tokens": float(self.state.num_input_tokens_seen),
-                "step_time": (time.perf_counter() - started) / micro_steps}
-
-    def _step_end_events(self, before: int) -> None:
-        """``on_step_end`` for each global step the iteration took (one under TRL PPO's counting; each optimizer
-        step of the generation batch under TRL GRPO's, with ``on_step_begin`` between them, replayed after its
-        update at their own ``global_step``): a callback that acts every N steps sees each step. What any step
-        asks for (save, evaluate, stop) is done at the batch's end, the only point with nothing half-updated."""
-        state, control, wanted = self.state, self.control, {}
-        after = state.global_step
-        try:
-            for step in range(before + 1, after + 1):
-                if step > before + 1:
-                    state.global_step = step - 1
-                    control = self.callback_handler.on_step_begin(self.config, state, control)
-                state.global_step = step
-                control = self.callback_handler.on_step_end(self.config, state, control)
-                for flag in ("should_save", "should_evaluate", "should_training_stop"):
-                    wanted[flag] = wanted.get(flag, False) or getattr(control, flag)
-        finally:
-            state.global_step = after
-        for flag, value in wanted.items():
-            setattr(control, flag, value)
-        self.control = control
-
     # ------------------------------------------------------------------ checkpoints and resuming
 
     def _start_output(self) -> int:
@@ -810,21 +581,6 @@ class PPOTrainer:
         return C.TrainingParts(self.policy, self.value_model, self.optimizer, self.lr_scheduler, self.kl_ctl,
                                self.moments, self.state, self.zero, self.shuffle, self.entropy_ctl)
 
-    def _log_state(self, metrics: dict) -> None:
-        """transformers' ``Trainer.log``: the entry joins ``log_history`` and callbacks get a copy (one that
-        edits ``logs`` changes nothing of the run's own record)."""
-        entry = {**metrics, "step": self.state.global_step}
-        self.state.log_history.append(entry)
-        self.control = self.callback_handler.on_log(self.config, self.state, self.control, logs=dict(metrics))
-
-    def end(self) -> None:
-        """transformers' ``Trainer.end()`` (TRL's scripts call it after saving): the metrics' trackers closed and the
-        process group this trainer started destroyed. ``train()`` does both at its end; this does them for a
-        trainer that never trained, and nothing twice."""
-        if self._logger is not None:
-            self._logger.close()
-        self._end_processes()
-
     # ------------------------------------------------------------------ saving
 
     def save_model(self, output_dir: str | None = None) -> None:
@@ -835,85 +591,3 @@ class PPOTrainer:
             refuse_foreign(output_dir or self.config.output_dir, "save_model:")  # another's model is never replaced
             C.save_model_files(output_dir or self.config.output_dir, self.policy, self.value_model, self.tokenizer,
                              self.config, self.model_args, *states)
-
-
-class _StopSignals:
-    """While training, SIGTERM (preemption, scancel, Kubernetes) and Ctrl-C ask every process to finish its
-    iteration, save a checkpoint and return; a second Ctrl-C interrupts at once."""
-
-    SIGNALS = ("SIGTERM", "SIGINT")
-
-    def __init__(self, log):
-        self.log = log
-        self.flag = False
-        self.previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                number = getattr(signal, name)
-                self.previous[number] = signal.signal(number, self._handle)
-        return self
-
-    def _handle(self, number, frame):
-        if self.flag and number == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.flag = True
-        self.log(f"{signal.Signals(number).name} received: finishing this iteration, then saving a checkpoint")
-
-    def requested_anywhere(self) -> bool:
-        """Whether any process got a signal (one small all-reduce per iteration, so all stop together)."""
-        flag = torch.tensor([float(self.flag)])
-        if fdist.is_distributed():
-            backend = dist.get_backend()
-            flag = flag.to("cuda") if backend == "nccl" else flag
-            fdist.all_reduce(flag, dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def __exit__(self, *exc):
-        for number, handler in self.previous.items():
-            signal.signal(number, handler)
-        return False
-
-
-def progress_line(metrics: dict) -> str:
-    """The console's line per logged iteration: what this run computes (no KL without a reference, no value loss
-    without a critic)."""
-    shown = (("scores", "objective/scores", ".3f"), ("kl", "objective/kl", ".2f"), ("kl_loss", "kl", ".4f"),
-             ("entropy", "objective/entropy", ".1f"), ("vf_loss", "loss/value_avg", ".3f"))
-    return " ".join(f"{label} {metrics[key]:{spec}}" for label, key, spec in shown if key in metrics)
-
-
-def _new_state(sizes: Sizes, num_prompts: int | None, is_main: bool, config: PPOConfig):
-    """transformers' TrainerState with TRL's ``episode`` counter (TRL's OnlineTrainerState); logging and save
-    intervals as TRL sets them (a value in (0, 1) is a fraction of all steps: iterations, or TRL GRPO's optimizer
-    steps)."""
-    state = TrainerState(is_local_process_zero=is_main, is_world_process_zero=is_main)
-    state.episode = 0
-    state.max_steps = sizes.total_steps
-    state.num_train_epochs = (sizes.num_total_batches * sizes.batch_size / (num_prompts * sizes.num_generations)
-                              if num_prompts else 0)
-    state.logging_steps = every(config.logging_steps, sizes.total_steps)
-    state.save_steps = every(config.save_steps, sizes.total_steps)
-    state.eval_steps = every(config.eval_steps or config.logging_steps, sizes.total_steps)
-    return state
-
-
-def fill_derived_sizes(config: PPOConfig, sizes: Sizes) -> None:
-    """TRL's trainer writes the derived sizes into its config; so does fastppo. A value the user set that
-    disagrees is refused: TRL would overwrite it silently (legacy TRL's batch_size meant something else)."""
-    derived = dict(world_size=sizes.world_size, local_batch_size=sizes.local_batch_size, batch_size=sizes.batch_size,
-                   micro_batch_size=sizes.local_micro_batch_size * sizes.world_size,
-                   local_mini_batch_size=sizes.local_mini_batch_size, mini_batch_size=sizes.mini_batch_size,
-                   num_total_batches=sizes.num_total_batches)
-    for name, value in derived.items():
-        given = getattr(config, name)
-        if given is not None and given != value:
-            raise SettingsError(
-                f"{name}={given} disagrees with the value derived from the batch flags ({value}); TRL 0.26 derives "
-                f"{name} from per_device_train_batch_size, gradient_accumulation_steps, num_mini_batches and the "
-                "number of processes: leave it unset (legacy TRL's batch_size/mini_batch_size are "
-                "fastppo.legacy.PPOConfig's)")
-        setattr(config, name, value)
-    if config.total_episodes is None:
-        config.total_episodes = sizes.num_total_batches * sizes.batch_size

@@ -13,7 +13,7 @@ from fastppo.cli import EMBEDDED_PRESET, ModelConfig, ScriptArguments, cli_setti
 from fastppo.config import PPOConfig
 from fastppo.errors import SettingsError
 from fastppo.sizes import derive_sizes
-from fastppo.trainer import fill_derived_sizes
+from fastppo.trainer_setup import fill_derived_sizes
 
 TRL_LINE = ("--dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style --dataset_train_split "
             "descriptiveness --learning_rate 3e-6 --output_dir out --per_device_train_batch_size 64 "
