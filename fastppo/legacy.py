@@ -5,13 +5,13 @@ validation), its ``PPOTrainer`` (``generate``/``step``/``log_stats`` and the oth
 A legacy user changes one import line, ``from trl import ...`` to ``from fastppo.legacy import ...``.
 The legacy trainer translates its config into fastppo's (``PPOConfig.to_core``: the same batch split in
 TRL 0.26's terms), builds what the core trainer builds through the same factory (``fastppo.build``) and runs
-steps 2-6 of the one driver, ``fastppo.train.ppo_iteration``, on the caller's own samples.
+steps 2-6 of the one driver, ``fastppo.train.ppo_iteration``, on the caller's own samples. Beside it:
+``generate()`` (``fastppo.legacy_generate``), ``step()``'s inputs and the dataloader (``fastppo.legacy_inputs``),
+the stats and ``log_stats()`` (``fastppo.legacy_stats``).
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import numbers
 import os
 import random
 import sys
@@ -24,8 +24,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
-from torch.utils.data import default_collate as torch_default_collate
 from transformers import DataCollatorForLanguageModeling
 
 from fastppo.build import build_learner, start_runtime
@@ -35,10 +33,12 @@ from fastppo.config import PPOConfig as CorePPOConfig
 from fastppo.data import left_pad, right_pad
 from fastppo.dist import all_reduce, barrier
 from fastppo.errors import SettingsError, SettingsTypeError
-from fastppo.generation import generate_with_kwargs, sample_responses, stop_ids_of
+from fastppo.generation import stop_ids_of
 from fastppo.advantages import gae_advantages
-from fastppo.kernels import check_temperature, kl_penalty, masked_mean, token_logprobs
-from fastppo.layout import causal_lm_of, lm_of
+from fastppo.kernels import kl_penalty, masked_mean, token_logprobs
+from fastppo.layout import causal_lm_of
+from fastppo.legacy_generate import legacy_generate
+from fastppo.legacy_inputs import check_step_inputs, legacy_dataloader
 from fastppo.legacy_stats import legacy_log_stats, legacy_step_stats
 from fastppo.loading import build_models, embedding_rows, ensure_pad_token, is_peft, position_limit
 from fastppo.metrics import STAT
@@ -51,15 +51,6 @@ from fastppo.script_args import ModelConfig
 from fastppo.sizes import derive_sizes
 from fastppo.trainer import fill_derived_sizes
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
-
-
-# generate() kwargs whose given value keeps sampling exactly softmax(logits / temperature)
-_NEUTRAL = {
-    "do_sample": (True,), "top_k": (0, 0.0, None), "top_p": (1.0, None), "min_length": (-1, 0, None),
-    "min_new_tokens": (0, None), "num_beams": (1, None), "num_return_sequences": (1, None),
-    "repetition_penalty": (1.0, None), "typical_p": (1.0, None), "min_p": (None, 0.0), "use_cache": (True, False),
-}
-_PASSED_THROUGH = ("max_new_tokens", "temperature", "pad_token_id", "eos_token_id")
 
 
 @dataclass
@@ -252,161 +243,6 @@ class AcceleratorView:
     @staticmethod
     def wait_for_everyone() -> None:
         barrier()
-
-
-def check_step_inputs(queries, responses, scores, response_masks, n: int, device) -> torch.Tensor:
-    """The scores of legacy ``step()``'s arguments as a [B] tensor; a clear error for anything malformed."""
-    for name, value in (("queries", queries), ("responses", responses)):
-        if not isinstance(value, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in value):
-            raise SettingsTypeError(f"step: {name} must be a list of 1-D token tensors")
-        if len(value) != n:
-            raise SettingsError(f"step: batch_size is {n} but {name} has {len(value)} samples")
-        if any(t.dim() != 1 for t in value):
-            raise SettingsError(f"step: every tensor in {name} must be 1-D (one sample's tokens)")
-    if any(len(t) == 0 for t in queries):
-        raise SettingsError("step: every query needs at least one token")
-    if isinstance(scores, torch.Tensor):
-        if scores.dim() > 1:
-            raise SettingsError(f"step: scores must be one value per sample, got a tensor of shape {list(scores.shape)}")
-        scores = scores.reshape(-1)
-    else:
-        scores = [torch.as_tensor(s, dtype=torch.float32) for s in scores]
-        for s in scores:  # legacy TRL: each a 0-d tensor (or one value in a 1-d one), never a matrix
-            if s.dim() > 1 or s.numel() != 1:
-                raise SettingsError(f"step: each score must be a scalar tensor (or a 1-element 1-d one), got shape "
-                                 f"{list(s.shape)}")
-        scores = torch.stack([s.reshape(()) for s in scores])
-    if scores.numel() != n:
-        raise SettingsError(f"step: batch_size is {n} but scores has {scores.numel()} values")
-    if not bool(torch.isfinite(scores).all()):
-        raise SettingsError("step: scores must be finite")
-    if response_masks is not None:
-        if len(response_masks) != n or any(len(m) != len(r) for m, r in zip(response_masks, responses)):
-            raise SettingsError("step: response_masks needs one mask per response, as long as that response")
-    return scores.float().to(device)
-
-
-
-def _collate_lists(rows: list[dict]) -> dict:
-    return {key: [row[key] for row in rows] for key in rows[0]}
-
-
-def default_collate(rows: list):
-    """Legacy TRL's loader without a collator is torch's ``default_collate`` (tuples of tensors stacked, and so
-    on); where that fails on dict rows of variable-length prompts, a dict of lists (what TRL's docs' collator
-    returns) instead of an error."""
-    try:
-        return torch_default_collate(rows)
-    except (RuntimeError, TypeError):
-        if isinstance(rows[0], dict):
-            return _collate_lists(rows)
-        raise
-
-
-def legacy_dataloader(dataset, config, state, collator: Callable | None):
-    """DataLoader over ``dataset``: ``batch_size`` rows per process, shuffled (seeded), last batch dropped.
-
-    Without a collator, torch's default one (as legacy TRL), falling back to a dict of lists for rows of
-    variable-length prompts (``default_collate``)."""
-    class EpochSampler(DistributedSampler):
-        """Reshuffles on every pass, as accelerate's prepared loader (legacy TRL's) does by calling
-        set_epoch; a plain DistributedSampler repeats its first order forever."""
-
-        def __iter__(self):
-            order = super().__iter__()  # drawn now, from seed + epoch
-            self.set_epoch(self.epoch + 1)
-            return order
-
-    if state.world_size > 1:
-        sampler = EpochSampler(dataset, num_replicas=state.world_size, rank=state.rank, shuffle=True,
-                               seed=config.seed, drop_last=True)
-    else:
-        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(config.seed))
-    return DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, drop_last=True,
-                      collate_fn=collator or default_collate)
-
-
-def _is_exact(kwargs: dict) -> bool:
-    return all(k in _PASSED_THROUGH or (k in _NEUTRAL and v in _NEUTRAL[k]) for k, v in kwargs.items())
-
-
-def legacy_generate(trainer, query_tensor, length_sampler, batch_size: int, return_prompt: bool,
-                    generate_ref_response: bool, remove_padding: bool, kwargs: dict):
-    batch_size = positive_int(batch_size, "generate: batch_size")
-    if "max_new_tokens" in kwargs:  # numpy integers too: TRL's LengthSampler draws them
-        kwargs = {**kwargs, "max_new_tokens": positive_int(kwargs["max_new_tokens"], "generate: max_new_tokens")}
-    if kwargs.get("do_sample", True) and "temperature" in kwargs:
-        try:  # sampling divides the logits by it: the kernels' range, one message
-            check_temperature(kwargs["temperature"])
-        except (TypeError, ValueError) as e:
-            raise SettingsError(f"generate: temperature: {e} (for greedy decoding pass do_sample=False)") from None
-    single = isinstance(query_tensor, torch.Tensor)
-    if single and query_tensor.dim() != 1:
-        raise SettingsError(f"generate: query_tensor must be 1-D (one query) or a list of them, got shape "
-                         f"{tuple(query_tensor.shape)}")
-    queries = [query_tensor] if single else list(query_tensor)
-    if not queries or not all(isinstance(q, torch.Tensor) and q.dim() == 1 and len(q) for q in queries):
-        raise SettingsError("generate: query_tensor must be a non-empty 1-D tensor or a list of them")
-    models = [lm_of(trainer.policy)]
-    if generate_ref_response:
-        models.append(None)  # the reference: a frozen copy, or the policy with its adapter disabled
-    outputs = []
-    for model in models:
-        rows = []
-        for i in range(0, len(queries), batch_size):
-            chunk = queries[i : i + batch_size]
-            step_kwargs = dict(kwargs)
-            if length_sampler is not None:
-                step_kwargs["max_new_tokens"] = positive_int(length_sampler(), "generate: the length_sampler's draw")
-            rows += _generate_chunk(trainer, model, chunk, step_kwargs, return_prompt, remove_padding and not single)
-        outputs.append(rows[0].unsqueeze(0) if single else rows)
-    return tuple(outputs) if generate_ref_response else outputs[0]
-
-
-def positive_int(value, what: str) -> int:
-    """An integer >= 1 (Python's or NumPy's; not a bool, not a float), as a Python int."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise SettingsError(f"{what} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
-@torch.no_grad()
-def _generate_chunk(trainer, model, queries: list[torch.Tensor], kwargs: dict, return_prompt: bool,
-                    cut_after_eos: bool) -> list[torch.Tensor]:
-    tok = trainer.tokenizer
-    pad = kwargs.get("pad_token_id", tok.pad_token_id)
-    eos = kwargs.get("eos_token_id", tok.eos_token_id)
-    stop_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    ids, mask = left_pad([q.tolist() for q in queries], pad)
-    ids, mask = ids.to(trainer.device), mask.to(trainer.device)
-    context = contextlib.nullcontext()
-    if model is None:
-        if trainer.reference_model is not None:
-            model = trainer.reference_model
-        else:
-            model = lm_of(trainer.policy)
-            context = model.disable_adapter()
-    max_new = kwargs.get("max_new_tokens", 20)
-    limit = position_limit(causal_lm_of(model).config)
-    if limit is not None and ids.shape[1] + max_new > limit:  # the 0.26 API refuses the same lengths
-        raise SettingsError(f"generate: the longest query ({ids.shape[1]} tokens) + max_new_tokens ({max_new}) = "
-                            f"{ids.shape[1] + max_new} exceeds the model's {limit} positions; shorten the queries "
-                            "or lower max_new_tokens (or the length_sampler's range)")
-    with context, trainer.autocast():
-        if _is_exact(kwargs):
-            responses = sample_responses(model, ids, mask, max_new, float(kwargs.get("temperature", 1.0)),
-                                         stop_ids, pad, len(queries))
-        else:
-            responses = generate_with_kwargs(model, ids, mask, kwargs, pad, stop_ids)
-    out = []
-    for q, r in zip(queries, responses):
-        r = r.to(q.device)
-        if cut_after_eos and stop_ids:
-            hits = torch.isin(r, torch.tensor(stop_ids, device=r.device)).nonzero()
-            if len(hits):
-                r = r[: hits[0, 0] + 1]
-        out.append(torch.cat([q, r]) if return_prompt else r)
-    return out
 
 
 class OptimizerView:

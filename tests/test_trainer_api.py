@@ -338,7 +338,7 @@ def test_legacy_dataloader_reshuffles_every_pass(world_size):
     under torchrun the ranks' shards stay disjoint."""
     from types import SimpleNamespace
 
-    from fastppo.legacy import legacy_dataloader
+    from fastppo.legacy_inputs import legacy_dataloader
 
     rows = [{"i": i} for i in range(64)]
     config = SimpleNamespace(seed=0, batch_size=4)
