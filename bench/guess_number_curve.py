@@ -59,7 +59,8 @@ def example_game() -> list[dict]:
             {"role": "assistant", "content": "Found it: 3."}]
 
 
-def run(steps: int, output_dir: str, prompts_per_step: int, k: int, learning_rate: float) -> dict:
+def run(steps: int, output_dir: str, prompts_per_step: int, k: int, learning_rate: float, temperature: float = 1.0,
+        epsilon_high: float | None = None) -> dict:
     import datasets
     from transformers import AutoTokenizer, TrainerCallback
 
@@ -77,7 +78,8 @@ def run(steps: int, output_dir: str, prompts_per_step: int, k: int, learning_rat
         "target": [rng.randint(1, HIGHEST) for _ in range(rows)]})
     config = GRPOConfig(
         output_dir=output_dir, num_generations=k, per_device_train_batch_size=prompts_per_step * k,
-        max_completion_length=96, max_tool_calling_iterations=3, temperature=1.0, learning_rate=learning_rate,
+        max_completion_length=96, max_tool_calling_iterations=3, temperature=temperature, learning_rate=learning_rate,
+        epsilon_high=epsilon_high,
         beta=0.0, max_steps=steps, logging_steps=1, save_strategy="no", seed=0, bf16=False,
         gradient_checkpointing=False, disable_tqdm=True, report_to="none")
     history = []
@@ -96,7 +98,8 @@ def run(steps: int, output_dir: str, prompts_per_step: int, k: int, learning_rat
                           environment_factory=GuessNumber, callbacks=[Record()])
     trainer.train()
     return {"model": "SmolLM2-135M-Instruct", "steps": steps, "prompts_per_step": prompts_per_step,
-            "num_generations": k, "learning_rate": learning_rate, "highest": HIGHEST,
+            "num_generations": k, "learning_rate": learning_rate, "temperature": temperature,
+            "epsilon_high": epsilon_high, "highest": HIGHEST,
             "seconds": time.perf_counter() - start, "history": history}
 
 
@@ -118,11 +121,15 @@ def main() -> None:
     parser.add_argument("--prompts_per_step", type=int, default=1)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--learning_rate", type=float, default=5e-5)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--epsilon_high", type=float, default=None, help="clip-higher (DAPO's remedy for the "
+                        "entropy collapse that leaves a group's completions all alike); unset: epsilon")
     parser.add_argument("--out", default="guess_number_curve.json")
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        result = run(args.steps, tmp, args.prompts_per_step, args.num_generations, args.learning_rate)
+        result = run(args.steps, tmp, args.prompts_per_step, args.num_generations, args.learning_rate,
+                     args.temperature, args.epsilon_high)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     first, last = result["history"][:5], result["history"][-5:]

@@ -187,3 +187,16 @@ def test_the_trainer_samples_each_chunks_episodes_in_one_cache_and_trains_as_it_
     assert len(cached._static_decoder._graphed) == 1  # every turn of both steps ran one bucket
     for (name, a), b in zip(eager.actor_critic.state_dict().items(), cached.actor_critic.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_the_inductor_step_compiles_once_for_every_turn(model_dir):
+    """The inductor backend (a CPU's): one compile for the first turn, and no recompilation after it, however the
+    rounds' prefills, masks and rows differ (dynamo raises on a recompile here)."""
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids, mask = left_padded(3, 7, lm.config.vocab_size, [0, 4, 2], "cpu", torch.Generator().manual_seed(12))
+    stops = frequent_tokens(lm, ids, mask, k=40)
+    decoder = StaticDecoder(lm, backend="inductor")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        cached, prefilled, _ = both_episodes(lm, decoder, ids, mask, TurnLimits(20, 3, tuple(stops)), seed=5)
+    assert cached.completions == prefilled.completions and max(turns(cached)) >= 3
+    assert list(decoder.compile_seconds) == [(4, 64)]
