@@ -54,7 +54,7 @@ def run(lengths, batches, reps: int, temperature: float = 0.7, seed: int = 0) ->
 
     import machine_limits
     from e2e_common import chat_prompts, smollm2_dir
-    from fastppo.generation import sample_responses
+    from fastppo.generation import Sampling, sample_responses
     from fastppo.static_decode import StaticDecoder
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -77,8 +77,8 @@ def run(lengths, batches, reps: int, temperature: float = 0.7, seed: int = 0) ->
             ids = torch.tensor([prompts[i % len(prompts)] for i in range(batch)], device=device)
             mask = (torch.arange(width, device=device)[None] >= (ids != pad).long().argmax(1)[:, None]).long()
             impls = {
-                "eager": lambda: sample_responses(lm, ids, mask, length, temperature, [eos], pad, batch),
-                "compiled": lambda: sample_responses(lm, ids, mask, length, temperature, [eos], pad, batch,
+                "eager": lambda: sample_responses(lm, ids, mask, length, Sampling(temperature, [eos], pad), batch),
+                "compiled": lambda: sample_responses(lm, ids, mask, length, Sampling(temperature, [eos], pad), batch,
                                                      decoder=decoder),
             }
             if batch_generation is not None:  # TRL's call: the checkpoint's generation_config merged in, as in TRL

@@ -61,7 +61,7 @@ def main() -> None:
     from e2e_common import smollm2_dir
     from fastppo.data import left_pad
     from fastppo.episode_decode import EpisodeDecode
-    from fastppo.generation import cut_after_stop, sample_responses
+    from fastppo.generation import Sampling, cut_after_stop, sample_responses
     from fastppo.static_decode import StaticDecoder
     from fastppo.tools import TurnLimits, run_episodes
 
@@ -91,7 +91,7 @@ def main() -> None:
     def anew(decoder):
         def sample(rows, contexts, suffixes, length):
             ids, mask = left_pad(contexts, 0)
-            tokens = sample_responses(lm, ids, mask, length, 1.0, stops, 0, len(contexts), decoder=decoder)
+            tokens = sample_responses(lm, ids, mask, length, Sampling(1.0, stops, 0), len(contexts), decoder=decoder)
             return [cut_after_stop(row, stops) for row in tokens.tolist()]
         return sample
 
@@ -99,7 +99,7 @@ def main() -> None:
         def episodes(prompts, seed):
             ids, mask = left_pad(prompts, 0)
             torch.manual_seed(seed)
-            decode = EpisodeDecode(decoder, lm, ids, mask, args.budget, 1.0, stops, 0)
+            decode = EpisodeDecode(decoder, lm, ids, mask, args.budget, Sampling(1.0, stops, 0))
             return run_episodes(ScriptedCalls(vocab), prompts, decode.first_turn(), decode, limits)
         return episodes
 
@@ -107,7 +107,8 @@ def main() -> None:
         def episodes(prompts, seed):
             ids, mask = left_pad(prompts, 0)
             torch.manual_seed(seed)
-            first = sample_responses(lm, ids, mask, args.budget, 1.0, stops, 0, len(prompts), decoder=decoder)
+            first = sample_responses(lm, ids, mask, args.budget, Sampling(1.0, stops, 0), len(prompts),
+                                     decoder=decoder)
             return run_episodes(ScriptedCalls(vocab), prompts, [cut_after_stop(r, stops) for r in first.tolist()],
                                 anew(decoder), limits)
         return episodes

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from fastppo.generation import (StaticRows, TokenDraw, _history, _stop_tensor, cut_after_stop, decode_static,
-                                prefill_static)
+from fastppo.generation import (Sampling, StaticRows, TokenDraw, _history, _stop_tensor, cut_after_stop,
+                                decode_static, prefill_static)
 from fastppo.layout import cache_keyword
-from fastppo.sampling import Truncation
 from fastppo.static_decode import StaticDecoder, _forward_parameters
 
 
@@ -31,15 +30,17 @@ class EpisodeDecode:
     tokens. ``first_turn()`` samples every row's first turn; each call then continues the rows named after their
     tool messages (``tools.run_episodes``' sampler)."""
 
-    def __init__(self, decoder: StaticDecoder, lm, queries, query_mask, budget: int, temperature: float,
-                 stop_ids: list[int], pad_id: int, truncation: Truncation | None = None, group_size: int = 1):
+    def __init__(self, decoder: StaticDecoder, lm, queries, query_mask, budget: int, sampling: Sampling,
+                 group_size: int = 1):
+        if sampling.synced:
+            raise ValueError("EpisodeDecode samples one process's episodes: not synced across processes")
         self.decoder, self.lm, self.budget, self.group_size = decoder, lm, budget, group_size
         self.rows, self.width = queries.shape
-        self.stop_ids, self.truncation = list(stop_ids), truncation
+        self.stop_ids, self.truncation = list(sampling.stop_ids), sampling.truncation
         self.query_mask = query_mask
         inputs, mask, positions, cache, key = decoder.prepare(queries, query_mask, 2 * budget)
         self.state = StaticRows(inputs, mask, positions, cache, key)
-        self.draw = TokenDraw(temperature, _stop_tensor(stop_ids, queries), pad_id, False, truncation)
+        self.draw = TokenDraw(sampling, _stop_tensor(sampling.stop_ids, queries))
         self.column = self.width  # the next cache column written
         # each row's tokens drawn but not in the cache yet (a turn's last token), fed before its next context
         self.unfed: list[list[int]] = [[] for _ in range(self.rows)]

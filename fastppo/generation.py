@@ -32,23 +32,32 @@ from fastppo.sampling import Truncation, process_logits, seen_tokens
 from fastppo.static_decode import StaticDecoder, accepts_logits_to_keep
 
 
-@torch.no_grad()
-def sample_responses(lm, queries, query_mask, response_length: int, temperature: float,
-                     stop_ids: list[int], pad_id: int, chunk: int, synced: bool = False,
-                     decoder: StaticDecoder | None = None, truncation: Truncation | None = None,
-                     group_size: int = 1) -> torch.Tensor:
-    """[B, T] sampled tokens (T = ``response_length``), ``chunk`` rows at a time; after a row's first stop
-    token every position holds ``pad_id``. With no stop ids every row has exactly T tokens.
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are drawn: y ~ softmax(logits / ``temperature``), or ``truncation``'s processed distribution
+    (``sampling.process_logits``; a repetition penalty reads each row's real prompt tokens and the tokens drawn so
+    far); a row ends at its first of ``stop_ids`` and holds ``pad_id`` after it (with no stop ids every row runs to
+    the length asked). ``synced``: a chunk's loop ends only when every process's rows have stopped (one all-reduce
+    per token; DeepSpeed ZeRO-3 without gathered weights, where each forward is a collective); every process must
+    then sample the same number of chunks."""
 
-    ``synced``: a chunk's loop ends only when every process's rows have stopped (one all-reduce per token;
-    DeepSpeed ZeRO-3 without gathered weights, where each forward is a collective). Every process must
-    then sample the same number of chunks.
+    temperature: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    synced: bool = False
+    truncation: Truncation | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+
+
+@torch.no_grad()
+def sample_responses(lm, queries, query_mask, response_length: int, sampling: Sampling, chunk: int,
+                     decoder: StaticDecoder | None = None, group_size: int = 1) -> torch.Tensor:
+    """[B, T] sampled tokens (T = ``response_length``), ``chunk`` rows at a time, drawn as ``sampling`` says.
 
     ``decoder``: a ``static_decode.StaticDecoder`` of ``lm``; each token's forward then runs compiled over its
     static KV cache, and the same random state draws the same tokens.
-
-    ``truncation``: draw from ``sampling.process_logits``' distribution (a repetition penalty reads each row's real
-    prompt tokens and the tokens drawn so far).
 
     ``group_size``: where each ``group_size`` consecutive rows of a chunk hold one prompt (``prompt_groups``), the
     eager loop runs each prompt's forward (the prefill) once and copies its KV cache to the group's rows: the first
@@ -61,10 +70,9 @@ def sample_responses(lm, queries, query_mask, response_length: int, temperature:
     training = lm.training
     lm.eval()
     try:
-        sample = partial(_sample_chunk, group_size=group_size) if decoder is None else \
-            partial(_sample_chunk_static, decoder, group_size=group_size)
-        out = [sample(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, temperature,
-                      stop_ids, pad_id, synced, truncation) for i in range(0, queries.shape[0], chunk)]
+        sample = _sample_chunk if decoder is None else partial(_sample_chunk_static, decoder)
+        out = [sample(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, sampling, group_size)
+               for i in range(0, queries.shape[0], chunk)]
     finally:
         lm.train(training)
     return torch.cat(out)
@@ -126,18 +134,16 @@ def _new_dynamic_cache(lm) -> DynamicCache:
     return DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
 
 
-def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: float, stop_ids: list[int],
-                  pad_id: int, synced: bool = False, truncation: Truncation | None = None,
+def _sample_chunk(lm, queries, query_mask, response_length: int, sampling: Sampling,
                   group_size: int = 1) -> torch.Tensor:
     b = queries.shape[0]
-    stops = _stop_tensor(stop_ids, queries)
     keep = {"logits_to_keep": 1} if accepts_logits_to_keep(lm) else {}
     cache = _new_dynamic_cache(lm)
     keyword = cache_keyword(lm)  # cache (transformers 5.2x on) or past_key_values (earlier)
     mask = query_mask
     positions = (query_mask.cumsum(1) - 1).clamp(min=0)  # a left-padded prompt starts at position 0
     inputs = queries * query_mask  # padding is never attended: fed as id 0 (TRL's), whatever the pad id
-    tokens = torch.full((b, response_length), pad_id, dtype=queries.dtype, device=queries.device)
+    tokens = torch.full((b, response_length), sampling.pad_id, dtype=queries.dtype, device=queries.device)
     done = torch.zeros(b, dtype=torch.bool, device=queries.device)
     if response_length == 0:
         return tokens
@@ -150,9 +156,10 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
     if g > 1:
         cache.batch_repeat_interleave(g)
         logits = logits.repeat_interleave(g, 0)
-    seen = _history(queries, query_mask, truncation, logits.shape[-1])
+    draw = TokenDraw(sampling, _stop_tensor(sampling.stop_ids, queries),
+                     _history(queries, query_mask, sampling.truncation, logits.shape[-1]))
     for t in range(response_length):
-        tokens[:, t], done, finished = draw_tokens(logits, temperature, done, stops, pad_id, synced, truncation, seen)
+        tokens[:, t], done, finished = draw(logits, done)
         if finished or t + 1 == response_length:
             break
         inputs = torch.where(done, 0, tokens[:, t])[:, None]  # a stopped row's input is never read again
@@ -163,16 +170,15 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, temperature: fl
     return tokens
 
 
-def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, response_length: int, temperature: float,
-                         stop_ids: list[int], pad_id: int, synced: bool = False,
-                         truncation: Truncation | None = None, group_size: int = 1) -> torch.Tensor:
+def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, response_length: int, sampling: Sampling,
+                         group_size: int = 1) -> torch.Tensor:
     """``_sample_chunk`` with the prompt's forward eager into the decoder's static cache and every later token's
     forward through its compiled step; rows past ``B`` are the bucket's padding and are never sampled."""
     b, width = queries.shape
     inputs, mask, positions, cache, key = decoder.prepare(queries, query_mask, response_length)
     logits = prefill_static(decoder, lm, inputs, mask, positions, cache, b, group_size)
-    draw = TokenDraw(temperature, _stop_tensor(stop_ids, queries), pad_id, synced, truncation,
-                     _history(queries, query_mask, truncation, logits.shape[-1]))
+    draw = TokenDraw(sampling, _stop_tensor(sampling.stop_ids, queries),
+                     _history(queries, query_mask, sampling.truncation, logits.shape[-1]))
     done = torch.zeros(b, dtype=torch.bool, device=queries.device)
     tokens, _ = decode_static(decoder, StaticRows(inputs, mask, positions, cache, key), logits, width,
                               response_length, done, draw)
@@ -209,28 +215,25 @@ class StaticRows:
 
 @dataclass
 class TokenDraw:
-    """How ``draw_tokens`` draws for a chunk: the temperature, the stop ids (a tensor, or None), the pad id, whether
-    every process's rows must stop first, the processed distribution and the tokens each row holds."""
+    """How ``draw_tokens`` draws for a chunk: ``sampling``'s settings, its stop ids as a tensor (None: none) and the
+    tokens each row holds (read by a repetition penalty; None without one)."""
 
-    temperature: float
+    sampling: Sampling
     stops: torch.Tensor | None
-    pad_id: int
-    synced: bool = False
-    truncation: Truncation | None = None
     seen: torch.Tensor | None = None
 
     def __call__(self, logits, done, rows: torch.Tensor | None = None):
         """``draw_tokens`` over every row, or over ``rows`` only (the others get the pad id and keep their ``done``):
         the random state then moves as a chunk of those rows alone would move it."""
+        s = self.sampling
         if rows is None:
-            return draw_tokens(logits, self.temperature, done, self.stops, self.pad_id, self.synced,
-                               self.truncation, self.seen)
+            return draw_tokens(logits, s.temperature, done, self.stops, s.pad_id, s.synced, s.truncation, self.seen)
         seen = None if self.seen is None else self.seen[rows]
-        drawn, drawn_done, finished = draw_tokens(logits[rows], self.temperature, done[rows], self.stops,
-                                                  self.pad_id, self.synced, self.truncation, seen)
+        drawn, drawn_done, finished = draw_tokens(logits[rows], s.temperature, done[rows], self.stops, s.pad_id,
+                                                  s.synced, s.truncation, seen)
         if seen is not None:
             self.seen[rows] = seen
-        tokens = torch.full_like(done, self.pad_id, dtype=drawn.dtype).index_copy_(0, rows, drawn)
+        tokens = torch.full_like(done, s.pad_id, dtype=drawn.dtype).index_copy_(0, rows, drawn)
         return tokens, done.index_copy(0, rows, drawn_done), finished
 
 
@@ -242,7 +245,7 @@ def decode_static(decoder: StaticDecoder, state: StaticRows, logits, column: int
     never is); ``state``'s inputs and positions are the last fed, and its mask keeps every fed column for every
     row."""
     b = done.shape[0]
-    tokens = torch.full((b, length), draw.pad_id, dtype=state.inputs.dtype, device=state.inputs.device)
+    tokens = torch.full((b, length), draw.sampling.pad_id, dtype=state.inputs.dtype, device=state.inputs.device)
     fed = 0
     for t in range(length):
         tokens[:, t], done, finished = draw(logits[:b], done, rows)

@@ -11,7 +11,7 @@ import torch
 
 from fastppo.data import left_pad
 from fastppo.errors import SettingsError
-from fastppo.generation import generate_with_kwargs, sample_responses
+from fastppo.generation import Sampling, generate_with_kwargs, sample_responses
 from fastppo.kernels import check_temperature
 from fastppo.layout import causal_lm_of, lm_of
 from fastppo.loading import position_limit
@@ -93,8 +93,8 @@ def _generate_chunk(trainer, model, queries: list[torch.Tensor], kwargs: dict, r
                             "or lower max_new_tokens (or the length_sampler's range)")
     with context, trainer.autocast():
         if _is_exact(kwargs):
-            responses = sample_responses(model, ids, mask, max_new, float(kwargs.get("temperature", 1.0)),
-                                         stop_ids, pad, len(queries))
+            responses = sample_responses(model, ids, mask, max_new,
+                                         Sampling(float(kwargs.get("temperature", 1.0)), stop_ids, pad), len(queries))
         else:
             responses = generate_with_kwargs(model, ids, mask, kwargs, pad, stop_ids)
     out = []

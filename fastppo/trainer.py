@@ -30,7 +30,7 @@ from fastppo.data import chat_token_ids, left_pad, load_prompts, prompt_batches
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.episode_decode import EpisodeDecode
-from fastppo.generation import cut_after_stop, sample_responses, stop_ids_of
+from fastppo.generation import Sampling, cut_after_stop, sample_responses, stop_ids_of
 from fastppo.layout import lm_of
 from fastppo.metrics import RewardLogs, Samples, print_samples
 from fastppo.reward_scores import RewardScoring, processing_classes_by_name, resolve_rewards, score_rewards
@@ -355,11 +355,15 @@ class PPOTrainer(TrainingLoop):
 
     def _sample(self, queries, query_mask, length: int, temperature: float, synced: bool) -> torch.Tensor:
         """[B, length] tokens sampled after the left-padded ``queries`` (``sample_responses``)."""
-        return sample_responses(self._lm(), queries, query_mask, length, temperature, self.stop_ids,
-                                self.tokenizer.pad_token_id, self.config.local_rollout_forward_batch_size,
-                                **({"synced": True} if synced else {}), decoder=self._decoder(),
-                                truncation=self.actor_critic.truncation,
-                                group_size=1 if self.config.share_prompts is False else self.sizes.num_generations)
+        return sample_responses(self._lm(), queries, query_mask, length, self._sampling(temperature, synced),
+                                self.config.local_rollout_forward_batch_size, self._decoder(), self._prompt_group())
+
+    def _sampling(self, temperature: float, synced: bool = False) -> Sampling:
+        return Sampling(temperature, self.stop_ids, self.tokenizer.pad_token_id, synced, self.actor_critic.truncation)
+
+    def _prompt_group(self) -> int:
+        """The rows each prompt has side by side in a rollout, where the sampler prefills it once."""
+        return 1 if self.config.share_prompts is False else self.sizes.num_generations
 
     def _reset_environments(self, rows):
         """Each rollout's environment (``environments.Environments``), reset with its row; the prompts as they then
@@ -424,13 +428,11 @@ class PPOTrainer(TrainingLoop):
         them; the chunk's tools run together."""
         chunk, real = self.config.local_rollout_forward_batch_size, query_mask.bool().cpu()
         prompts = [q[m].tolist() for q, m in zip(queries.cpu(), real)]
-        group = 1 if self.config.share_prompts is False else self.sizes.num_generations
         parts = []
         for start in range(0, len(prompts), chunk):
             rows = slice(start, start + chunk)
             decode = EpisodeDecode(self._decoder(), self._lm(), queries[rows], query_mask[rows], limits.budget,
-                                   temperature, self.stop_ids, self.tokenizer.pad_token_id,
-                                   self.actor_critic.truncation, group)
+                                   self._sampling(temperature), self._prompt_group())
             parts.append(run_episodes(self.tool_calling, prompts[rows], decode.first_turn(), decode, limits,
                                       None if row_tools is None else row_tools[rows]))
         return Episodes.joined(parts)

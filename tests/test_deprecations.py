@@ -69,7 +69,7 @@ def test_no_deprecation_warning_from_fastppos_calls(tmp_path, model_dir, fastppo
     the final save), the legacy API's generate/step and value-head model with its cache, and the compiled decode
     step: on the installed transformers/torch/datasets/accelerate, none of fastppo's calls raises a FutureWarning
     or DeprecationWarning (transformers 5.2x warns on every forward given past_key_values; it goes in 5.40)."""
-    from fastppo.generation import sample_responses
+    from fastppo.generation import Sampling, sample_responses
     from fastppo.legacy import AutoModelForCausalLMWithValueHead
     from fastppo.legacy import PPOConfig as LegacyConfig
     from fastppo.legacy import PPOTrainer as LegacyTrainer
@@ -100,10 +100,10 @@ def test_no_deprecation_warning_from_fastppos_calls(tmp_path, model_dir, fastppo
     assert cache is not None
     lm = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     mask = torch.ones_like(ids)
-    eager = sample_responses(lm, ids, mask, 4, 1.0, [], 0, 8)
+    eager = sample_responses(lm, ids, mask, 4, Sampling(1.0), 8)
     decoder = StaticDecoder(lm, cache_bucket=16)
     torch.manual_seed(0)
-    first_tokens = sample_responses(lm, ids, mask, 3, 1.0, [], 0, 8, decoder=decoder)
+    first_tokens = sample_responses(lm, ids, mask, 3, Sampling(1.0), 8, decoder=decoder)
     assert eager.shape == (1, 4) and first_tokens.shape == (1, 3)
     assert fastppo_deprecations == [], "\n".join(fastppo_deprecations)
     import inspect

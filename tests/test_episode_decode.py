@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from fastppo.data import left_pad
 from fastppo.episode_decode import EpisodeDecode
 from fastppo import generation
-from fastppo.generation import cut_after_stop, sample_responses
+from fastppo.generation import Sampling, cut_after_stop, sample_responses
 from fastppo.sampling import Truncation, process_logits
 from fastppo.static_decode import StaticDecoder
 from fastppo.tools import ToolRound, TurnLimits, run_episodes
@@ -51,8 +51,8 @@ def prefilling_sampler(lm, stops, truncation=None):
 
     def sample(rows, contexts, suffixes, length):
         ids, mask = left_pad(contexts, 0)
-        tokens = sample_responses(lm, ids.to(lm.device), mask.to(lm.device), length, 1.0, stops, 0, len(contexts),
-                                  truncation=truncation)
+        tokens = sample_responses(lm, ids.to(lm.device), mask.to(lm.device), length,
+                                  Sampling(1.0, stops, 0, truncation=truncation), len(contexts))
         return [cut_after_stop(row, stops) for row in tokens.tolist()]
 
     return sample
@@ -75,11 +75,12 @@ def both_episodes(lm, decoder, ids, mask, limits, seed, truncation=None):
     with pytest.MonkeyPatch.context() as patch:
         torch.manual_seed(seed)
         patch.setattr(generation, "draw_tokens", recording(drawn["cached"]))
-        decode = EpisodeDecode(decoder, lm, ids, mask, limits.budget, 1.0, stops, 0, truncation)
+        decode = EpisodeDecode(decoder, lm, ids, mask, limits.budget, Sampling(1.0, stops, 0, truncation=truncation))
         cached = run_episodes(ScriptedCalls(lm.config.vocab_size), prompts, decode.first_turn(), decode, limits)
         torch.manual_seed(seed)
         patch.setattr(generation, "draw_tokens", recording(drawn["prefilled"]))
-        first = sample_responses(lm, ids, mask, limits.budget, 1.0, stops, 0, ids.shape[0], truncation=truncation)
+        first = sample_responses(lm, ids, mask, limits.budget, Sampling(1.0, stops, 0, truncation=truncation),
+                                 ids.shape[0])
         prefilled = run_episodes(ScriptedCalls(lm.config.vocab_size), prompts,
                                  [cut_after_stop(row, stops) for row in first.tolist()],
                                  prefilling_sampler(lm, stops, truncation), limits)

@@ -11,7 +11,7 @@ import torch
 from fastppo.config import PPOConfig
 from fastppo.sizes import derive_sizes
 from fastppo.data import left_pad
-from fastppo.generation import sample_responses
+from fastppo.generation import Sampling, sample_responses
 from fastppo.trainer import PPOTrainer
 from fastppo.batching import micro_batches
 from fastppo.advantages import gae_advantages
@@ -47,13 +47,13 @@ def test_sampler_computes_last_position_logits_only_under_lora_too():
     """A LoRA policy (PEFT's forward takes **kwargs) still gets logits_to_keep=1: the prefill never makes
     [rows, prompt, vocab] logits."""
     peft = pytest.importorskip("peft")
-    from fastppo.generation import sample_responses
+    from fastppo.generation import Sampling, sample_responses
 
     lm = peft.get_peft_model(random_lm(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     seen = []
     lm.get_base_model().register_forward_hook(lambda module, args, out: seen.append(out.logits.shape[1]))
     queries = torch.randint(2, 64, (3, 7))
-    sample_responses(lm, queries, torch.ones_like(queries), 4, 1.0, [], 0, 8)
+    sample_responses(lm, queries, torch.ones_like(queries), 4, Sampling(1.0), 8)
     assert seen and set(seen) == {1}
 
 
@@ -66,7 +66,7 @@ def test_sampler_draws_the_tokens_generate_draws(stop_ids):
     lm = random_lm()
     queries, mask = left_pad([[3, 4, 5], [6], [7, 8], [9, 10, 11, 12]], pad_id=0)
     torch.manual_seed(123)
-    ours = sample_responses(lm, queries, mask, 12, 0.7, stop_ids, 0, chunk=4)
+    ours = sample_responses(lm, queries, mask, 12, Sampling(0.7, stop_ids, 0), chunk=4)
     lm.generation_config = GenerationConfig()
     torch.manual_seed(123)
     gen = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
@@ -95,7 +95,7 @@ def test_sampler_ignores_the_checkpoints_generation_config():
     assert outside > 0.5  # a near-uniform model: most mass is outside the top 20
 
     torch.manual_seed(0)
-    first = sample_responses(lm, queries, mask, 1, 1.0, [], 0, chunk=n)[:, 0]
+    first = sample_responses(lm, queries, mask, 1, Sampling(1.0), chunk=n)[:, 0]
     frac = sum(t not in top20 for t in first.tolist()) / n
     assert abs(frac - outside) < 4 * (outside * (1 - outside) / n) ** 0.5, (frac, outside)
     # chi-square over the 16 most likely tokens and the rest, against the model's probabilities
@@ -284,14 +284,14 @@ def test_sampling_is_the_same_in_train_mode_under_gradient_checkpointing(model_d
     from transformers import AutoModelForCausalLM
 
     from fastppo.data import left_pad
-    from fastppo.generation import sample_responses
+    from fastppo.generation import Sampling, sample_responses
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     queries, mask = left_pad([[5, 6, 7, 8], [9, 10]], 0)
     torch.manual_seed(3)
-    expected = sample_responses(model.eval(), queries, mask, 6, 1.0, [], 0, 8)
+    expected = sample_responses(model.eval(), queries, mask, 6, Sampling(1.0), 8)
     model.gradient_checkpointing_enable()
     model.train()
     torch.manual_seed(3)
-    assert torch.equal(sample_responses(model, queries, mask, 6, 1.0, [], 0, 8), expected)
+    assert torch.equal(sample_responses(model, queries, mask, 6, Sampling(1.0), 8), expected)
     assert model.training

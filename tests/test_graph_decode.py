@@ -147,7 +147,7 @@ def test_each_prompt_is_prefilled_once_and_the_tokens_are_the_unshared_ones(mode
     cache (and to the bucket's padding rows: 3 prompts × 2 = 6 rows in a bucket of 8); the same random state draws
     what the unshared prefill draws, with stop ids that end some rows, and a chunk that splits a group (or rows that
     are not groups) prefills every row."""
-    from fastppo.generation import sample_responses
+    from fastppo.generation import Sampling, sample_responses
 
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention).to(device)
     gen = torch.Generator().manual_seed(13)
@@ -164,7 +164,7 @@ def test_each_prompt_is_prefilled_once_and_the_tokens_are_the_unshared_ones(mode
         for group, chunk in ((1, 6), (2, 6), (1, 3), (2, 3)):
             prefill_rows.clear()
             torch.manual_seed(3)
-            drawn[group, chunk] = sample_responses(lm, ids, mask, 12, 1.0, stops, 0, chunk, decoder=decoder,
+            drawn[group, chunk] = sample_responses(lm, ids, mask, 12, Sampling(1.0, stops, 0), chunk, decoder=decoder,
                                                    group_size=group)
             drawn[group, chunk, "prefill"] = list(prefill_rows)
     finally:

@@ -15,7 +15,7 @@ import torch
 
 from fastppo import PPOConfig, PPOTrainer
 from fastppo.data import left_pad
-from fastppo.generation import sample_responses
+from fastppo.generation import Sampling, sample_responses
 from fastppo.kernels import masked_mean
 from fastppo.metrics import STAT, objective_sums
 from fastppo.train import Scoring, compute_experience, per_token_rewards
@@ -97,7 +97,7 @@ def stop_rate(trainer, n: int = 64, seed: int = 1234) -> float:
     torch.manual_seed(seed)
     try:
         responses = sample_responses(trainer.policy, queries, mask, trainer.config.response_length,
-                                     trainer.config.temperature, [EOS], EOS, 64)
+                                     Sampling(trainer.config.temperature, [EOS], EOS), 64)
     finally:
         torch.random.set_rng_state(state)
     return (responses == EOS).any(1).float().mean().item()
@@ -246,8 +246,7 @@ def test_sampling_ignores_the_checkpoints_generation_config(tmp_path, smollm2):
     n = 512
     queries, mask = left_pad([prompt] * n, EOS)
     torch.manual_seed(0)
-    tokens = sample_responses(model, queries, mask, response_length=1, temperature=1.0, stop_ids=[EOS], pad_id=EOS,
-                              chunk=n)[:, 0]
+    tokens = sample_responses(model, queries, mask, response_length=1, sampling=Sampling(1.0, [EOS], EOS), chunk=n)[:, 0]
     ranks = rank_of[tokens]
     for observed, expected in rank_buckets(ranks, probs):
         sd = math.sqrt(expected * (1 - expected) / n)

@@ -17,7 +17,7 @@ import fastppo.sampling as S
 from fastppo import GRPOConfig, GRPOTrainer
 from fastppo.data import left_pad
 from fastppo.errors import SettingsError
-from fastppo.generation import sample_responses
+from fastppo.generation import Sampling, sample_responses
 from fastppo.sampling import History, Truncation, process_logits, processed_token_logprobs, seen_tokens
 
 pytestmark = pytest.mark.usefixtures("reference_path")
@@ -64,7 +64,7 @@ def test_the_sampler_draws_the_tokens_generate_draws(truncation):
     lm = random_lm()
     queries, mask = left_pad([[3, 4, 5, 3], [6, 7, 6, 6], [7, 8, 9, 10]], pad_id=0)
     torch.manual_seed(7)
-    ours = sample_responses(lm, queries, mask, 10, 0.8, [], 0, chunk=4, truncation=truncation)
+    ours = sample_responses(lm, queries, mask, 10, Sampling(0.8, truncation=truncation), chunk=4)
     lm.generation_config = GenerationConfig()
     torch.manual_seed(7)
     gen = GenerationConfig(max_new_tokens=10, do_sample=True, temperature=0.8, top_k=truncation.top_k,
@@ -203,11 +203,11 @@ def test_the_graphed_decoder_draws_the_same_processed_tokens(model_dir):
     queries, mask = left_pad([[5, 6, 7, 5], [8, 9], [10, 11, 12]], pad_id=0)
     truncation = Truncation(top_k=6, top_p=0.9, repetition_penalty=1.5)
     torch.manual_seed(4)
-    eager = sample_responses(lm, queries, mask, 8, 1.0, [], 0, chunk=4, truncation=truncation)
+    eager = sample_responses(lm, queries, mask, 8, Sampling(1.0, truncation=truncation), chunk=4)
     torch.manual_seed(4)
-    static = sample_responses(lm, queries, mask, 8, 1.0, [], 0, chunk=4, truncation=truncation,
+    static = sample_responses(lm, queries, mask, 8, Sampling(1.0, truncation=truncation), chunk=4,
                               decoder=StaticDecoder(lm, backend="cuda_graph", capture=False))
     assert torch.equal(eager, static)
     torch.manual_seed(4)
-    plain = sample_responses(lm, queries, mask, 8, 1.0, [], 0, chunk=4)
+    plain = sample_responses(lm, queries, mask, 8, Sampling(1.0), chunk=4)
     assert not torch.equal(eager, plain)  # the processing changed what was drawn

@@ -236,7 +236,7 @@ def test_the_sampler_prefills_each_prompt_once_and_draws_the_same_tokens(model_d
     """The eager decode with group_size k: one prefill row per prompt, its KV cache copied to the group's k rows;
     the same random state draws the same tokens as the unshared prefill. Rows that are not groups of one prompt
     (a chunk that splits a group, or other prompts) prefill every row."""
-    from fastppo.generation import prompt_groups, sample_responses
+    from fastppo.generation import Sampling, prompt_groups, sample_responses
 
     lm = model(model_dir, torch.float32, "sdpa")
     rollout = grouped_rollout(lm.config.vocab_size, 4, [5, 2], [1] * 8, seed=8)
@@ -249,7 +249,7 @@ def test_the_sampler_prefills_each_prompt_once_and_draws_the_same_tokens(model_d
         for group, chunk in ((1, 8), (4, 8), (1, 6), (4, 6)):
             prefill_rows.clear()
             torch.manual_seed(0)
-            drawn[group, chunk] = sample_responses(lm, queries, mask, 12, 1.0, [], 0, chunk, group_size=group)
+            drawn[group, chunk] = sample_responses(lm, queries, mask, 12, Sampling(1.0), chunk, group_size=group)
             drawn[group, chunk, "prefill"] = [s[0] for s in prefill_rows if s[1] > 1]
     finally:
         hook.remove()
@@ -305,20 +305,20 @@ def test_a_cache_whose_layers_cannot_be_copied_prefills_every_row(model_dir, mon
     prefills every row, and draws what it draws unshared."""
     from transformers.cache_utils import DynamicLayer
 
-    from fastppo.generation import sample_responses
+    from fastppo.generation import Sampling, sample_responses
 
     lm = model(model_dir, torch.float32, "sdpa")
     rollout = grouped_rollout(lm.config.vocab_size, 4, [5, 2], [1] * 8, seed=8)
     c = rollout.context_length
     queries, mask = rollout.query_responses[:, :c], rollout.attention_mask[:, :c]
     torch.manual_seed(0)
-    want = sample_responses(lm, queries, mask, 6, 1.0, [], 0, 8)
+    want = sample_responses(lm, queries, mask, 6, Sampling(1.0), 8)
     monkeypatch.delattr(DynamicLayer, "batch_repeat_interleave")
     rows = []
     hook = lm.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape), with_kwargs=True)
     try:
         torch.manual_seed(0)
-        got = sample_responses(lm, queries, mask, 6, 1.0, [], 0, 8, group_size=4)
+        got = sample_responses(lm, queries, mask, 6, Sampling(1.0), 8, group_size=4)
     finally:
         hook.remove()
     assert rows[0][0] == 8 and torch.equal(got, want)

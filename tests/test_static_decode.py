@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fastppo import PPOConfig, PPOTrainer
 from fastppo.errors import SettingsError
-from fastppo.generation import sample_responses
+from fastppo.generation import Sampling, sample_responses
 from fastppo.static_decode import StaticDecoder, batch_bucket, compiled_decode_enabled
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -30,7 +30,8 @@ def both_samplers(lm, decoder, ids, mask, length, stops, seed, temperature=1.0, 
     out = []
     for dec in (None, decoder):
         torch.manual_seed(seed)
-        out.append(sample_responses(lm, ids, mask, length, temperature, stops, 0, chunk or ids.shape[0], decoder=dec))
+        out.append(sample_responses(lm, ids, mask, length, Sampling(temperature, stops, 0), chunk or ids.shape[0],
+                                        decoder=dec))
     return out
 
 

@@ -3,6 +3,7 @@ line may carry, the metrics as TRL defines them, legacy early stopping, the LM-h
 pad == eos tokenizers."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -226,9 +227,11 @@ def test_pad_equal_to_eos_keeps_trains_and_scores_the_stop_token(tmp_path, model
 
     sample = generation.sample_responses
 
-    def with_stops(lm, queries, query_mask, response_length, temperature, stop_ids, pad_id, chunk, **options):
+    def with_stops(lm, queries, query_mask, response_length, sampling, chunk, *args, **options):
         """The sampler's output with an eos planted in rows 0, 2, 5 (a random tiny model rarely emits one)."""
-        out = sample(lm, queries, query_mask, response_length, temperature, [], pad_id, chunk, **options)
+        pad_id = sampling.pad_id
+        out = sample(lm, queries, query_mask, response_length, dataclasses.replace(sampling, stop_ids=()), chunk,
+                     *args, **options)
         out[out == eos] = eos + 1  # no stray eos: rows 1, 3, 4, 6, 7 run to the end
         for row, at in ((0, 3), (2, 0), (5, response_length - 1)):
             out[row, at] = eos
