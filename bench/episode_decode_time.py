@@ -7,9 +7,9 @@ whose message is 12-20 tokens (a scripted ``ToolCalling``), so each batch runs `
 Reports seconds per batch, the tokens prefilled, and how many static-cache buckets each compiled way used: each
 bucket is one compile with inductor (37-48 s in a new process on an H200, bench/RESULTS.md) or one capture with
 CUDA graphs, so a way that uses a new bucket each round compiles again each round. On a CPU the graph backend's
-step runs uncaptured (no compile), which times the forwards alone:
+step runs uncaptured (no compile), which times the forwards alone; ``--device cuda`` captures it:
 
-    python bench/episode_decode_time.py [--batches 3 --rows 8 --rounds 3 --budget 96]
+    python bench/episode_decode_time.py [--batches 3 --rows 8 --rounds 3 --budget 96 --device cpu]
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget", type=int, default=96)
     parser.add_argument("--prompt_tokens", type=int, default=120)
+    parser.add_argument("--device", default="cpu", help="cuda: the graph backend's step captured (CUDA graphs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -66,7 +67,8 @@ def main() -> None:
     from fastppo.tools import TurnLimits, run_episodes
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    lm = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
+    device = torch.device(args.device)
+    lm = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).to(device).eval()
     vocab = lm.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     batches = []
@@ -74,7 +76,7 @@ def main() -> None:
         lengths = torch.randint(args.prompt_tokens // 2, args.prompt_tokens + 1, (args.rows,), generator=gen)
         batches.append([torch.randint(50, vocab - 100, (int(n),), generator=gen).tolist() for n in lengths])
     with torch.no_grad():  # stop ids: the tokens the model samples most after these prompts, so turns end early
-        ids, mask = left_pad(batches[0], 0)
+        ids, mask = (t.to(device) for t in left_pad(batches[0], 0))
         stops = lm(input_ids=ids, attention_mask=mask).logits[:, -1].softmax(-1).mean(0).topk(24).indices.tolist()
     limits = TurnLimits(args.budget, args.rounds, tuple(stops))
     prefilled = {"tokens": 0}
@@ -90,14 +92,14 @@ def main() -> None:
 
     def anew(decoder):
         def sample(rows, contexts, suffixes, length):
-            ids, mask = left_pad(contexts, 0)
+            ids, mask = (t.to(device) for t in left_pad(contexts, 0))
             tokens = sample_responses(lm, ids, mask, length, Sampling(1.0, stops, 0), len(contexts), decoder=decoder)
             return [cut_after_stop(row, stops) for row in tokens.tolist()]
         return sample
 
     def cached_way(decoder):
         def episodes(prompts, seed):
-            ids, mask = left_pad(prompts, 0)
+            ids, mask = (t.to(device) for t in left_pad(prompts, 0))
             torch.manual_seed(seed)
             decode = EpisodeDecode(decoder, lm, ids, mask, args.budget, Sampling(1.0, stops, 0))
             return run_episodes(ScriptedCalls(vocab), prompts, decode.first_turn(), decode, limits)
@@ -105,7 +107,7 @@ def main() -> None:
 
     def anew_way(decoder):
         def episodes(prompts, seed):
-            ids, mask = left_pad(prompts, 0)
+            ids, mask = (t.to(device) for t in left_pad(prompts, 0))
             torch.manual_seed(seed)
             first = sample_responses(lm, ids, mask, args.budget, Sampling(1.0, stops, 0), len(prompts),
                                      decoder=decoder)
@@ -113,7 +115,8 @@ def main() -> None:
                                 anew(decoder), limits)
         return episodes
 
-    decoders = {name: StaticDecoder(lm, backend="cuda_graph", capture=False) for name in ("cached", "compiled_anew")}
+    decoders = {name: StaticDecoder(lm, backend="cuda_graph", capture=device.type == "cuda")
+                for name in ("cached", "compiled_anew")}
     ways = {"cached": cached_way(decoders["cached"]), "compiled_anew": anew_way(decoders["compiled_anew"]),
             "eager_anew": anew_way(None)}
     rows = {name: {"seconds": [], "prefilled_tokens": 0} for name in ways}
@@ -124,6 +127,8 @@ def main() -> None:
                 prefilled["tokens"] = 0
                 start = time.perf_counter()
                 out = way(prompts, seed=b)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 rows[name]["seconds"].append(time.perf_counter() - start)
                 rows[name]["prefilled_tokens"] += prefilled["tokens"]
                 completions.setdefault(b, {})[name] = out.completions
@@ -132,7 +137,7 @@ def main() -> None:
     same = all(len({json.dumps(c) for c in by_way.values()}) == 1 for by_way in completions.values())
     for name in decoders:
         rows[name]["buckets"] = sorted(decoders[name]._caches)
-    result = {"model": "SmolLM2-135M-Instruct", "device": "cpu", "torch_threads": torch.get_num_threads(),
+    result = {"model": "SmolLM2-135M-Instruct", "device": str(device), "torch_threads": torch.get_num_threads(),
               "rows": args.rows, "rounds": args.rounds, "budget": args.budget, "prompt_tokens": args.prompt_tokens,
               "batches": args.batches, "same_episodes": same, "ways": rows}
     print(json.dumps(result, indent=1))
