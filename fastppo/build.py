@@ -27,7 +27,7 @@ from fastppo.train import Learner
 from fastppo.controllers import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
 from fastppo.zero import ZeRO
 
-__all__ = ["Runtime", "start_runtime", "build_learner", "default_optimizer", "default_scheduler"]
+__all__ = ["Runtime", "DeepSpeedSetup", "start_runtime", "build_learner", "default_optimizer", "default_scheduler"]
 
 
 @dataclass
@@ -48,6 +48,16 @@ class Runtime:
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+
+@dataclass(frozen=True)
+class DeepSpeedSetup:
+    """What DeepSpeed's engine is built from: the resolved ``config`` (``zero.resolve_deepspeed_config``), the
+    ``source`` that asked for it (named in the log), and the ``frozen`` models it shards beside the actor-critic."""
+
+    config: dict
+    source: str
+    frozen: list[nn.Module | None]
 
 
 def start_runtime(config: PPOConfig, need_group: bool = False) -> Runtime:
@@ -95,21 +105,21 @@ def default_scheduler(config: PPOConfig, sizes: Sizes, optimizer: torch.optim.Op
 
 
 def build_learner(config: PPOConfig, runtime: Runtime, policy: nn.Module, ref_model: nn.Module | None,
-                  value_model: nn.Module | None, frozen: list[nn.Module], optimizer=None, lr_scheduler=None,
-                  ds_config: dict | None = None, ds_engine_args=None) -> Learner:
+                  value_model: nn.Module | None, optimizer=None, lr_scheduler=None,
+                  deepspeed: DeepSpeedSetup | None = None) -> Learner:
     """The :class:`~fastppo.train.Learner` over loaded models (``loading.build_models``).
 
     ``optimizer``: the caller's (it must cover every trainable parameter) or None for :func:`default_optimizer`;
     ``lr_scheduler``: the caller's, or None (none stepped; :func:`default_scheduler` makes TRL's over the
     returned optimizer).
-    With ``ds_config`` DeepSpeed's engine wraps the actor-critic and the optimizer (``frozen``: the models it
-    shards beside them); with several processes and no DeepSpeed, DDP wraps it. After building, each process
-    reseeds torch with its own seed (each samples different responses) and gets its own shuffle generator."""
+    With ``deepspeed`` DeepSpeed's engine wraps the actor-critic and the optimizer; with several processes and no
+    DeepSpeed, DDP wraps it. After building, each process reseeds torch with its own seed (each samples different
+    responses) and gets its own shuffle generator."""
     device = runtime.device
     actor_critic = PolicyAndValue(policy, value_model, critic=not config.critic_free,
                                   truncation=Truncation.of(config))
     model, zero = actor_critic, None
-    if runtime.dist.world_size > 1 and ds_config is None:
+    if runtime.dist.world_size > 1 and deepspeed is None:
         model = nn.parallel.DistributedDataParallel(
             actor_critic, device_ids=[device.index] if device.type == "cuda" else None)
     reference = Reference(ref_model, policy) if config.needs_reference else None
@@ -117,8 +127,8 @@ def build_learner(config: PPOConfig, runtime: Runtime, policy: nn.Module, ref_mo
         optimizer = default_optimizer(config, actor_critic, device)
     else:
         check_optimizer_covers(optimizer, actor_critic)
-    if ds_config is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
-        zero = ZeRO(actor_critic, optimizer, ds_config, frozen, device, runtime.log, ds_engine_args)
+    if deepspeed is not None:  # DeepSpeed wraps our AdamW; our scheduler keeps driving its param groups
+        zero = ZeRO(actor_critic, optimizer, deepspeed.config, deepspeed.frozen, device, runtime.log, deepspeed.source)
         model = zero.engine
     kl_ctl = (AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon) if config.adaptive_kl
               else FixedKLController(config.kl_coef))

@@ -324,9 +324,9 @@ class PPOTrainer:
         self.policy, self.reference_model, _, _ = build_models(
             dict(model=model, ref_model=ref_model, value_model=None, rewards=[], reward_processing_classes={},
                  peft_config=None),
-            core, ModelConfig(), None, tokenizer, self.runtime.bf16, self.device, self.log, max([0, *self.stop_ids]))
-        self.learner = build_learner(core, self.runtime, self.policy, self.reference_model, None, [self.reference_model],
-                                     self.optimizer, lr_scheduler)
+            core, ModelConfig(), None, tokenizer, self.runtime, max([0, *self.stop_ids]))
+        self.learner = build_learner(core, self.runtime, self.policy, self.reference_model, None, self.optimizer,
+                                     lr_scheduler)
         self.kl_ctl = self.learner.kl_ctl  # legacy TRL's attribute; the running score moments are its `running`
         self.running = self.learner.moments
         self.model = model

@@ -172,19 +172,10 @@ def embedding_rows(model: nn.Module) -> int:
     return causal_lm_of(model).get_input_embeddings().weight.shape[0]
 
 
-def build_models(bound: dict, config, model_args, policy_path: str | None, tokenizer, bf16: bool, device, log,
-                 largest_input_id: int = 0) -> tuple[nn.Module, nn.Module | None, nn.Module | None, list[nn.Module]]:
-    """(policy, reference, value model, reward models) from the trainer's arguments (objects or paths),
-    falling back to the config's paths; prepared and placed on ``device``. ``bound["rewards"]``: the run's
-    ``fastppo.rewards.Reward`` list; each model among them is loaded (from its path) and told its tokenizer.
-
-    The reference is None where the PEFT policy with its adapter disabled plays it; the value model
-    is None where the value head sits on the policy's trunk (``shared_value_head``, or a policy passed as
-    an ``AutoModelForCausalLMWithValueHead``)."""
-    model = bound.get("model")
-    loaded = set()  # the models fastppo loaded itself (it may resize those; a user's own, never)
+def _shares_value_head(config, model, value_model) -> bool:
+    """Whether the value head sits on the policy's trunk: ``shared_value_head``, or a policy given as an
+    ``AutoModelForCausalLMWithValueHead``; never when critic-free. Refuses a value model that would not be read."""
     shared = config.shared_value_head or isinstance(model, AutoModelForCausalLMWithValueHead)
-    value_model = bound.get("value_model")
     if config.critic_free:
         why = f"advantage_estimator {config.advantage_estimator!r} is critic-free (no value model)"
         if value_model is not None:
@@ -198,6 +189,23 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
         raise SettingsError("model is an AutoModelForCausalLMWithValueHead (its value head is on its trunk) and "
                             "value_model is given too: pass one of them (a plain causal LM with value_model, or "
                             "the value-head model alone)")
+    return shared
+
+
+def build_models(bound: dict, config, model_args, policy_path: str | None, tokenizer, runtime,
+                 largest_input_id: int = 0) -> tuple[nn.Module, nn.Module | None, nn.Module | None, list[nn.Module]]:
+    """(policy, reference, value model, reward models) from the trainer's arguments (objects or paths),
+    falling back to the config's paths; prepared and placed on ``runtime.device`` (``build.Runtime``).
+    ``bound["rewards"]``: the run's ``fastppo.rewards.Reward`` list; each model among them is loaded (from its
+    path) and told its tokenizer.
+
+    The reference is None where the PEFT policy with its adapter disabled plays it; the value model
+    is None where the value head sits on the policy's trunk (``shared_value_head``, or a policy passed as
+    an ``AutoModelForCausalLMWithValueHead``)."""
+    model, bf16, log = bound.get("model"), runtime.bf16, runtime.log
+    loaded = set()  # the models fastppo loaded itself (it may resize those; a user's own, never)
+    value_model = bound.get("value_model")
+    shared = _shares_value_head(config, model, value_model)
     if isinstance(model, nn.Module):
         policy = model
         if bound.get("peft_config") is not None and is_peft(model) and not isinstance(model,
@@ -261,7 +269,7 @@ def build_models(bound: dict, config, model_args, policy_path: str | None, token
                      tokenizer, loaded, largest_input_id, log)
     if want_peft and not is_peft(policy):
         policy = apply_peft(policy, peft_config, model_args)
-    prepare_models(policy, ref_model, value_model, reward_models, tokenizer, config, device, log,
+    prepare_models(policy, ref_model, value_model, reward_models, tokenizer, config, runtime,
                    packed_rewards=list(same_tokens.values()))
     return policy, ref_model, value_model, reward_models
 
@@ -354,10 +362,10 @@ def apply_liger(models, log) -> None:
             log(f"use_liger_kernel: could not patch {type(model).__name__}: {e}")
 
 
-def prepare_models(policy, ref_model, value_model, reward_models, tokenizer, config, device, log,
-                   packed_rewards=None):
-    """Patch (Liger), zero dropout, place, freeze the frozen ones. ``packed_rewards``: the reward models that read
-    the rollout's own rows (packed under padding_free; the others read their own tokens, padded); default all."""
+def prepare_models(policy, ref_model, value_model, reward_models, tokenizer, config, runtime, packed_rewards=None):
+    """Patch (Liger), zero dropout, place on ``runtime.device``, freeze the frozen ones. ``packed_rewards``: the
+    reward models that read the rollout's rows (packed under padding_free; the rest, their own tokens); None: all."""
+    device, log = runtime.device, runtime.log
     if config.use_liger_kernel:
         if device.type == "cuda":
             apply_liger([m for m in (policy, value_model) if m is not None], log)

@@ -23,7 +23,7 @@ from fastppo import checkpoint as C
 from fastppo import dist as fdist
 from fastppo import loading as L
 from fastppo.advantages import ESTIMATORS
-from fastppo.build import build_learner, default_scheduler, start_runtime
+from fastppo.build import DeepSpeedSetup, build_learner, default_scheduler, start_runtime
 from fastppo.checks import check_settings
 from fastppo.config import PPOConfig, user_path
 from fastppo.data import chat_token_ids, left_pad, load_prompts, prompt_batches
@@ -175,8 +175,7 @@ class PPOTrainer(TrainingLoop):
         config, model_args = self.config, self.model_args
         torch.manual_seed(config.seed)  # the same fresh value head on every process
         largest_id = max([0, *self.stop_ids, *(max(p) for p in self.prompts + (self.eval_prompts or []) if p)])
-        built = L.build_models(given, config, model_args, policy_path, self.tokenizer, self.bf16, self.device,
-                               self.log, largest_id)
+        built = L.build_models(given, config, model_args, policy_path, self.tokenizer, self.runtime, largest_id)
         self.policy, self.ref_model, self.value_model, self.reward_models = built
         self.reward_model = self.reward_models[0] if self.reward_models else None  # TRL 0.26's one reward model
         for what, other in (("reference model", self.ref_model), ("value model", self.value_model),
@@ -184,14 +183,16 @@ class PPOTrainer(TrainingLoop):
             if other is not None:
                 L.check_positions(other, config, model_args, longest_prompt, what)
 
-    def _build_learner(self, optimizers, ds_engine_args) -> None:
+    def _build_learner(self, optimizers, ds_source: str | None) -> None:
         """The learner (``build.build_learner``) over the built models, the caller's optimizer and schedule or
-        TRL's defaults; its parts become the trainer's attributes."""
+        TRL's defaults, DeepSpeed's engine where asked for (by ``ds_source``); its parts become the trainer's
+        attributes."""
         config = self.config
         optimizer, lr_scheduler = optimizers if optimizers is not None else (None, None)
-        learner = build_learner(config, self.runtime, self.policy, self.ref_model, self.value_model,
-                                [self.ref_model, *self.reward_models], optimizer, lr_scheduler, self.ds_config,
-                                ds_engine_args)
+        deepspeed = None if self.ds_config is None else DeepSpeedSetup(self.ds_config, ds_source,
+                                                                       [self.ref_model, *self.reward_models])
+        learner = build_learner(config, self.runtime, self.policy, self.ref_model, self.value_model, optimizer,
+                                lr_scheduler, deepspeed)
         if lr_scheduler is None:  # TRL 0.26 builds the schedule when none is given (Trainer.create_scheduler)
             learner = dataclasses.replace(learner, lr_scheduler=default_scheduler(config, self.sizes,
                                                                                  learner.optimizer))
