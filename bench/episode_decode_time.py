@@ -46,25 +46,12 @@ class ScriptedCalls:
         return [(31 * row + 7 * round_ + 5 * k) % (self.vocab - 100) + 50 for k in range(12 + (row + round_) % 9)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=3)
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--budget", type=int, default=96)
-    parser.add_argument("--prompt_tokens", type=int, default=120)
-    parser.add_argument("--device", default="cpu", help="cuda: the graph backend's step captured (CUDA graphs)")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-
+def setup(args):
+    """The model (its forward counting the tokens each prefill reads), the batches of prompts and the stop ids."""
     from transformers import AutoModelForCausalLM
 
     from e2e_common import smollm2_dir
     from fastppo.data import left_pad
-    from fastppo.episode_decode import EpisodeDecode
-    from fastppo.generation import Sampling, cut_after_stop, sample_responses
-    from fastppo.static_decode import StaticDecoder
-    from fastppo.tools import TurnLimits, run_episodes
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     device = torch.device(args.device)
@@ -78,9 +65,8 @@ def main() -> None:
     with torch.no_grad():  # stop ids: the tokens the model samples most after these prompts, so turns end early
         ids, mask = (t.to(device) for t in left_pad(batches[0], 0))
         stops = lm(input_ids=ids, attention_mask=mask).logits[:, -1].softmax(-1).mean(0).topk(24).indices.tolist()
-    limits = TurnLimits(args.budget, args.rounds, tuple(stops))
-    prefilled = {"tokens": 0}
     forward = lm.forward
+    prefilled = {"tokens": 0}
 
     def counting(*a, **kw):  # the tokens each prefill (a forward of more than one position) reads
         width = kw["input_ids"].shape[1]
@@ -89,37 +75,61 @@ def main() -> None:
         return forward(*a, **kw)
 
     lm.forward = counting
+    return lm, batches, stops, prefilled
 
-    def anew(decoder):
-        def sample(rows, contexts, suffixes, length):
-            ids, mask = (t.to(device) for t in left_pad(contexts, 0))
-            tokens = sample_responses(lm, ids, mask, length, Sampling(1.0, stops, 0), len(contexts), decoder=decoder)
-            return [cut_after_stop(row, stops) for row in tokens.tolist()]
-        return sample
+
+def three_ways(lm, stops, args):
+    """Each way's episodes of a batch of prompts, and the two compiled ways' decoders."""
+    from fastppo.data import left_pad
+    from fastppo.episode_decode import EpisodeDecode
+    from fastppo.generation import Sampling, cut_after_stop, sample_responses
+    from fastppo.static_decode import StaticDecoder
+    from fastppo.tools import TurnLimits, run_episodes
+
+    device, sampling = lm.device, Sampling(1.0, stops, 0)
+    limits = TurnLimits(args.budget, args.rounds, tuple(stops))
+
+    def padded(prompts):
+        return (t.to(device) for t in left_pad(prompts, 0))
 
     def cached_way(decoder):
         def episodes(prompts, seed):
-            ids, mask = (t.to(device) for t in left_pad(prompts, 0))
             torch.manual_seed(seed)
-            decode = EpisodeDecode(decoder, lm, ids, mask, args.budget, Sampling(1.0, stops, 0))
-            return run_episodes(ScriptedCalls(vocab), prompts, decode.first_turn(), decode, limits)
+            decode = EpisodeDecode(decoder, lm, *padded(prompts), args.budget, sampling)
+            return run_episodes(ScriptedCalls(lm.config.vocab_size), prompts, decode.first_turn(), decode, limits)
         return episodes
 
     def anew_way(decoder):
+        def sample(rows, contexts, suffixes, length):
+            tokens = sample_responses(lm, *padded(contexts), length, sampling, len(contexts), decoder=decoder)
+            return [cut_after_stop(row, stops) for row in tokens.tolist()]
+
         def episodes(prompts, seed):
-            ids, mask = (t.to(device) for t in left_pad(prompts, 0))
             torch.manual_seed(seed)
-            first = sample_responses(lm, ids, mask, args.budget, Sampling(1.0, stops, 0), len(prompts),
-                                     decoder=decoder)
-            return run_episodes(ScriptedCalls(vocab), prompts, [cut_after_stop(r, stops) for r in first.tolist()],
-                                anew(decoder), limits)
+            first = sample_responses(lm, *padded(prompts), args.budget, sampling, len(prompts), decoder=decoder)
+            return run_episodes(ScriptedCalls(lm.config.vocab_size), prompts,
+                                [cut_after_stop(r, stops) for r in first.tolist()], sample, limits)
         return episodes
 
     decoders = {name: StaticDecoder(lm, backend="cuda_graph", capture=device.type == "cuda")
                 for name in ("cached", "compiled_anew")}
-    ways = {"cached": cached_way(decoders["cached"]), "compiled_anew": anew_way(decoders["compiled_anew"]),
-            "eager_anew": anew_way(None)}
-    rows = {name: {"seconds": [], "prefilled_tokens": 0} for name in ways}
+    return {"cached": cached_way(decoders["cached"]), "compiled_anew": anew_way(decoders["compiled_anew"]),
+            "eager_anew": anew_way(None)}, decoders
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budget", type=int, default=96)
+    parser.add_argument("--prompt_tokens", type=int, default=120)
+    parser.add_argument("--device", default="cpu", help="cuda: the graph backend's step captured (CUDA graphs)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    lm, batches, stops, prefilled = setup(args)
+    ways, decoders = three_ways(lm, stops, args)
+    rows = {name: {"seconds": [], "prefilled_tokens": 0, "turns": 0} for name in ways}
     completions = {}
     with torch.no_grad():
         for b, prompts in enumerate(batches):
@@ -127,19 +137,19 @@ def main() -> None:
                 prefilled["tokens"] = 0
                 start = time.perf_counter()
                 out = way(prompts, seed=b)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                if lm.device.type == "cuda":
+                    torch.cuda.synchronize(lm.device)
                 rows[name]["seconds"].append(time.perf_counter() - start)
                 rows[name]["prefilled_tokens"] += prefilled["tokens"]
+                rows[name]["turns"] += sum(sum(m["role"] == "assistant" for m in ms) for ms in out.messages)
                 completions.setdefault(b, {})[name] = out.completions
-                rows[name]["turns"] = rows[name].get("turns", 0) + sum(
-                    sum(m["role"] == "assistant" for m in ms) for ms in out.messages)
-    same = all(len({json.dumps(c) for c in by_way.values()}) == 1 for by_way in completions.values())
     for name in decoders:
         rows[name]["buckets"] = sorted(decoders[name]._caches)
-    result = {"model": "SmolLM2-135M-Instruct", "device": str(device), "torch_threads": torch.get_num_threads(),
+    result = {"model": "SmolLM2-135M-Instruct", "device": str(lm.device), "torch_threads": torch.get_num_threads(),
               "rows": args.rows, "rounds": args.rounds, "budget": args.budget, "prompt_tokens": args.prompt_tokens,
-              "batches": args.batches, "same_episodes": same, "ways": rows}
+              "batches": args.batches, "ways": rows,
+              "same_episodes": all(len({json.dumps(c) for c in by_way.values()}) == 1
+                                   for by_way in completions.values())}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

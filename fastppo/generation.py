@@ -17,6 +17,7 @@ sampling, so with the same random state the two draw the same tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from functools import partial
@@ -65,17 +66,24 @@ def sample_responses(lm, queries, query_mask, response_length: int, sampling: Sa
     later ones the same, so a draw moves only where the uniform lands within rounding of a boundary. The compiled
     decode does the same: the group's prompt prefilled once, its keys and values written to the group's rows of the
     static cache (``StaticDecoder.fill_shared``)."""
-    # in training mode with gradient checkpointing transformers silently turns the KV cache off, and a decode
-    # loop that feeds one token at a time then forgets the prompt: sample in eval mode, whatever the caller's
-    training = lm.training
-    lm.eval()
-    try:
+    with evaluating(lm):
         sample = _sample_chunk if decoder is None else partial(_sample_chunk_static, decoder)
         out = [sample(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, sampling, group_size)
                for i in range(0, queries.shape[0], chunk)]
+    return torch.cat(out)
+
+
+@contextlib.contextmanager
+def evaluating(lm):
+    """``lm`` in eval mode for a decode, its own mode after: in training mode with gradient checkpointing
+    transformers silently turns the KV cache off, and a decode loop that feeds one token at a time then forgets the
+    prompt."""
+    training = lm.training
+    lm.eval()
+    try:
+        yield
     finally:
         lm.train(training)
-    return torch.cat(out)
 
 
 def _all_stopped(done: torch.Tensor, synced: bool) -> bool:
@@ -108,11 +116,12 @@ def cut_after_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
     return tokens
 
 
-def _stop_tensor(stop_ids, like):
+def stop_tensor(stop_ids, like) -> torch.Tensor | None:
+    """The stop ids as a tensor beside ``like`` (None: none)."""
     return torch.tensor(stop_ids, dtype=like.dtype, device=like.device) if stop_ids else None
 
 
-def _history(queries, query_mask, truncation, vocab: int):
+def prompt_history(queries, query_mask, truncation, vocab: int):
     """[B, V] the prompt's real tokens, where a repetition penalty reads them; else None."""
     if truncation is None or truncation.repetition_penalty == 1.0:
         return None
@@ -156,8 +165,8 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, sampling: Sampl
     if g > 1:
         cache.batch_repeat_interleave(g)
         logits = logits.repeat_interleave(g, 0)
-    draw = TokenDraw(sampling, _stop_tensor(sampling.stop_ids, queries),
-                     _history(queries, query_mask, sampling.truncation, logits.shape[-1]))
+    draw = TokenDraw(sampling, stop_tensor(sampling.stop_ids, queries),
+                     prompt_history(queries, query_mask, sampling.truncation, logits.shape[-1]))
     for t in range(response_length):
         tokens[:, t], done, finished = draw(logits, done)
         if finished or t + 1 == response_length:
@@ -177,8 +186,8 @@ def _sample_chunk_static(decoder: StaticDecoder, lm, queries, query_mask, respon
     b, width = queries.shape
     inputs, mask, positions, cache, key = decoder.prepare(queries, query_mask, response_length)
     logits = prefill_static(decoder, lm, inputs, mask, positions, cache, b, group_size)
-    draw = TokenDraw(sampling, _stop_tensor(sampling.stop_ids, queries),
-                     _history(queries, query_mask, sampling.truncation, logits.shape[-1]))
+    draw = TokenDraw(sampling, stop_tensor(sampling.stop_ids, queries),
+                     prompt_history(queries, query_mask, sampling.truncation, logits.shape[-1]))
     done = torch.zeros(b, dtype=torch.bool, device=queries.device)
     tokens, _ = decode_static(decoder, StaticRows(inputs, mask, positions, cache, key), logits, width,
                               response_length, done, draw)
@@ -243,8 +252,9 @@ def decode_static(decoder: StaticDecoder, state: StaticRows, logits, column: int
     after ``logits``, each token fed through the compiled step into cache column ``column`` + t; ``rows``: draw for
     these rows only (``TokenDraw``). Returns the tokens [B, length] and how many of them were fed (the last one drawn
     never is); ``state``'s inputs and positions are the last fed, and its mask keeps every fed column for every
-    row."""
+    row. With ``rows``, only their positions move on: the others' stay where their own tokens ended."""
     b = done.shape[0]
+    advance = 1 if rows is None else torch.zeros_like(state.positions[:, -1:]).index_fill_(0, rows, 1)
     tokens = torch.full((b, length), draw.sampling.pad_id, dtype=state.inputs.dtype, device=state.inputs.device)
     fed = 0
     for t in range(length):
@@ -254,7 +264,7 @@ def decode_static(decoder: StaticDecoder, state: StaticRows, logits, column: int
         state.inputs = state.inputs[:, -1:].clone()  # the padding rows feed their own last input again
         state.inputs[:b, 0] = torch.where(done, 0, tokens[:, t])
         state.mask[:, column + t] = 1
-        state.positions = state.positions[:, -1:] + 1
+        state.positions = state.positions[:, -1:] + advance
         logits = decoder.step_logits(state.inputs, state.mask, state.positions, state.cache, state.key,
                                      cache_position=column + t)
         fed = t + 1

@@ -54,8 +54,8 @@ MODEL_INIT_KEYS = {"revision": "model_revision", "trust_remote_code": "trust_rem
 def model_args_of(args, model) -> ModelConfig:
     """How a model given by name loads: ``trust_remote_code`` and TRL's ``model_init_kwargs`` (a dict, or its JSON
     from the command line), as from_pretrained keywords (``MODEL_INIT_KEYS``; dtype unset: fastppo's default, fp32
-    for the policy, as TRL's). A key fastppo does not pass is refused by name; with a model object they are ignored, as TRL
-    ignores them (GRPOTrainer warns, as TRL does)."""
+    for the policy, as TRL's). A key fastppo does not pass is refused by name; with a model object they are ignored,
+    as TRL ignores them (GRPOTrainer warns, as TRL does)."""
     kwargs = keywords_setting("model_init_kwargs", args.model_init_kwargs)
     fields = {"trust_remote_code": args.trust_remote_code}
     if not isinstance(model, str):

@@ -49,7 +49,7 @@ from fastppo.update_steps import LossInputs
 from fastppo.rollout import ScoredRollout, assemble, eos_count
 from fastppo.script_args import ModelConfig
 from fastppo.sizes import derive_sizes
-from fastppo.trainer import fill_derived_sizes
+from fastppo.trainer_setup import fill_derived_sizes
 from fastppo.value_head import AutoModelForCausalLMWithValueHead, create_reference_model
 
 

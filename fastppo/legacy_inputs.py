@@ -25,7 +25,8 @@ def check_step_inputs(queries, responses, scores, response_masks, n: int, device
         raise SettingsError("step: every query needs at least one token")
     if isinstance(scores, torch.Tensor):
         if scores.dim() > 1:
-            raise SettingsError(f"step: scores must be one value per sample, got a tensor of shape {list(scores.shape)}")
+            raise SettingsError("step: scores must be one value per sample, got a tensor of shape "
+                                f"{list(scores.shape)}")
         scores = scores.reshape(-1)
     else:
         scores = [torch.as_tensor(s, dtype=torch.float32) for s in scores]

@@ -62,7 +62,8 @@ class RunLock:
 
 # What a fastppo run writes into output_dir (anything else there is the user's and is left alone).
 RUN_FILES = re.compile(r"^(checkpoint-\d+|\.tmp-checkpoint-\d+|latest|metrics\.jsonl|samples\.jsonl|curves\.png|runs|"
-                       r"completions|value_model|fastppo_config\.json|config\.json|generation_config\.json|model.*\.safetensors|"
+                       r"completions|value_model|fastppo_config\.json|config\.json|generation_config\.json|"
+                       r"model.*\.safetensors|"
                        r"model\.safetensors\.index\.json|adapter_.*|v_head\.safetensors|tokenizer.*|"
                        r"special_tokens_map\.json|chat_template\.jinja|vocab\.json|merges\.txt|trainer_state\.json)$")
 # A checkpoint directory of any trainer: transformers' (and so TRL's) checkpoint-N, its tmp-checkpoint-N

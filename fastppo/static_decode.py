@@ -138,7 +138,7 @@ class GraphedStep:
         self._mask_dtype = next(lm.parameters()).dtype
         self.mask = self._shaped(attention_mask).clone()
         self.cache_position = (torch.zeros(1, dtype=torch.long, device=input_ids.device)
-                               if "cache_position" in _forward_parameters(lm) else None)
+                               if takes_cache_position(lm) else None)
         self.capture = capture
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_logits: torch.Tensor | None = None
@@ -273,6 +273,12 @@ class StaticDecoder:
             cache.reset()
         return cache
 
+    def keeps_every_column(self) -> bool:
+        """Whether the model's static cache holds every column it is given (no sliding-window or indexed layer, whose
+        positions are not the columns one to one): ``can_fill_shared`` of an unfilled cache, whose layers allocate
+        nothing until their first update."""
+        return self.can_fill_shared(StaticCache(config=self.lm.config, max_cache_len=1))
+
     @staticmethod
     def can_fill_shared(cache: StaticCache) -> bool:
         """Whether ``fill_shared`` can write this cache: every layer a plain full-attention static layer (a sliding
@@ -356,6 +362,12 @@ class StaticDecoder:
         mask[:, :width] = query_mask
         positions = (query_mask.cumsum(1) - 1).clamp(min=0)
         return queries * query_mask, mask, positions, self._cache(rows, cache_len), (rows, cache_len)
+
+
+def takes_cache_position(lm) -> bool:
+    """Whether the model's forward takes ``cache_position`` (transformers before 5.2x); later ones count the cache's
+    columns themselves."""
+    return "cache_position" in _forward_parameters(lm)
 
 
 def accepts_logits_to_keep(lm) -> bool:

@@ -21,10 +21,10 @@ One iteration (numbers match the step comments below):
 
 The per-token math of steps 2-5 (log-probs, entropy, KL, GAE, masking, the surrogates, the masked statistics)
 is ``fastppo.kernels`` calls; REINFORCE++'s whitening over the batch and ``top_entropy_quantile``'s quantile
-are PyTorch in ``advantages`` and ``policy_terms``. The plumbing lives beside this file: ``config`` (flags,
-sizes), ``rollout`` (step 1's records), ``advantages`` (step 4: each estimator a function and a row of its table),
-``loss_types`` (TRL GRPO's ``loss_type``, a row each), ``policy_terms`` (the loss's settings and what they make of
-each token), ``update_steps`` (the update's mechanics), ``controllers`` (β and the entropy coefficient),
+are PyTorch in ``advantages`` and ``policy_terms``. The plumbing lives beside this file: ``config`` (flags),
+``sizes`` (the batch sizes), ``rollout`` (step 1's records), ``advantages`` (step 4: each estimator a function and
+a row of its table), ``loss_types`` (TRL GRPO's ``loss_type``, a row each), ``policy_terms`` (the loss's
+settings and what they make of each token), ``update_steps`` (the update's mechanics), ``controllers`` (β and the entropy coefficient),
 ``sharing`` (which forwards run each group's prompt once), ``layout`` and ``actor_critic`` (the forwards),
 ``batching`` (micro-batch cuts), ``data``, ``rewards`` and ``reward_scores``, ``generation``, ``metrics``,
 ``dist``; ``build`` makes a ``Learner``.

@@ -1,9 +1,11 @@
 """``PPOTrainer``: TRL 0.26's trainer object (``trl.experimental.ppo.PPOTrainer``'s constructor, ``train()``,
 ``save_model()``, ``generate_completions()``, callbacks) around the algorithm in ``fastppo.train``.
 
-Its life: build (settings checked, then tokenizer, prompts, models, optimizer, schedule), ``train()`` (the
-iteration loop of ``fastppo.train``'s steps, with metrics, sample tables, callbacks, checkpoints and stop
-signals), save. The legacy API (TRL <= 0.11's ``generate``/``step`` loop) is ``fastppo.legacy``.
+Its life: build (settings checked, then tokenizer, prompts, models, optimizer, schedule: this file, with the
+constructor's helpers in ``trainer_setup``), ``train()`` (the iteration loop of ``fastppo.train``'s steps, with
+metrics, sample tables, callbacks, checkpoints and stop signals: ``training_loop.TrainingLoop``, a base of
+``PPOTrainer``), save. Step 1, the rollout (sampling, tool episodes, scoring), is this file's. The legacy API (TRL
+<= 0.11's ``generate``/``step`` loop) is ``fastppo.legacy``.
 """
 from __future__ import annotations
 
@@ -267,11 +269,11 @@ class PPOTrainer(TrainingLoop):
             self.zero.generation(self._lm(), config.ds3_gather_for_generation)
         temperature = config.temperature if temperature is None else temperature
         with self.autocast(), context:
-            if self.rollout_func is None and not self._episodes_in_cache(synced):
+            if self.rollout_func is None and self._episodes_in_cache(synced):
+                rollout = None  # the compiled decode samples each episode's first turn too
+            elif self.rollout_func is None:
                 responses = self._sample(queries, query_mask, config.response_length, temperature, synced)
                 rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
-            elif self.rollout_func is None:  # the compiled decode samples each episode's first turn too
-                rollout = None
             if self.tool_calling is not None:  # the turns after each tool call (fastppo.tools)
                 rollout, episodes = self._tool_episodes(rollout, queries, query_mask, temperature, synced, row_tools)
         if sampling_logprobs is not None:  # the caller's first turn has them; the later turns' are not known (NaN)
@@ -389,10 +391,10 @@ class PPOTrainer(TrainingLoop):
         return ids, instances, [self._environments.row_tools(i) for i in instances], messages
 
     def _episodes_in_cache(self, synced: bool) -> bool:
-        """Whether the rollout's episodes are sampled whole, each chunk's in one static KV cache
-        (``episode_decode``): with tools, the compiled decode and the first turns fastppo's own."""
-        return self.tool_calling is not None and self.rollout_func is None and not synced and \
-            self._decoder() is not None
+        """Whether fastppo's own episodes are sampled whole, each chunk's in one static KV cache
+        (``episode_decode``): with tools and the compiled decode, over a cache that keeps every column."""
+        decoder = None if self.tool_calling is None or synced else self._decoder()
+        return decoder is not None and decoder.keeps_every_column()
 
     def _tool_episodes(self, rollout: Rollout | None, queries, query_mask, temperature: float, synced: bool,
                        row_tools=None):

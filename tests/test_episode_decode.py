@@ -201,3 +201,45 @@ def test_the_inductor_step_compiles_once_for_every_turn(model_dir):
         cached, prefilled, _ = both_episodes(lm, decoder, ids, mask, TurnLimits(20, 3, tuple(stops)), seed=5)
     assert cached.completions == prefilled.completions and max(turns(cached)) >= 3
     assert list(decoder.compile_seconds) == [(4, 64)]
+
+
+def test_idle_and_padding_rows_keep_their_positions_within_the_model(monkeypatch):
+    """Rows that stop calling tools, and the bucket's padding rows, are fed masked-out ids while the others go on; their
+    positions must not grow with those rounds: GPT-2's learned position table has ``n_positions`` rows, which the
+    prompts and one budget fit, and a position past it is an index error."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class OneRowCalls(ScriptedCalls):
+        def parse(self, ids, prefix, tools=None) -> dict:  # only the third prompt's row keeps calling
+            return {"role": "assistant", "content": "", **({"tool_calls": [{}]} if prefix[0] == 9 else {})}
+
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=48)).eval()
+    prompts, budget, stop = [[7] * 4, [8] * 5, [9] * 6], 40, 1
+    ids, mask = left_pad(prompts, 0)
+    raised = torch.zeros(4, 1, 64)  # rows 0, 1 never stop (a first turn of the whole budget); row 2's turns are short
+    raised[:2, 0, stop], raised[2:, 0, stop] = -1e4, 3.0
+    lm.lm_head.register_forward_hook(lambda module, args, out: out + raised[:out.shape[0]])
+    highest = []
+    lm.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: highest.append(kwargs["position_ids"].max(1).values), with_kwargs=True)
+    decode = EpisodeDecode(StaticDecoder(lm, backend="cuda_graph", capture=False), lm, ids, mask, budget,
+                           Sampling(1.0, [stop], 0))
+    episodes = run_episodes(OneRowCalls(64), prompts, decode.first_turn(), decode, TurnLimits(budget, None, (stop,)))
+    assert [len(c) for c in episodes.completions][:2] == [budget] * 2 and len(episodes.messages[2]) >= 5
+    assert int(torch.stack(highest).max()) < ids.shape[1] + budget <= lm.config.n_positions
+
+
+def test_a_sliding_window_cache_is_refused():
+    """A sliding window counts the masked-out columns too, so its episodes cannot share columns: the decoder says
+    so (the trainer then prefills each turn anew) and ``EpisodeDecode`` refuses it by name."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    windowed = MistralForCausalLM(MistralConfig(**shape, sliding_window=8))
+    full = MistralForCausalLM(MistralConfig(**shape, sliding_window=None))
+    assert not StaticDecoder(windowed).keeps_every_column() and StaticDecoder(full).keeps_every_column()
+    ids, mask = left_pad([[5, 6, 7]], 0)
+    with pytest.raises(ValueError, match="MistralForCausalLM's has sliding-window"):
+        EpisodeDecode(StaticDecoder(windowed), windowed, ids, mask, 8, Sampling(1.0, [1], 0))

@@ -267,7 +267,8 @@ def test_non_finite_steps_are_skipped_on_the_device_or_host(tmp_path, model_dir,
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2,
                                   fused=optimizer_fused)
     batch = UpdateBatch(rollout, experience, Targets(nan, nan, nan, experience.values))
-    result = ppo_update(UpdateModel(module, optimizer), batch, trainer.config, derive_sizes(trainer.config, 1, 8), torch.Generator().manual_seed(0))
+    result = ppo_update(UpdateModel(module, optimizer), batch, trainer.config, derive_sizes(trainer.config, 1, 8),
+                        torch.Generator().manual_seed(0))
     assert float(result.skipped_steps) == 2 and float(result.optimizer_steps) == 0
     for k, v in module.state_dict().items():
         assert torch.equal(v, before[k]), k

@@ -246,7 +246,8 @@ def test_sampling_ignores_the_checkpoints_generation_config(tmp_path, smollm2):
     n = 512
     queries, mask = left_pad([prompt] * n, EOS)
     torch.manual_seed(0)
-    tokens = sample_responses(model, queries, mask, response_length=1, sampling=Sampling(1.0, [EOS], EOS), chunk=n)[:, 0]
+    tokens = sample_responses(model, queries, mask, response_length=1, sampling=Sampling(1.0, [EOS], EOS),
+                              chunk=n)[:, 0]
     ranks = rank_of[tokens]
     for observed, expected in rank_buckets(ranks, probs):
         sd = math.sqrt(expected * (1 - expected) / n)

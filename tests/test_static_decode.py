@@ -31,7 +31,7 @@ def both_samplers(lm, decoder, ids, mask, length, stops, seed, temperature=1.0, 
     for dec in (None, decoder):
         torch.manual_seed(seed)
         out.append(sample_responses(lm, ids, mask, length, Sampling(temperature, stops, 0), chunk or ids.shape[0],
-                                        decoder=dec))
+                                    decoder=dec))
     return out
 
 
