@@ -377,9 +377,9 @@ def child(side: str, case: GRPOCase) -> dict:
     extra_s: dict = {}
     with tempfile.TemporaryDirectory(prefix=f"grpo-{side}-") as out:
         if kind == "fastppo":  # the final save and curve plot fastppo's train() always does, timed apart
-            import fastppo.trainer as fastppo_trainer
+            import fastppo.training_loop as fastppo_loop  # where train()'s loop calls plot_curves
 
-            _timed(fastppo_trainer, "plot_curves", extra_s, "curve plot")
+            _timed(fastppo_loop, "plot_curves", extra_s, "curve plot")
         t0 = time.perf_counter()
         trainer, settings = BUILDERS[side](case, out, side, clock)
         t1 = time.perf_counter()
