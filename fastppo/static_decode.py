@@ -244,6 +244,7 @@ class StaticDecoder:
         self._graphed: dict[tuple[int, int], GraphedStep] = {}
         self._addresses: tuple[int, ...] | None = None
         self.compile_seconds: dict[tuple[int, int], float] = {}
+        self._keeps_every_column: bool | None = None
 
     def backend_on(self, device: torch.device) -> str:
         """The backend this decoder runs on ``device`` (``"auto"`` resolved; an uncaptured decoder runs the graph
@@ -276,8 +277,10 @@ class StaticDecoder:
     def keeps_every_column(self) -> bool:
         """Whether the model's static cache holds every column it is given (no sliding-window or indexed layer, whose
         positions are not the columns one to one): ``can_fill_shared`` of an unfilled cache, whose layers allocate
-        nothing until their first update."""
-        return self.can_fill_shared(StaticCache(config=self.lm.config, max_cache_len=1))
+        nothing until their first update. Asked once per rollout and per chunk, answered once per decoder."""
+        if self._keeps_every_column is None:
+            self._keeps_every_column = self.can_fill_shared(StaticCache(config=self.lm.config, max_cache_len=1))
+        return self._keeps_every_column
 
     @staticmethod
     def can_fill_shared(cache: StaticCache) -> bool:
