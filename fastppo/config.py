@@ -77,6 +77,10 @@ class PPOConfig(TrainingArguments):
     # what global_step, max_steps, logging/save/eval steps and the schedule count: TRL PPO's iterations (one per
     # generation batch); GRPOConfig's are TRL GRPO's optimizer steps (Sizes.counts_optimizer_steps)
     COUNTS_OPTIMIZER_STEPS: ClassVar[bool] = False
+    # the setting that counts a process's rollout in micro-batches of per_device_train_batch_size rows: TRL PPO's
+    # gradient_accumulation_steps (split into num_mini_batches optimizer steps); GRPOConfig's steps_per_generation
+    # (TRL GRPO's generation batch, of steps_per_generation / gradient_accumulation_steps optimizer steps)
+    ROLLOUT_STEPS: ClassVar[str] = "gradient_accumulation_steps"
 
     # ------------------------------------------------------------ TRL 0.26 OnPolicyConfig: overridden defaults
     logging_steps: float = field(
@@ -153,7 +157,8 @@ class PPOConfig(TrainingArguments):
     )
     local_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Derived: per_device_train_batch_size × gradient_accumulation_steps (set by the trainer)."},
+        metadata={"help": "Derived: per_device_train_batch_size × gradient_accumulation_steps (GRPO: × "
+                          "steps_per_generation) (set by the trainer)."},
     )
     batch_size: int | None = field(
         default=None, metadata={"help": "Derived: local_batch_size × world_size (set by the trainer)."}

@@ -129,6 +129,8 @@ GRPOConfig = dataclasses.make_dataclass(
                                           "per_device_eval_batch_size", "dataloader_num_workers"),
                # global_step, max_steps, logging/save/eval steps and the schedule count optimizer steps, as TRL's
                "COUNTS_OPTIMIZER_STEPS": True,
+               # a process samples per_device_train_batch_size × steps_per_generation completions at a time
+               "ROLLOUT_STEPS": "steps_per_generation",
                "__post_init__": lambda self: _grpo_post_init(self)},
 )
 GRPOConfig.__module__ = __name__
@@ -152,8 +154,12 @@ def _grpo_post_init(args) -> None:
     else:
         if args.generation_batch_size % global_batch:
             raise SettingsError(f"generation_batch_size ({args.generation_batch_size}) must be divisible by the global "
-                                f"batch size (per_device_train_batch_size × processes = {global_batch})")
+                                f"batch size ({global_batch}: per_device_train_batch_size × processes)")
         args.steps_per_generation = args.generation_batch_size // global_batch
+    k = args.num_generations
+    if isinstance(k, int) and k >= 1 and args.generation_batch_size % k:  # whole groups only (TRL's rule and words)
+        raise SettingsError(f"generation_batch_size ({args.generation_batch_size}) must be divisible by "
+                            f"num_generations ({k})")
 
 
 class SyncReference(TrainerCallback):
@@ -535,23 +541,23 @@ class GRPOTrainer(PPOTrainer):
     def train(self, resume_from_checkpoint=None, **kwargs):
         """TRL's ``train()``: fastppo's loop (``resume_from_checkpoint`` a path, ``True`` or ``"latest"``), then
         what transformers' Trainer logs at its end (``train_runtime``, ``train_samples_per_second``,
-        ``train_steps_per_second``, ``train_loss``: the mean of the steps' logged ``loss``) and returns, a
-        ``TrainOutput``."""
+        ``train_steps_per_second``, ``train_loss``: the mean loss of the optimizer steps this call ran; and the
+        metrics measured after the last log row, as TRL's ``log()`` adds them) and returns, a ``TrainOutput``."""
         from transformers.trainer_utils import TrainOutput
 
         if kwargs:
             raise SettingsError(f"train() got unexpected keywords {sorted(kwargs)} (it takes resume_from_checkpoint)")
         if resume_from_checkpoint is not None:
             self.config.resume_from_checkpoint = "latest" if resume_from_checkpoint is True else resume_from_checkpoint
-        first, start = len(self.state.log_history), time.perf_counter()
+        start = time.perf_counter()
         episodes, steps = self.state.episode, self.state.global_step
         super().train()
         seconds = time.perf_counter() - start
-        rows = [row for row in self.state.log_history[first:] if "loss" in row]
-        losses = [row["loss"] for row in rows]
-        # TRL's last log entry carries the step metrics beside the summary (its log() merges them in)
-        metrics = {**({k: v for k, v in rows[-1].items() if k != "step"} if rows else {}), "train_runtime": seconds, "train_samples_per_second": (self.state.episode - episodes) / seconds,
+        # transformers' summary row, with what TRL measured after its last row (its log() merges that in)
+        metrics = {"train_runtime": seconds, "train_samples_per_second": (self.state.episode - episodes) / seconds,
                    "train_steps_per_second": (self.state.global_step - steps) / seconds, "total_flos": 0.0,
-                   "train_loss": sum(losses) / len(losses) if losses else float("nan")}
+                   "train_loss": self._step_logs.train_loss(), **self._step_logs.take()}
+        if self.state.epoch is not None:
+            metrics["epoch"] = self.state.epoch
         self._log_state(metrics)
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)

@@ -7,7 +7,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -30,7 +30,7 @@ GLOBAL_MEANS = {"kl": ("kl_token_sum", "tokens"), "entropy": ("entropy_token_sum
                 "clip_ratio/high_mean": ("clip_high_sum", "clip_units"),
                 "clip_ratio/region_mean": ("clip_region_sum", "clip_units")}
 SLOT_ROWS = ("kl_token_sum", "entropy_token_sum", "clip_low_sum", "clip_high_sum", "clip_region_sum", "tokens",
-             "clip_units")
+             "clip_units", "loss", "policy_loss")
 STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 
 
@@ -42,6 +42,11 @@ class UpdateResult:
     epochs_run: int
     logprobs: torch.Tensor | None = None  # [B, T] π_θ_old's log-probs where the update measured them (no step 2)
     grad_norm: torch.Tensor | float = float("nan")  # the last optimizer step's gradient norm, before clipping
+    # each optimizer step's gradient norm (before clipping) and learning rate (the one it stepped with), in order:
+    # transformers' grad_norm and learning_rate of a log row at that step
+    step_norms: list = field(default_factory=list)
+    step_lrs: list[float] = field(default_factory=list)
+    step_entropy_coefs: list[float] = field(default_factory=list)  # the adaptive coefficient after each step
 
 
 # objective_sums' entries, in order
@@ -87,11 +92,14 @@ class MetricTerms:
 
 
 def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int, terms: MetricTerms = MetricTerms(),
-                   reward_columns: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+                   reward_columns: dict[str, torch.Tensor] | None = None,
+                   steps_out: list | None = None) -> dict[str, float]:
     """TRL 0.26's metrics from this process's sums: one all-reduce and one host transfer per iteration (two more
     for the rewards' moments); ``terms`` says which (``MetricTerms``). ``reward_columns``: each reward's scores
     (NaN where it did not judge), logged as TRL GRPO's ``rewards/<name>/mean`` and ``/std`` over the completions
-    it judged on every process (``reward_moments``)."""
+    it judged on every process (``reward_moments``). ``steps_out`` (critic-free runs): appended with each
+    optimizer step's own metrics, as TRL GRPO records them per step (``optimizer_step_metrics``), from the same
+    all-reduce."""
     stats = result.stats.flatten(1)  # [S, n]
     ran = torch.isfinite(stats)
     counts = ran.sum(1).float()
@@ -143,7 +151,10 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
     if not terms.critic:  # TRL GRPO's entropy and loss (a critic-free run logs TRL GRPO's names)
         metrics["entropy"] = _global_mean(by_slot, "entropy")
         metrics["loss"] = mean["loss"]  # each optimizer step's loss as minimised, averaged
-        metrics.update(extreme_clip_fractions(result.stats))
+        low_min, high_max = extreme_clip_shares(result.stats)
+        metrics["clip_ratio/low_min"], metrics["clip_ratio/high_max"] = _finite_mean(low_min), _finite_mean(high_max)
+        if steps_out is not None:
+            steps_out.extend(optimizer_step_metrics(result, by_slot, (low_min, high_max), world_size, terms))
         metrics["grad_norm"] = float(result.grad_norm)  # transformers': the last step's, before clipping
         if terms.entropy_coef is not None:
             metrics["policy_loss"], metrics["entropy_coef"] = mean["policy_loss"], terms.entropy_coef
@@ -166,21 +177,67 @@ def sampling_difference(sampled: torch.Tensor, old: torch.Tensor, mask: torch.Te
             "sampling/sampling_logp_difference/max": largest.item()}
 
 
-def extreme_clip_fractions(stats: torch.Tensor) -> dict[str, float]:
-    """TRL GRPO's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: for each micro-step, the smallest (largest)
-    process's share of clipped units below (above) the range, averaged over the micro-steps (one all-reduce: the
-    largest high share is minus the smallest of its negation)."""
+def extreme_clip_shares(stats: torch.Tensor) -> tuple[list[float], list[float]]:
+    """TRL GRPO's ``clip_ratio/low_min`` and ``clip_ratio/high_max`` per micro-step: the smallest (largest)
+    process's share of clipped units below (above) the range (one all-reduce: the largest high share is minus the
+    smallest of its negation); NaN where the micro-step did not run or had no unit."""
     units = stats[STAT["clip_units"]].flatten()
     # NaN where the micro-step did not run or had no unit: +inf, which a MIN passes over (TRL's nanmin, nanmax)
     shares = torch.stack([stats[STAT["clip_low_sum"]].flatten() / units, -stats[STAT["clip_high_sum"]].flatten() / units])
     shares = torch.nan_to_num(shares, nan=math.inf, posinf=math.inf, neginf=math.inf)
     if is_distributed():
         shares = all_reduce(shares, torch.distributed.ReduceOp.MIN)
-    out = {}
-    for name, share, sign in (("clip_ratio/low_min", shares[0], 1.0), ("clip_ratio/high_max", shares[1], -1.0)):
-        share = share[torch.isfinite(share)]
-        out[name] = sign * share.mean().item() if share.numel() else float("nan")
-    return out
+    low, high = shares.tolist()
+    return ([v if math.isfinite(v) else math.nan for v in low], [-v if math.isfinite(v) else math.nan for v in high])
+
+
+def extreme_clip_fractions(stats: torch.Tensor) -> dict[str, float]:
+    """``extreme_clip_shares`` averaged over the micro-steps that have one (TRL's log of a generation batch)."""
+    low, high = extreme_clip_shares(stats)
+    return {"clip_ratio/low_min": _finite_mean(low), "clip_ratio/high_max": _finite_mean(high)}
+
+
+def _finite_mean(values: list[float]) -> float:
+    kept = [v for v in values if math.isfinite(v)]
+    return sum(kept) / len(kept) if kept else float("nan")
+
+
+def optimizer_step_metrics(result: UpdateResult, by_slot: dict[str, list[float]],
+                           extremes: tuple[list[float], list[float]], world_size: int,
+                           terms: MetricTerms) -> list[dict]:
+    """Each optimizer step's metrics as TRL GRPO records them: its ``loss`` (the mean over processes of the
+    step's loss as minimised), ``grad_norm`` and ``learning_rate`` (transformers' log row at that step), and the
+    per-micro-step values its ``compute_loss`` appends (``entropy``, ``kl``, ``clip_ratio/*``, ``policy_loss``,
+    ``entropy_coef``), which a log row averages with every other value appended since the last row. Steps the
+    update did not run (``max_steps`` ended inside the batch) are left out."""
+    epochs, minibatches, micro = result.stats.shape[1:]
+    low_min, high_max = extremes
+    slot_means = {name: [s / max(c, 1.0) if math.isfinite(s) else math.nan
+                         for s, c in zip(by_slot[GLOBAL_MEANS[name][0]], by_slot[GLOBAL_MEANS[name][1]])]
+                  for name in GLOBAL_MEANS}
+    names = ["entropy", *(["kl"] if terms.kl_in_loss else []), "clip_ratio/low_mean", "clip_ratio/high_mean",
+             "clip_ratio/region_mean"]
+    steps = []
+    for index in range(epochs * minibatches):
+        window = range(index * micro, (index + 1) * micro)
+        ran = [i for i in window if math.isfinite(by_slot["tokens"][i])]
+        if not ran:
+            continue
+        values = {name: [slot_means[name][i] for i in ran] for name in names}
+        values["clip_ratio/low_min"] = [low_min[i] for i in ran]
+        values["clip_ratio/high_max"] = [high_max[i] for i in ran]
+        position = len(steps)
+        if terms.entropy_coef is not None:  # policy_loss per micro-step; the coefficient once per step
+            values["policy_loss"] = [by_slot["policy_loss"][i] / world_size for i in ran]
+            coefficients = result.step_entropy_coefs
+            values["entropy_coef"] = [coefficients[position] if position < len(coefficients) else terms.entropy_coef]
+        steps.append({"loss": sum(by_slot["loss"][i] for i in ran) / len(ran) / world_size,
+                      "grad_norm": float(result.step_norms[position]) if position < len(result.step_norms)
+                      else float("nan"),
+                      "learning_rate": result.step_lrs[position] if position < len(result.step_lrs)
+                      else float("nan"),
+                      "values": values})
+    return steps
 
 
 def nan_std(r: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:

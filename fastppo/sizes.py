@@ -43,30 +43,36 @@ def exact_div(a: int, b: int, what: str) -> int:
 
 
 def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
-    """All sizes from the flags (TRL 0.17-0.26's formulas); raises ValueError on any inexact split."""
+    """All sizes from the flags (TRL 0.17-0.26's formulas; a GRPOConfig's rollout is TRL GRPO's generation
+    batch, ``per_device_train_batch_size × steps_per_generation``, of ``num_mini_batches`` =
+    ``steps_per_generation / gradient_accumulation_steps`` optimizer steps); raises ValueError on any inexact
+    split."""
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "num_ppo_epochs"):
         if getattr(config, name) < 1:
             raise SettingsError(f"{name} must be >= 1, got {getattr(config, name)}")
-    local_batch_size = config.per_device_train_batch_size * config.gradient_accumulation_steps
+    # a process's rollout: per_device_train_batch_size rows × ROLLOUT_STEPS (TRL PPO's gradient_accumulation_steps,
+    # TRL GRPO's steps_per_generation), named in the messages by the settings the user wrote
+    rollout_steps = config.ROLLOUT_STEPS
+    local_batch_size = config.per_device_train_batch_size * getattr(config, rollout_steps)
+    rollout = f"per_device_train_batch_size × {rollout_steps} = {local_batch_size}"
     local_mini = exact_div(
         local_batch_size,
         config.num_mini_batches,
-        "per_device_train_batch_size × gradient_accumulation_steps must be divisible by num_mini_batches",
+        f"the rollout per process ({rollout}) must be divisible by num_mini_batches",
     )
     k = config.num_generations
     if not isinstance(k, int) or k < 1:
         raise SettingsError(f"num_generations must be an integer >= 1, got {k!r}")
     local_prompts = exact_div(
         local_batch_size, k,
-        f"num_generations ({k} completions per prompt) must divide the rollout batch per process "
-        f"(per_device_train_batch_size × gradient_accumulation_steps = {local_batch_size}): a prompt's group stays in "
-        "one process")
+        f"num_generations ({k} completions per prompt) must divide the rollout batch per process ({rollout}): a "
+        "prompt's group stays in one process")
     micro = min(config.per_device_train_batch_size, local_mini)
     micro_steps = exact_div(
         local_mini,
         micro,
-        f"each minibatch ({local_mini} rows = per_device_train_batch_size × gradient_accumulation_steps / "
-        "num_mini_batches) must be a whole number of per_device_train_batch_size micro-batches",
+        f"each minibatch ({local_mini} rows = {rollout} / num_mini_batches) must be a whole number of "
+        "per_device_train_batch_size micro-batches",
     )
     batch_size = local_batch_size * world_size
     total_episodes = config.total_episodes

@@ -402,7 +402,7 @@ def ppo_update(trained: UpdateModel, data: UpdateBatch, config: PPOConfig, sizes
     epochs_run = config.num_ppo_epochs if train else 1
     steps_left = math.inf if max_steps is None or not train else max_steps
     model.train(train)
-    order = None
+    order, coefficients = None, []
     group = 1 if shared is None else shared[0]  # the rows the order keeps together
     for epoch in range(epochs_run):
         if steps_left <= 0:
@@ -441,6 +441,7 @@ def ppo_update(trained: UpdateModel, data: UpdateBatch, config: PPOConfig, sizes
                 continue
             if entropy_ctl is not None:  # the step's entropy over every process's bonus tokens
                 entropy_ctl.update(bonus_entropy(stats[:, epoch, mb]))
+                coefficients.append(entropy_ctl.value)  # TRL logs each step's coefficient after its update
             stepper.step(finite, f"PPO epoch {epoch}, minibatch {mb}")
         if config.early_stopping and train and kl_past_target(stats, epoch, config, sizes):
             epochs_run = epoch + 1
@@ -450,7 +451,8 @@ def ppo_update(trained: UpdateModel, data: UpdateBatch, config: PPOConfig, sizes
              else epochs_run * sizes.num_mini_batches)
     skipped = stepper.skipped
     steps = taken - skipped if train else skipped
-    return UpdateResult(stats, skipped, steps, epochs_run, seen, stepper.last_norm)
+    return UpdateResult(stats, skipped, steps, epochs_run, seen, stepper.last_norm, stepper.norms, stepper.lrs,
+                        coefficients)
 
 
 def old_logprobs_in_update(config: PPOConfig) -> bool:
@@ -507,6 +509,7 @@ class IterationResult:
     # step 1's phases; "scoring" (steps 2-4), split as "scoring/forwards" (step 2, and each model's share of it)
     # and "scoring/advantages" (steps 3-4); "update" (step 5)
     seconds: dict[str, float]
+    step_metrics: tuple[dict, ...] = ()  # critic-free: each optimizer step's own (metrics.optimizer_step_metrics)
 
 
 def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Callable[[], ScoredRollout],
@@ -568,7 +571,8 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
                         kl_in_reward=config.advantage_estimator == "rloo" and bool(kl_coef),
                         entropy_coef=learner.entropy_ctl.value if learner.entropy_ctl is not None
                         else config.entropy_coef or None)
-    metrics = gather_metrics(objective, update, sizes.world_size, terms, batch.reward_columns)
+    step_metrics = []
+    metrics = gather_metrics(objective, update, sizes.world_size, terms, batch.reward_columns, step_metrics)
     if batch.sampling_logprobs is not None:  # how far a caller's sampler was from π_θ_old (TRL's vLLM metrics)
         metrics.update(sampling_difference(batch.sampling_logprobs, experience.logprobs, rollout.response_mask))
     if config.critic_free:  # TRL GRPO's completion and reward metrics
@@ -585,7 +589,8 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
         learner.lr_scheduler.step()
     seconds = {**batch.seconds, "scoring": t1 - t0, "update": t2 - t1, "scoring/forwards": t_forward - t0,
                "scoring/advantages": t1 - t_forward, **{f"scoring/{k}": v for k, v in scoring_seconds.items()}}
-    return IterationResult(batch, experience, targets, update, scores, metrics, kl_coef, lr, seconds)
+    return IterationResult(batch, experience, targets, update, scores, metrics, kl_coef, lr, seconds,
+                           tuple(step_metrics))
 
 
 if __name__ == "__main__":  # python -m fastppo.train: the command line, run as a program (not imported: the

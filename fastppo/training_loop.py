@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.metrics import MetricsLogger, Samples, plot_curves, print_samples
 from fastppo.output_dir import RunLock
 from fastppo.sizes import Sizes, every
+from fastppo.step_logs import StepLogs, grpo_progress_line
 from fastppo.train import IterationResult
 
 
@@ -85,6 +87,7 @@ class TrainingLoop:
                  + f"; output in {config.output_dir}"
                  + (f"; resuming after iteration {first - 1}" if first > 1 else ""))
         logger = self._logger = MetricsLogger(config, self.dist.is_main, self.log)
+        self._step_logs = StepLogs()
         stack = contextlib.ExitStack()
         stack.callback(logger.close)
         stop = stack.enter_context(StopSignals(self.log))
@@ -106,9 +109,14 @@ class TrainingLoop:
                 metrics = self._iteration_metrics(result, before, started, clock)
                 if advance is not None:
                     advance(state.episode)
-                self._log_state(metrics)  # every iteration, as TRL's loop calls self.log
-                self._report(update, before, last, metrics, result, logged_columns)
-                self._step_end_events(before)
+                if sizes.counts_optimizer_steps:  # TRL GRPO's rows: one per logging_steps optimizer steps
+                    self._step_logs.add_generation(metrics, bool(config.beta))
+                    self._sample_table(update, result, logged_columns)
+                    self._step_end_events(before, _StepRows(result, logged_columns, time.perf_counter() - started))
+                else:
+                    self._log_state(metrics)  # every iteration, as TRL PPO's loop calls self.log
+                    self._report(update, before, last, metrics, result, logged_columns)
+                    self._step_end_events(before)
                 if self.control.should_evaluate:  # transformers' flow, at eval_steps under eval_strategy="steps"
                     self._scheduled_evaluation()
                     self.control.should_evaluate = False
@@ -174,6 +182,12 @@ class TrainingLoop:
                      + (f" step {state.global_step}/{sizes.total_steps}" if sizes.counts_optimizer_steps else "")
                      + f" episode {state.episode}: " + progress_line(metrics))
             self._log_completions(result, logged_columns)
+        self._sample_table(update, result, logged_columns)
+
+    def _sample_table(self, update: int, result: IterationResult, logged_columns: dict[str, list]) -> None:
+        """TRL's sample table at ``num_sample_generations``' frequency: the eval prompts sampled anew, or this
+        iteration's own samples."""
+        config, sizes, state = self.config, self.sizes, self.state
         if sizes.sample_generations_freq and (update - 1) % sizes.sample_generations_freq == 0:
             if self.eval_prompts is not None:  # TRL's table: the eval prompts, near-greedy
                 self.generate_completions(sampling=True)
@@ -237,20 +251,30 @@ class TrainingLoop:
                 "num_tokens": float(self.state.num_input_tokens_seen),
                 "step_time": (time.perf_counter() - started) / micro_steps}
 
-    def _step_end_events(self, before: int) -> None:
+    def _step_end_events(self, before: int, rows: _StepRows | None = None) -> None:
         """``on_step_end`` for each global step the iteration took (one under TRL PPO's counting; each optimizer
         step of the generation batch under TRL GRPO's, with ``on_step_begin`` between them, replayed after its
-        update at their own ``global_step``): a callback that acts every N steps sees each step. What any step
-        asks for (save, evaluate, stop) is done at the batch's end, the only point with nothing half-updated."""
+        update at their own ``global_step``): a callback that acts every N steps sees each step. ``rows`` (TRL
+        GRPO's counting): each step's metrics join the pending ones, and a step whose ``on_step_end`` asks to log
+        (transformers' ``logging_steps``, ``logging_first_step``, or a callback) writes its row then, with
+        ``on_log``. What any step asks for (save, evaluate, stop) is done at the batch's end, the only point with
+        nothing half-updated."""
         state, control, wanted = self.state, self.control, {}
         after = state.global_step
+        epoch_end = state.epoch
         try:
             for step in range(before + 1, after + 1):
                 if step > before + 1:
                     state.global_step = step - 1
                     control = self.callback_handler.on_step_begin(self.config, state, control)
                 state.global_step = step
+                if rows is not None:  # the epoch as transformers counts it: the share of the batch's steps done
+                    state.epoch = self._epoch_at(step - before, epoch_end)
                 control = self.callback_handler.on_step_end(self.config, state, control)
+                if rows is not None:
+                    self.control = control
+                    self._log_step(rows, step - before - 1, after - before)
+                    control = self.control
                 for flag in ("should_save", "should_evaluate", "should_training_stop"):
                     wanted[flag] = wanted.get(flag, False) or getattr(control, flag)
         finally:
@@ -258,6 +282,28 @@ class TrainingLoop:
         for flag, value in wanted.items():
             setattr(control, flag, value)
         self.control = control
+
+    def _epoch_at(self, steps_done: int, epoch_end: float) -> float:
+        """``state.epoch`` after ``steps_done`` optimizer steps of this generation batch (``epoch_end``: after all
+        of its steps): the batch's share of an epoch, in proportion to its steps, as Trainer counts it."""
+        per_batch = self.sizes.batch_size / max(len(self.prompts) * self.sizes.num_generations, 1)
+        return epoch_end - per_batch + per_batch * steps_done / self.sizes.steps_per_iteration
+
+    def _log_step(self, rows: _StepRows, index: int, steps: int) -> None:
+        """One optimizer step of TRL GRPO's counting: its metrics pending, and its row where the step asks to log."""
+        step = rows.result.step_metrics[index] if index < len(rows.result.step_metrics) else None
+        if step is None:  # no metrics for this step (it was skipped before its statistics): nothing to add
+            return
+        self._step_logs.add_step(step, rows.seconds / steps)
+        if not self.control.should_log:
+            return
+        self.control.should_log = False
+        row = self._step_logs.row(step, self.state.epoch)
+        self._log_state(row)
+        self._logger.log(row, self.state.global_step)
+        self.log(f"step {self.state.global_step}/{self.sizes.total_steps} episode {self.state.episode}: "
+                 + grpo_progress_line(row))
+        self._log_completions(rows.result, rows.logged_columns)
 
     def _log_state(self, metrics: dict) -> None:
         """transformers' ``Trainer.log``: the entry joins ``log_history`` and callbacks get a copy (one that
@@ -273,6 +319,14 @@ class TrainingLoop:
         if self._logger is not None:
             self._logger.close()
         self._end_processes()
+
+
+class _StepRows(NamedTuple):
+    """An iteration's update, as its optimizer steps' log rows read it."""
+
+    result: IterationResult
+    logged_columns: dict[str, list]
+    seconds: float  # the generation batch's, from its rollout to its last step
 
 
 class StopSignals:

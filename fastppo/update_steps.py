@@ -146,7 +146,7 @@ class OptimizerSteps:
     process (the weights and the optimizer state never see it), step, zero the gradients. With fused AdamW the
     skip happens on the device (its ``found_inf``), so the loop never waits for the device; another optimizer needs
     one host sync per step. ``zero``: DeepSpeed accumulates, clips, steps and skips. Counts the skipped steps and
-    keeps the last gradient norm (transformers' logged grad_norm)."""
+    keeps each step's gradient norm and learning rate (transformers' logged grad_norm and learning_rate)."""
 
     def __init__(self, optimizer, max_grad_norm: float | None, zero, log: Callable[[str], None],
                  after_step: Callable[[], None] | None, device: torch.device):
@@ -157,6 +157,7 @@ class OptimizerSteps:
             optimizer, torch.optim.Adam | torch.optim.AdamW)
         self.skipped = torch.zeros((), device=device)
         self.last_norm = float("nan")
+        self.norms, self.lrs = [], []  # each step's gradient norm and the learning rate it stepped with
 
     def step(self, finite: torch.Tensor, where: str) -> None:
         """One optimizer step after the step's micro-batches (``finite``: every loss of them was)."""
@@ -167,6 +168,8 @@ class OptimizerSteps:
             self.last_norm = self.zero.grad_norm()
         else:
             self._step(finite, where)
+        self.norms.append(self.last_norm)
+        self.lrs.append(self.optimizer.param_groups[0]["lr"])  # before the schedule moves on (transformers' log)
         if self.after_step is not None:
             self.after_step()
 

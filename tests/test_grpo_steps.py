@@ -86,14 +86,19 @@ def test_several_optimizer_steps_per_generation_batch_count_as_trl_counts_them(t
     assert (trainer.sizes.steps_per_iteration, trainer.sizes.num_total_batches, trainer.state.max_steps) == (4, 2, 7)
     output = trainer.train()
     assert trainer.state.global_step == output.global_step == 7 and trainer.iterations_done == 2
-    assert trainer.state.episode == 16  # two generation batches of 8 completions
+    # two generation batches of per_device_train_batch_size × steps_per_generation = 16 completions (TRL's), each
+    # optimizer step per_device_train_batch_size × gradient_accumulation_steps = 8 of them in 2 micro-batches
+    assert trainer.state.episode == 32 and trainer.sizes.local_mini_batch_size == 8
+    assert trainer.sizes.micro_steps == 2
     assert events.ends == [1, 2, 3, 4, 5, 6, 7] and events.begins == [0, 1, 2, 3, 4, 5, 6]
     assert lrs == pytest.approx([1e-3 * (1 - k / 7) for k in range(7)])  # transformers' linear schedule over 7
     # each generation batch shuffled once, its two minibatches walked in that order on both passes
     assert len(orders) == 4 and orders[0] == orders[1] and orders[2] == orders[3] and orders[0] != orders[2]
     assert [s for s, _ in checkpoints(str(tmp_path / "out"))] == [7]
-    logged = [row["step"] for row in trainer.state.log_history if "loss" in row and "train_loss" not in row]
-    assert logged == [4, 7]  # each generation batch's entry, at its last step
+    rows = trainer.state.log_history
+    logged = [row["step"] for row in rows if "loss" in row]
+    assert logged == [3, 6]  # one row per logging_steps (3) optimizer steps, as transformers logs them
+    assert "train_loss" in rows[-1] and rows[-1]["step"] == 7 and "loss" not in rows[-1]
 
 
 def test_ppo_counting_is_unchanged(tmp_path, model_dir):
@@ -130,7 +135,9 @@ def test_the_adaptive_coefficient_moves_once_per_optimizer_step(tmp_path, model_
     trainer.train()
     assert trainer.entropy_coef == pytest.approx(max(0.02 + direction * 0.005 * 6, 0.0))
     logged = [row for row in trainer.state.log_history if "entropy_coef" in row]
-    assert logged and logged[-1]["entropy_coef"] == pytest.approx(trainer.entropy_coef)
+    # TRL logs the coefficient after each step's update; a row (logging_steps 3) holds the mean of steps 4-6
+    after = [max(0.02 + direction * 0.005 * k, 0.0) for k in (4, 5, 6)]
+    assert [row["step"] for row in logged] == [3, 6] and logged[-1]["entropy_coef"] == pytest.approx(sum(after) / 3)
 
 
 def test_a_bonus_the_gate_holds_shut_changes_nothing(tmp_path, model_dir):
@@ -150,7 +157,9 @@ def test_a_bonus_the_gate_holds_shut_changes_nothing(tmp_path, model_dir):
 def test_a_resume_between_generation_batches_equals_the_whole_run(tmp_path, model_dir):
     """Saved after the first generation batch (step 4 of 7), resumed: the weights, the schedule, the adaptive
     coefficient and the logs are the uninterrupted run's."""
-    kw = dict(use_adaptive_entropy=True, entropy_coef=0.02, entropy_target=50.0)
+    # a row every 2 steps: none spans the resume at step 4 (TRL's, like transformers' running loss, would start
+    # afresh there)
+    kw = dict(use_adaptive_entropy=True, entropy_coef=0.02, entropy_target=50.0, logging_steps=2)
     whole = GRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=prompts(),
                         args=grpo_args(tmp_path, "whole", **kw))
     whole.train()
@@ -171,6 +180,6 @@ def test_a_resume_between_generation_batches_equals_the_whole_run(tmp_path, mode
     assert resumed.entropy_coef == whole.entropy_coef and resumed.lr_scheduler.last_epoch == 7
 
     def logged(trainer):
-        return [(r["step"], r["loss"], r["num_tokens"], r["learning_rate"], r["epoch"])
+        return [(r["step"], r["loss"], r.get("num_tokens"), r["learning_rate"], r["epoch"])
                 for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
     assert logged(resumed) == logged(whole) and not math.isnan(logged(whole)[-1][1])
