@@ -14,6 +14,7 @@ import torch
 from rich.table import Table
 
 from fastppo.dist import all_gather, all_reduce, is_distributed
+from fastppo.kernels.ppo_loss import vespo_weights
 
 # One row per statistic of ppo_losses, kept per (epoch, minibatch, micro-step); NaN where not run.
 STAT_NAMES = (
@@ -21,16 +22,21 @@ STAT_NAMES = (
     "advantages_mean", "returns_mean", "returns_var", "vpred_mean", "vf_error", "values_mean", "values_var",
     "ratio_skipped", "kl_loss", "clip_low", "clip_high", "clip_region", "kl_token_sum", "entropy_token_sum",
     "tokens", "clip_low_sum", "clip_high_sum", "clip_region_sum", "clip_units", "loss", "policy_loss",
-    "bonus_entropy_sum", "bonus_tokens",
+    "bonus_entropy_sum", "bonus_tokens", "clip_low_row_min", "clip_high_row_max", "phi_sum", "rows",
 )
 # Per micro-step sums and their counts, all-reduced slot by slot: TRL GRPO's metrics are, for each micro-step, a mean
 # over every process's trained tokens (rows, for the clip fractions under GSPO), then averaged over the micro-steps
 GLOBAL_MEANS = {"kl": ("kl_token_sum", "tokens"), "entropy": ("entropy_token_sum", "tokens"),
                 "clip_ratio/low_mean": ("clip_low_sum", "clip_units"),
                 "clip_ratio/high_mean": ("clip_high_sum", "clip_units"),
-                "clip_ratio/region_mean": ("clip_region_sum", "clip_units")}
+                "clip_ratio/region_mean": ("clip_region_sum", "clip_units"),
+                "vespo/phi_seq_mean": ("phi_sum", "rows")}
+# TRL GRPO's clip metrics by surrogate: the clip family's five; cispo's one (its high side); vespo's mean φ; sapo none
+CLIP_METRICS = {"clip": ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                         "clip_ratio/low_min", "clip_ratio/high_max"),
+                "cispo": ("cispo_clip_ratio",), "vespo": ("vespo/phi_seq_mean",), "sapo": ()}
 SLOT_ROWS = ("kl_token_sum", "entropy_token_sum", "clip_low_sum", "clip_high_sum", "clip_region_sum", "tokens",
-             "clip_units", "loss", "policy_loss")
+             "clip_units", "loss", "policy_loss", "phi_sum", "rows")
 STAT = {name: i for i, name in enumerate(STAT_NAMES)}
 
 
@@ -89,6 +95,7 @@ class MetricTerms:
     kl_in_loss: bool = False
     kl_in_reward: bool = False
     entropy_coef: float | None = None
+    surrogate: str = "clip"  # the loss_type's token loss: which of TRL GRPO's clip metrics it logs (CLIP_METRICS)
 
 
 def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: int, terms: MetricTerms = MetricTerms(),
@@ -153,6 +160,10 @@ def gather_metrics(objective: torch.Tensor, result: UpdateResult, world_size: in
         metrics["loss"] = mean["loss"]  # each optimizer step's loss as minimised, averaged
         low_min, high_max = extreme_clip_shares(result.stats)
         metrics["clip_ratio/low_min"], metrics["clip_ratio/high_max"] = _finite_mean(low_min), _finite_mean(high_max)
+        metrics["cispo_clip_ratio"] = metrics["clip_ratio/high_mean"]  # cispo's one side
+        metrics["vespo/phi_seq_mean"] = _global_mean(by_slot, "vespo/phi_seq_mean")
+        for name in {n for names in CLIP_METRICS.values() for n in names} - set(CLIP_METRICS[terms.surrogate]):
+            del metrics[name]  # TRL logs its loss type's clip metrics only
         if steps_out is not None:
             steps_out.extend(optimizer_step_metrics(result, by_slot, (low_min, high_max), world_size, terms))
         metrics["grad_norm"] = float(result.grad_norm)  # transformers': the last step's, before clipping
@@ -178,17 +189,39 @@ def sampling_difference(sampled: torch.Tensor, old: torch.Tensor, mask: torch.Te
 
 
 def extreme_clip_shares(stats: torch.Tensor) -> tuple[list[float], list[float]]:
-    """TRL GRPO's ``clip_ratio/low_min`` and ``clip_ratio/high_max`` per micro-step: the smallest (largest)
-    process's share of clipped units below (above) the range (one all-reduce: the largest high share is minus the
-    smallest of its negation); NaN where the micro-step did not run or had no unit."""
-    units = stats[STAT["clip_units"]].flatten()
-    # NaN where the micro-step did not run or had no unit: +inf, which a MIN passes over (TRL's nanmin, nanmax)
-    shares = torch.stack([stats[STAT["clip_low_sum"]].flatten() / units, -stats[STAT["clip_high_sum"]].flatten() / units])
+    """TRL GRPO's ``clip_ratio/low_min`` and ``clip_ratio/high_max`` per micro-step: the smallest (largest) share of
+    a sequence's tokens clipped below (above) the range, over every process's sequences (one all-reduce: the
+    largest high share is minus the smallest of its negation); NaN where the micro-step did not run or no sequence
+    had a token."""
+    # NaN where the micro-step did not run or had no sequence: +inf, which a MIN passes over (TRL's nanmin, nanmax)
+    shares = torch.stack([stats[STAT["clip_low_row_min"]].flatten(), -stats[STAT["clip_high_row_max"]].flatten()])
     shares = torch.nan_to_num(shares, nan=math.inf, posinf=math.inf, neginf=math.inf)
     if is_distributed():
         shares = all_reduce(shares, torch.distributed.ReduceOp.MIN)
     low, high = shares.tolist()
     return ([v if math.isfinite(v) else math.nan for v in low], [-v if math.isfinite(v) else math.nan for v in high])
+
+
+def row_statistics(stats: torch.Tensor, sides: list[torch.Tensor], real: torch.Tensor, log_ratio: torch.Tensor,
+                   advantages: torch.Tensor, vespo_gamma: tuple | None) -> None:
+    """A micro-batch's per-sequence statistics into ``stats``: its rows; the smallest share of a sequence's units
+    clipped low and the largest clipped high (TRL GRPO's ``masked_seq_mean`` per sequence, before its nanmin and
+    nanmax over the sequences; ``sides``: the low and high flags per token [B, T], or per row [B] under a
+    sequence-level ratio; a sequence without a token has no share and is passed over: ±inf where none has one);
+    with ``vespo_gamma``, the sum over the rows of VESPO's φ(w) (TRL's ``vespo/phi_seq_mean``)."""
+    low, high = sides[0].float(), sides[1].float()
+    if low.dim() == 2:
+        count = real.sum(1).float()
+        low, high = low.sum(1) / count, high.sum(1) / count  # NaN where count is 0
+    else:
+        has = real.any(1)
+        low, high = torch.where(has, low, math.nan), torch.where(has, high, math.nan)
+    stats[STAT["clip_low_row_min"]] = low.nan_to_num(nan=math.inf).min()
+    stats[STAT["clip_high_row_max"]] = high.nan_to_num(nan=-math.inf).max()
+    stats[STAT["rows"]] = float(real.shape[0])
+    if vespo_gamma is not None:
+        rows = torch.arange(real.shape[0], device=real.device)[:, None].expand_as(real)
+        stats[STAT["phi_sum"]] = vespo_weights(log_ratio, advantages, real, rows, real.shape[0], vespo_gamma)[:, 0].sum()
 
 
 def extreme_clip_fractions(stats: torch.Tensor) -> dict[str, float]:
@@ -215,17 +248,19 @@ def optimizer_step_metrics(result: UpdateResult, by_slot: dict[str, list[float]]
     slot_means = {name: [s / max(c, 1.0) if math.isfinite(s) else math.nan
                          for s, c in zip(by_slot[GLOBAL_MEANS[name][0]], by_slot[GLOBAL_MEANS[name][1]])]
                   for name in GLOBAL_MEANS}
-    names = ["entropy", *(["kl"] if terms.kl_in_loss else []), "clip_ratio/low_mean", "clip_ratio/high_mean",
-             "clip_ratio/region_mean"]
+    clip_names = {"cispo_clip_ratio": "clip_ratio/high_mean"}  # cispo's is its high side
+    names = ["entropy", *(["kl"] if terms.kl_in_loss else []),
+             *(n for n in CLIP_METRICS[terms.surrogate] if n in GLOBAL_MEANS or n in clip_names)]
     steps = []
     for index in range(epochs * minibatches):
         window = range(index * micro, (index + 1) * micro)
         ran = [i for i in window if math.isfinite(by_slot["tokens"][i])]
         if not ran:
             continue
-        values = {name: [slot_means[name][i] for i in ran] for name in names}
-        values["clip_ratio/low_min"] = [low_min[i] for i in ran]
-        values["clip_ratio/high_max"] = [high_max[i] for i in ran]
+        values = {name: [slot_means[clip_names.get(name, name)][i] for i in ran] for name in names}
+        if terms.surrogate == "clip":
+            values["clip_ratio/low_min"] = [low_min[i] for i in ran]
+            values["clip_ratio/high_max"] = [high_max[i] for i in ran]
         position = len(steps)
         if terms.entropy_coef is not None:  # policy_loss per micro-step; the coefficient once per step
             values["policy_loss"] = [by_slot["policy_loss"][i] / world_size for i in ran]

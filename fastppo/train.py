@@ -50,7 +50,7 @@ from fastppo.controllers import AdaptiveEntropyController, AdaptiveKLController,
 from fastppo.kernels import clip_sides, clipped_surrogate, fused_full_kl, kl_penalty, masked_mean, masked_var
 from fastppo.layout import gathered, head_input, head_precision, lm_head_of
 from fastppo.metrics import (STAT, STAT_NAMES, MetricTerms, UpdateResult, completion_metrics, gather_metrics,
-                             objective_sums, sampling_difference)
+                             objective_sums, row_statistics, sampling_difference)
 from fastppo.policy_terms import LossSettings, high_entropy_mask
 from fastppo.rewards import transform_scores
 from fastppo.rollout import Rollout, ScoredRollout
@@ -171,7 +171,6 @@ def per_token_rewards(kl, scores, response_mask, score_index, kl_coef: float):
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     rewards[rows, score_index] += scores
     return rewards, non_score_reward
-
 
 
 # ============================================================================ 5. PPO update
@@ -337,6 +336,8 @@ def loss_statistics(terms: LossTerms, inputs: LossInputs, settings: LossSettings
         stats[STAT["clip_units"]] = stats[STAT["tokens"]]
     for name, side in zip(("clip_low_sum", "clip_high_sum", "clip_region_sum"), sides):
         stats[STAT[name]] = side.sum()
+    row_statistics(stats, sides, real, t.log_ratio, advantages,
+                   settings.vespo_gamma if settings.surrogate == "vespo" else None)
     if t.kl is not None:  # the term as aggregated, and its token sum
         stats[STAT["kl_loss"]] = t.kl[1]
         stats[STAT["kl_token_sum"]] = torch.where(real, t.kl[0].detach(), 0.0).sum()
@@ -570,7 +571,7 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
                         kl_in_loss=bool(config.beta),
                         kl_in_reward=config.advantage_estimator == "rloo" and bool(kl_coef),
                         entropy_coef=learner.entropy_ctl.value if learner.entropy_ctl is not None
-                        else config.entropy_coef or None)
+                        else config.entropy_coef or None, surrogate=LossSettings.of(config).surrogate)
     step_metrics = []
     metrics = gather_metrics(objective, update, sizes.world_size, terms, batch.reward_columns, step_metrics)
     if batch.sampling_logprobs is not None:  # how far a caller's sampler was from π_θ_old (TRL's vLLM metrics)
