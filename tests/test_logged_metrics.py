@@ -208,15 +208,24 @@ def test_a_critic_free_run_logs_trl_grpos_names(tmp_path, model_dir):
 
 
 def test_the_extreme_clip_fractions_are_trls():
-    """TRL GRPO's clip_ratio/low_min and high_max on one process: each micro-step's clipped share below (above) the
-    range, averaged over the micro-steps that had a unit (a micro-step that did not run, or with no unit, is left
-    out, as TRL's nanmin leaves it)."""
-    from fastppo.metrics import STAT_NAMES, extreme_clip_fractions
+    """TRL GRPO's clip_ratio/low_min and high_max: per micro-step, the smallest (largest) share of one sequence's
+    tokens clipped below (above) the range (its masked_seq_mean, then nanmin/nanmax over the sequences: a sequence
+    without a token is passed over), averaged over the micro-steps that had one."""
+    from fastppo.metrics import STAT_NAMES, extreme_clip_fractions, row_statistics
 
+    torch.manual_seed(3)
     stats = torch.full((len(STAT_NAMES), 1, 2, 2), float("nan"))
-    stats[STAT["clip_units"], 0] = torch.tensor([[10.0, 4.0], [0.0, float("nan")]])
-    stats[STAT["clip_low_sum"], 0] = torch.tensor([[1.0, 2.0], [0.0, float("nan")]])
-    stats[STAT["clip_high_sum"], 0] = torch.tensor([[3.0, 0.0], [0.0, float("nan")]])
+    expected_low, expected_high = [], []
+    for slot, rows in ((0, 3), (1, 5), (2, 4)):  # the fourth micro-step did not run
+        real = torch.rand(rows, 7) < 0.7
+        real[0] = False  # a sequence with no token: no share
+        low, high = torch.rand(rows, 7) < 0.3, torch.rand(rows, 7) < 0.4
+        slot_stats = torch.full((len(STAT_NAMES),), float("nan"))
+        row_statistics(slot_stats, [low & real, high & real], real, torch.zeros(rows, 7), torch.zeros(rows, 7), None)
+        stats[:, 0, slot // 2, slot % 2] = slot_stats
+        shares = [((s & real).sum(1).float() / real.sum(1))[1:] for s in (low, high)]  # by hand, row by row
+        expected_low.append(shares[0].min().item())
+        expected_high.append(shares[1].max().item())
     out = extreme_clip_fractions(stats)
-    assert out["clip_ratio/low_min"] == pytest.approx((0.1 + 0.5) / 2)
-    assert out["clip_ratio/high_max"] == pytest.approx((0.3 + 0.0) / 2)
+    assert out["clip_ratio/low_min"] == pytest.approx(sum(expected_low) / 3)
+    assert out["clip_ratio/high_max"] == pytest.approx(sum(expected_high) / 3)
