@@ -206,6 +206,10 @@ def test_the_tool_template_refusal_names_fastppos_template():
         tools.ToolCalling([multiply], byte_tokenizer(plain))
     assert "does not support tool calling" in str(refused.value)
     assert isinstance(tools.CHATML_TOOL_TEMPLATE, str)  # the name the message gives exists
+    none = byte_tokenizer()
+    none.chat_template = None
+    with pytest.raises(SettingsError, match="has none \\(fastppo.tools.CHATML_TOOL_TEMPLATE"):
+        tools.ToolCalling([multiply], none)
 
 
 # ---------------------------------------------------------------- item 12: the prompt a reward function is told
