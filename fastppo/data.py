@@ -104,6 +104,32 @@ def as_dataset(data, what: str = "train_dataset", rows_needed: int | None = None
     raise SettingsTypeError(f"{what} must be a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
 
 
+VISION_COLUMNS = ("image", "images")  # TRL 1.16 GRPO hands these to a vision-language model with the prompt
+
+
+def check_text_only(data, what: str) -> None:
+    """Refuse a vision-language dataset (an ``image`` or ``images`` column, TRL GRPO's images of each prompt) by
+    the column's name: fastppo does not train vision-language models, and would train on the text alone. ``data``:
+    a dataset, a stream (its known columns; none read), a list of dicts, a path, or a dict of eval sets by name."""
+    if isinstance(data, dict):
+        for key, each in data.items():
+            check_text_only(each, f"{what}[{key!r}]")
+        return
+    if isinstance(data, str):
+        data = load_prompt_dataset(data, "train")  # as load_prompts reads a path
+    if isinstance(data, (datasets.Dataset, datasets.IterableDataset)):
+        columns = set(data.column_names or (data.features or {}))
+    elif isinstance(data, (list, tuple)):
+        columns = {k for row in data if isinstance(row, dict) for k in row}
+    else:
+        columns = set()
+    column = next((c for c in VISION_COLUMNS if c in columns), None)
+    if column is not None:
+        raise SettingsError(f"{what} has an {column!r} column: a vision-language dataset, and fastppo does not train "
+                            "vision-language models yet (it would train on the prompts' text with the images left "
+                            f"out); remove the {column!r} column to train on the text alone")
+
+
 def iterable_rows_needed(dataset, config, what: str) -> int | None:
     """How many rows of an ``IterableDataset`` train set a run reads: at most one per completion of its
     ``max_steps`` steps on every process (a stream has no length, so, as transformers' Trainer, the run needs

@@ -129,10 +129,14 @@ def test_a_dataset_with_images_is_refused_naming_the_column(tmp_path, column, wh
         grpo(tmp_path, sets["train_dataset"], eval_dataset=sets["eval_dataset"])
 
 
-def test_a_list_of_rows_and_a_dict_of_eval_sets_with_images_are_refused(tmp_path):
+def test_a_list_of_rows_a_path_and_a_dict_of_eval_sets_with_images_are_refused(tmp_path):
     text = datasets.Dataset.from_dict({"prompt": ["describe it", "what is this"]})
     with pytest.raises(SettingsError, match="train_dataset has an 'image' column"):
         grpo(tmp_path, [{"prompt": "describe it", "image": None}] * 2)
+    path = tmp_path / "pics.jsonl"
+    path.write_text('{"prompt": "describe it", "images": []}\n' * 2)
+    with pytest.raises(SettingsError, match="train_dataset has an 'images' column"):
+        grpo(tmp_path, str(path))
     with pytest.raises(SettingsError, match="eval_dataset\\['pics'\\] has an 'images' column"):
         grpo(tmp_path, text, eval_dataset={"plain": text, "pics": text.add_column("images", [[], []])})
 
