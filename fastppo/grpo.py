@@ -486,7 +486,8 @@ class GRPOTrainer(PPOTrainer):
         for held, ids, rows in self._eval_sets:
             if held is data:
                 return ids, rows
-        ids, rows = load_prompts(data, self.config, self.tokenizer, "eval_dataset", self.log, self.tool_calling)
+        ids, rows = load_prompts(data, self.config, self.tokenizer, "eval_dataset", self.log, self.tool_calling,
+                                 self._environments)
         self._eval_sets.append((data, ids, rows))
         return ids, rows
 

@@ -151,9 +151,9 @@ class PPOTrainer(TrainingLoop):
         rollout_func's fields are columns too: then not checked)."""
         config, tokenizer = self.config, self.tokenizer
         self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log,
-                                                      tools=self.tool_calling)
+                                                      tools=self.tool_calling, environments=self._environments)
         self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log,
-                                                          self.tool_calling)
+                                                          self.tool_calling, self._environments)
                                              if eval_dataset is not None else (None, None))
         for reward in functions if self.rollout_func is None else ():
             for what, rows in (("train_dataset", self.prompt_rows), ("eval_dataset", self.eval_rows)):

@@ -197,6 +197,9 @@ def test_an_environment_routed_dataset_needs_no_prompt_column(tmp_path):
     assert seen["prompts"] == [user("Say hi.")] * 3  # what the policy continued: the empty turn and the reset's text
     assert "<|im_start|>user\nSay hi.<|im_end|>" in tok.decode(batch.rollout.token_ids()[0][0])
     assert batch.reward_columns["Scored"].tolist() == [1.0] * 3
+    trainer._sample = Script(tok, [["Hi.<|im_end|>"] * 3])
+    trainer.train()  # a whole step on the routed rows
+    assert trainer.state.global_step == 1
 
 
 # ---------------------------------------------------------------- item 11: the tool-template refusal
