@@ -104,6 +104,32 @@ def as_dataset(data, what: str = "train_dataset", rows_needed: int | None = None
     raise SettingsTypeError(f"{what} must be a datasets.Dataset, a list of dicts or a path, got {type(data).__name__}")
 
 
+VISION_COLUMNS = ("image", "images")  # TRL 1.16 GRPO hands these to a vision-language model with the prompt
+
+
+def check_text_only(data, what: str) -> None:
+    """Refuse a vision-language dataset (an ``image`` or ``images`` column, TRL GRPO's images of each prompt) by
+    the column's name: fastppo does not train vision-language models, and would train on the text alone. ``data``:
+    a dataset, a stream (its known columns; none read), a list of dicts, a path, or a dict of eval sets by name."""
+    if isinstance(data, dict):
+        for key, each in data.items():
+            check_text_only(each, f"{what}[{key!r}]")
+        return
+    if isinstance(data, str):
+        data = load_prompt_dataset(data, "train")  # as load_prompts reads a path
+    if isinstance(data, (datasets.Dataset, datasets.IterableDataset)):
+        columns = set(data.column_names or (data.features or {}))
+    elif isinstance(data, (list, tuple)):
+        columns = {k for row in data if isinstance(row, dict) for k in row}
+    else:
+        columns = set()
+    column = next((c for c in VISION_COLUMNS if c in columns), None)
+    if column is not None:
+        raise SettingsError(f"{what} has an {column!r} column: a vision-language dataset, and fastppo does not train "
+                            "vision-language models yet (it would train on the prompts' text with the images left "
+                            f"out); remove the {column!r} column to train on the text alone")
+
+
 def iterable_rows_needed(dataset, config, what: str) -> int | None:
     """How many rows of an ``IterableDataset`` train set a run reads: at most one per completion of its
     ``max_steps`` steps on every process (a stream has no length, so, as transformers' Trainer, the run needs
@@ -268,21 +294,27 @@ def right_pad(sequences: Sequence[torch.Tensor | Sequence[int]], pad_id: int):
     return ids, mask
 
 
-def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=print, tools=None):
+def load_prompts(dataset, config, tokenizer, what: str = "train_dataset", log=print, tools=None, environments=None):
     """(token ids of every prompt, the dataset): ``dataset`` is a Dataset, a list of dicts, a path (its train
     split), or None for the built-in prompts. Its other columns go to reward
     functions. Empty prompts are dropped and prompts longer than ``max_prompt_length`` keep their last
-    tokens; both counts are logged."""
+    tokens; both counts are logged. With ``environments`` (TRL GRPO's ``environment_factory``) a dataset needs no
+    prompt column (TRL 1.16's environment-routed rows): each row's prompt is then an empty user message, which its
+    environment's ``reset`` writes."""
     if dataset is None or isinstance(dataset, str):  # a path, or None: the built-in prompts
         name = dataset or PROMPTS_PATH
         dataset = load_prompt_dataset(name, "train")
     else:
         name = what
         dataset = as_dataset(dataset, what, iterable_rows_needed(dataset, config, what))
-    column = prompt_column(dataset, config.dataset_text_field, name)
+    read, field = dataset, config.dataset_text_field
+    if environments is not None and field not in dataset.column_names and "input_ids" not in dataset.column_names:
+        # tokenized from a copy: the rows keep only their own columns, which are reset's keywords (as in TRL)
+        read = dataset.add_column(field, [[{"role": "user", "content": ""}]] * len(dataset))
+    column = prompt_column(read, field, name)
     if len(dataset) == 0:
         raise SettingsError(f"no prompts in dataset {name!r} (it is empty)")
-    ids = tokenize_prompts(dataset, column, tokenizer, log, what, config.chat_template_kwargs, tools)
+    ids = tokenize_prompts(read, column, tokenizer, log, what, config.chat_template_kwargs, tools)
     vocab = len(tokenizer)
     bad = next(((row, t) for row, prompt in enumerate(ids) for t in prompt
                 if not isinstance(t, int) or not 0 <= t < vocab), None)

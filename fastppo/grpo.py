@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 
 from fastppo.aliases import ALIASES, Untouched
 from fastppo.config import PPOConfig
-from fastppo.data import load_prompts, prompt_batches
+from fastppo.data import check_text_only, load_prompts, prompt_batches
 from fastppo.environments import Environments
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.grpo_settings import apply_generation_kwargs, model_args_of
@@ -261,6 +261,8 @@ class GRPOTrainer(PPOTrainer):
             raise SettingsTypeError(f"args must be a fastppo.{self.config_class.__name__} (TRL {self.run_suffix}'s "
                                     f"fields and defaults), got {type(args).__name__}; a PPOConfig goes to PPOTrainer")
         check_grpo_settings(args)
+        for what, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            check_text_only(data, what)  # before any model loads
         if train_dataset is None:  # TRL's trainers have no default prompts (PPOTrainer's embedded ones are fastppo's)
             train_dataset = self._environment_owned_data(args, environments)
         if isinstance(train_dataset, datasets.IterableDataset):  # TRL's settings for a stream, as it sets them
@@ -490,7 +492,8 @@ class GRPOTrainer(PPOTrainer):
         for held, ids, rows in self._eval_sets:
             if held is data:
                 return ids, rows
-        ids, rows = load_prompts(data, self.config, self.tokenizer, "eval_dataset", self.log, self.tool_calling)
+        ids, rows = load_prompts(data, self.config, self.tokenizer, "eval_dataset", self.log, self.tool_calling,
+                                 self._environments)
         self._eval_sets.append((data, ids, rows))
         return ids, rows
 

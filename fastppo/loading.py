@@ -2,11 +2,11 @@
 
 Loading: the tokenizer (with a pad token), the policy, reference, value and reward models from the trainer's
 arguments, objects or paths (``build_models``: dtypes, PEFT, a frozen reference copy, each reward model's
-tokenizer). Preparing: Liger, no dropout, placement, frozen models frozen, activation checkpointing
-(``prepare_models``). The checks of the models themselves, made once they are loaded (or, for the positions, from
-their configs): the LM head the fused path relies on, scalar heads, trainable dtypes, vocabularies, tokenizers,
-positions, packing, and a user's optimizer covering every trained parameter. The checks of the settings
-alone, before anything loads, are ``fastppo.checks``'.
+tokenizer). Preparing: Liger, no dropout (``fastppo.dropout``), placement, frozen models frozen, activation
+checkpointing (``prepare_models``). The checks of the models themselves, made once they are loaded (or, for the
+positions, from their configs): the LM head the fused path relies on, scalar heads, trainable dtypes,
+vocabularies, tokenizers, positions, packing, and a user's optimizer covering every trained parameter. The checks of
+the settings alone, before anything loads, are ``fastppo.checks``'.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from fastppo.aliases import given_name
+from fastppo.dropout import disable_dropout
 from fastppo.errors import LoadError, SettingsError
 from fastppo.layout import (FP32_HEAD, backbone_and_head, causal_lm_of, decoder_hidden, lm_head_of, lm_of,
                             make_layout, reads_last_token, token_logprobs_from_hidden)
@@ -338,17 +339,6 @@ def reward_tokenizer(reward, given, tokenizer, policy, model_args, log):
 # ============================================================================ preparing
 
 
-def disable_dropout(model: nn.Module) -> None:
-    """p = 0 everywhere (TRL does the same): with dropout on, the rollout and training forwards differ."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    config = getattr(model, "config", None)
-    for name in ("attention_dropout", "attn_pdrop", "hidden_dropout", "resid_pdrop", "embd_pdrop", "dropout"):
-        if config is not None and isinstance(getattr(config, name, None), float):
-            setattr(config, name, 0.0)
-
-
 def apply_liger(models, log) -> None:
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -429,7 +419,8 @@ def _fp32_logits(head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def check_lm_head(model: nn.Module, vocab_size: int, device) -> None:
     """The fused path assumes logits = s·h·Wᵀ (+b), s a model's logit scale (``layout.head_input``). Models that
-    soft-cap their logits (Gemma 2) or transform them otherwise break that: refuse them."""
+    soft-cap their logits (Gemma 2) or transform them otherwise break that: refuse them, saying by how much they
+    differ and whether the model's forward is random (a dropout ``disable_dropout`` could not reach)."""
     lm = lm_of(model)
     ids = torch.arange(min(8, vocab_size), device=device).unsqueeze(0)
     mask = torch.ones_like(ids)
@@ -441,11 +432,18 @@ def check_lm_head(model: nn.Module, vocab_size: int, device) -> None:
         layout = make_layout(ids, 1, [1], [n - 1], packed=False)
         got = layout.scatter(token_logprobs_from_hidden(
             model, decoder_hidden(model, layout).index_select(0, layout.gather), layout.targets, 1.0, False))
-    if not torch.allclose(got.float(), expected, atol=1e-3, rtol=1e-3):  # an fp64 policy gives fp64 log-probs
-        raise SettingsError(
-            f"{type(causal_lm_of(model)).__name__}: log-probs from the last hidden state and the LM head do not "
-            "match the model's logits (soft-capping?); fastppo's fused path cannot train it"
-        )
+        if torch.allclose(got.float(), expected, atol=1e-3, rtol=1e-3):  # an fp64 policy gives fp64 log-probs
+            return
+        again = lm(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1].float()
+    gap, random = (got.float() - expected).abs().max().item(), (again - logits).abs().max().item()
+    cause = (f"two forwards of the same tokens differ by up to {random:.3g} in a logit, with every dropout fastppo "
+             "knows (nn.Dropout modules, *dropout*/*pdrop fields of the modules and config) set to 0: something "
+             "else in the forward is random" if random > 0 else
+             "not dropout (it is disabled, and two forwards agree): soft-capping or another transform of the logits?")
+    raise SettingsError(
+        f"{type(causal_lm_of(model)).__name__}: log-probs from the last hidden state and the LM head do not match "
+        f"the model's logits (up to {gap:.3g} apart on {n - 1} tokens; tolerance 1e-3): {cause}; fastppo's fused "
+        "path cannot train it")
 
 
 def _labels_message(what: str, labels: int, where: str) -> str:

@@ -134,10 +134,10 @@ def combine_rewards(columns: dict[str, torch.Tensor], weights: dict[str, float],
 def retokenized_scores(reward: Reward, texts: list[str], completions: list[str], messages: list | None,
                        chunk: int, device) -> torch.Tensor:
     """[B] the score of a reward model with its own tokenizer, of the text it would score alone: conversational
-    prompts (``messages``, a dataset's chat rows) + the completion as an assistant turn through its chat template,
-    else ``texts`` (prompt + completion decoded together by the policy's tokenizer, so the spacing between them is
-    the one the policy wrote); read by the model's own forward on its own tokens (``own_forward_scores``: TRL
-    GRPO's rule for reward models, right-padded, no added special tokens)."""
+    prompts (``messages``: the prompts' turns, a trailing assistant answer cut) + the completion as an assistant
+    turn through its chat template, else ``texts`` (prompt + completion decoded together by the policy's tokenizer,
+    so the spacing between them is the one the policy wrote); read by the model's own forward on its own tokens
+    (``own_forward_scores``: TRL GRPO's rule for reward models, right-padded, no added special tokens)."""
     tok = reward.tokenizer
     texts = list(texts)
     for i, completion in enumerate(completions):
@@ -179,7 +179,7 @@ class RewardScoring:
 
 def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, scoring: RewardScoring,
                   context: dict | None = None, completion_messages: list[list[dict]] | None = None,
-                  sharing: Callable | None = None
+                  sharing: Callable | None = None, prompt_turns: list[list[dict]] | None = None
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str] | None, list[str] | None]:
     """Step 1's scores: each reward on the rollout (a model on the policy's token ids, or on its own tokens when it
     has its own tokenizer; the functions on the texts, as TRL GRPO calls them, ``context``'s keywords added:
@@ -187,7 +187,11 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, scoring: Rewa
     each reward's column [B] by name (NaN where a function did not judge), prompts, completions (texts, when
     decoded)). ``completion_messages``: each completion's messages where the rollout made them (its assistant turns
     and tool results), what a function of conversational data gets as its completion. ``sharing(model)``: how a
-    reward model on the policy's token ids runs each group's prompt once (``sharing.prompt_sharing``), or None."""
+    reward model on the policy's token ids runs each group's prompt once (``sharing.prompt_sharing``), or None.
+    ``prompt_turns``: the prompts the policy continued, as messages, where the trainer made them (an environment's
+    reset text added); else a chat row's turns before its trailing assistant answer (``data.prompt_messages``, the
+    prompt the policy was given). What a function of conversational data gets as ``prompts`` (TRL's meaning); the
+    whole row, its answer too, stays its own column (``messages``, say)."""
     columns, prompts, completions, texts = {}, None, None, None
     if any(r.fn is not None or r.tokenizer is not None for r in rewards):  # else no decode at all
         prompt_ids, completion_ids = rollout.token_ids()
@@ -197,12 +201,14 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, scoring: Rewa
         texts = tokenizer.batch_decode([p + c for p, c in zip(prompt_ids, completion_ids)], skip_special_tokens=True)
     field = scoring.text_field
     messages = list(rows[field]) if rows is not None and field in rows.column_names else None
+    if prompt_turns is None and messages is not None:  # never the row's reference answer as the prompt
+        prompt_turns = [prompt_messages(m)[0] if is_conversation(m) else m for m in messages]
     functions = [r for r in rewards if r.fn is not None]
     if functions:  # all at once: the async ones run together
-        chat = messages is not None and all(is_conversation(m) for m in messages)
+        chat = prompt_turns is not None and all(is_conversation(m) for m in prompt_turns)
         scored = call_reward_fns(
             [(reward_fn_name(r.fn), r.fn) for r in functions],
-            messages if chat else prompts,  # TRL GRPO: a conversational row's prompt messages, as the dataset has them
+            prompt_turns if chat else prompts,  # TRL GRPO: a conversational row's prompt messages
             (completion_messages or [[{"role": "assistant", "content": c}] for c in completions]) if chat
             else completions, scoring.device,
             **reward_fn_columns(prompt_ids, completion_ids, rows), **(context or {}))
@@ -216,7 +222,7 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, scoring: Rewa
                 reward.model, rollout, scoring.chunk, scoring.packed, shared))
         else:
             columns[reward.name] = check_model_scores(reward.name, retokenized_scores(
-                reward, texts, completions, messages, scoring.chunk, scoring.device))
+                reward, texts, completions, prompt_turns, scoring.chunk, scoring.device))
     columns = {r.name: columns[r.name] for r in rewards}  # reward_weights' order: the sum's order
     if len(rewards) == 1 and rewards[0].weight == 1.0 and not torch.isnan(columns[rewards[0].name]).any():
         return columns[rewards[0].name], columns, prompts, completions  # one reward: its scores, bit for bit

@@ -99,11 +99,12 @@ class ToolCalling:
         self.by_name = {tool.__name__: tool for tool in self.tools}
         if getattr(tokenizer, "chat_template", None) is None:
             raise SettingsError("tools need the tokenizer's chat template (it shows the tools to the model); this "
-                                "tokenizer has none")
+                                "tokenizer has none (fastppo.tools.CHATML_TOOL_TEMPLATE is one for a ChatML model)")
         if not self._renders_tool_calls():
             raise SettingsError("The provided chat template does not support tool calling. The template must be able "
                                 "to render a full tool-calling conversation (user -> assistant with tool_calls -> "
-                                "tool).")
+                                "tool). fastppo.tools.CHATML_TOOL_TEMPLATE is one that does (Qwen 2.5's tool format, "
+                                "which fastppo parses): set tokenizer.chat_template to it for a ChatML model.")
         self.parses_itself = (getattr(tokenizer, "response_template", None) is not None
                               or getattr(tokenizer, "response_schema", None) is not None)
         if not self.parses_itself and "<tool_call>" not in self._render(SAMPLE_EXCHANGE[:2]):

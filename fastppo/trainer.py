@@ -151,9 +151,9 @@ class PPOTrainer(TrainingLoop):
         rollout_func's fields are columns too: then not checked)."""
         config, tokenizer = self.config, self.tokenizer
         self.prompts, self.prompt_rows = load_prompts(train_dataset, config, tokenizer, log=self.log,
-                                                      tools=self.tool_calling)
+                                                      tools=self.tool_calling, environments=self._environments)
         self.eval_prompts, self.eval_rows = (load_prompts(eval_dataset, config, tokenizer, "eval_dataset", self.log,
-                                                          self.tool_calling)
+                                                          self.tool_calling, self._environments)
                                              if eval_dataset is not None else (None, None))
         for reward in functions if self.rollout_func is None else ():
             for what, rows in (("train_dataset", self.prompt_rows), ("eval_dataset", self.eval_rows)):
@@ -258,7 +258,7 @@ class PPOTrainer(TrainingLoop):
         if self.rollout_func is not None:  # the caller samples (the first turn, with tools): its ids are the rollout
             rollout, rows, sampling_logprobs = self._custom_rollout(rows, messages)
             if self.tool_calling is None:
-                return self._scored(rollout, rows, t0, time.perf_counter(), instances, None, sampling_logprobs)
+                return self._scored(rollout, rows, t0, instances, messages, None, sampling_logprobs)
             c = rollout.context_length
             queries, query_mask = rollout.query_responses[:, :c], rollout.attention_mask[:, :c]
         else:
@@ -280,12 +280,13 @@ class PPOTrainer(TrainingLoop):
             width = rollout.responses.shape[1]
             sampling_logprobs = torch.cat([sampling_logprobs, sampling_logprobs.new_full(
                 (sampling_logprobs.shape[0], width - sampling_logprobs.shape[1]), float("nan"))], 1)[:, :width]
-        return self._scored(rollout, rows, t0, time.perf_counter(), instances, episodes, sampling_logprobs)
+        return self._scored(rollout, rows, t0, instances, messages, episodes, sampling_logprobs)
 
-    def _scored(self, rollout: Rollout, rows, t0: float, t1: float, instances, episodes,
+    def _scored(self, rollout: Rollout, rows, t0: float, instances, messages, episodes,
                 sampling_logprobs=None) -> ScoredRollout:
-        """Step 1's scoring: the rewards of the rollout's completions, the missing-eos penalty, the timing."""
-        config, tok = self.config, self.tokenizer
+        """Step 1's scoring: the rewards of the rollout's completions, the missing-eos penalty, the timing (its
+        sampling from ``t0``). ``messages``: the prompts the policy continued where environments' resets wrote them."""
+        config, tok, t1 = self.config, self.tokenizer, time.perf_counter()
         with self.autocast():
             scoring = RewardScoring(config.dataset_text_field, config.local_rollout_forward_batch_size,
                                     config.padding_free, self.device, ESTIMATORS[config.advantage_estimator].unjudged)
@@ -294,7 +295,7 @@ class PPOTrainer(TrainingLoop):
                 context=dict(trainer_state=self.state, log_extra=self.reward_logs.log_extra,
                              log_metric=self.reward_logs.log_metric,
                              **({} if instances is None else {"environments": instances})),
-                completion_messages=None if episodes is None else episodes.messages,
+                completion_messages=None if episodes is None else episodes.messages, prompt_turns=messages,
                 sharing=lambda model: prompt_sharing(config, model, rollout, config.local_rollout_forward_batch_size))
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
         scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,

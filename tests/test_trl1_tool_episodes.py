@@ -4,10 +4,11 @@
 and through fastppo's, twice for fastppo (the tokenizer's ``response_template``, and fastppo's own parser): valid
 calls, a wrong argument name, a tool that raises, malformed JSON, an unknown tool, two calls in one turn, an async
 tool, the round limit, a tool message that would pass ``max_completion_length``, an environment whose state carries
-across calls with its ``get_reward``, environments chosen by name, and a ``rollout_func`` writing the first turn of
-an environment's episodes. Compared exactly: the prompt ids, every episode's token ids (the model's turns and the
-chat template's tool messages), the train mask (TRL's ``tool_mask``), the rows each generation call is asked for,
-the completions (as messages) handed to the reward functions, and every reward column; TRL's tool metrics to
+across calls with its ``get_reward``, environments chosen by name (also with no ``prompt`` column: TRL 1.16's
+environment-routed rows), and a ``rollout_func`` writing the first turn of an environment's episodes. Compared
+exactly: the prompt ids, every episode's token ids (the model's turns and the chat template's tool messages), the
+train mask (TRL's ``tool_mask``), the rows each generation call is asked for, the prompts and completions (as
+messages) handed to the reward functions, and every reward column; TRL's tool metrics to
 float32 rounding (TRL logs them as float32).
 """
 from __future__ import annotations
@@ -23,9 +24,10 @@ from test_trl1_integration import ROOT, trl1_dir
 
 SCRIPT = ROOT / "tests" / "trl1_tool_episodes.py"
 SCENARIOS = ("tools", "async", "round_limit", "length_budget", "environment", "environments_by_name",
-             "rollout_func_environment")
+             "environment_routed", "rollout_func_environment")
 SIDES = ("fastppo", "fastppo_own_parser")
-EXACT = ("prompt_ids", "completion_ids", "mask", "rows_per_call", "reward_completions", "rewards", "reward_names")
+EXACT = ("prompt_ids", "completion_ids", "mask", "rows_per_call", "reward_prompts", "reward_completions", "rewards",
+         "reward_names")
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +70,6 @@ def test_the_scenarios_bite(record):
     assert [r[0] for r in trl["rollout_func_environment"]["rewards"]] == [4.0, 0.0]
     by_name = trl["environments_by_name"]["rewards"]
     assert [r[1] for r in by_name] == [2.0, 0.0, None, None]  # Plain's rollouts not judged by Counter
+    routed = trl["environment_routed"]
+    assert routed["reward_prompts"][0] == [{"role": "user", "content": " Count to one."}]  # reset wrote it
+    assert [r[1] for r in routed["rewards"]] == [2.0, 0.0, None, None]

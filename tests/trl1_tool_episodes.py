@@ -14,7 +14,7 @@ fastppo's side is its ``GRPOTrainer`` with the sampler replaced by the same scri
 ``rollout()`` gives the prompt ids, the episode's ids and train mask, and the reward columns. fastppo runs twice:
 parsing the turns with the tokenizer's ``response_template`` (TRL's Qwen 3 one, which TRL's side needs too) and
 with fastppo's own ``<tool_call>`` parser (the template unset). A reward function on every side records the
-completions (messages) it is handed.
+prompts and completions (messages) it is handed.
 
 The tokenizer is ``tool_script.byte_tokenizer`` (byte-level, a ChatML template that renders tool calls in
 Qwen's format), the model a tiny random Llama (the model's outputs are never used: the script writes every turn).
@@ -94,7 +94,15 @@ SCENARIOS = {
         [call("increment", step=2) + END, "No." + END, "No." + END, "Fine." + END],
         ["Done." + END],
     ]),
+    # TRL 1.16's environment-routed rows: no prompt column (each prompt an empty user message reset() writes)
+    "environment_routed": ([], {"count": Counter, "plain": Plain}, [{"environment": "count"}, {"environment": "plain"}],
+                           2, {}, [
+        [call("increment", step=2) + END, "No." + END, "No." + END, "Fine." + END],
+        ["Done." + END],
+    ]),
 }
+# the scenarios whose reward functions record what they are handed beside the environments' own rewards
+RECORDED_BESIDE_ENVIRONMENTS = {"environments_by_name", "environment_routed"}
 
 
 # with a rollout_func: it writes each row's first turn (its prompt rendered with the environment's tool, as a
@@ -127,8 +135,8 @@ def tiny_model(tok):
 
 
 def recorder(seen: list):
-    def record_completions(completions, **kwargs):
-        seen.append(completions)
+    def record_completions(prompts, completions, **kwargs):
+        seen.append((prompts, completions))
         return [float(len(c)) for c in completions]
     return record_completions
 
@@ -158,7 +166,7 @@ def run_trl(name: str, tok, out_dir: str) -> dict:
     seen, record = [], {}
     dataset = datasets.Dataset.from_list(rows)
     args = GRPOConfig(**settings(out_dir, len(rows), k, overrides))
-    reward_funcs = [recorder(seen)] if factory is None or name == "environments_by_name" else None
+    reward_funcs = [recorder(seen)] if factory is None or name in RECORDED_BESIDE_ENVIRONMENTS else None
     custom = name in ROLLOUT_FUNC_SCENARIOS
     trainer = GRPOTrainer(model=tiny_model(tok), processing_class=tok, args=args, train_dataset=dataset,
                           reward_funcs=reward_funcs, tools=tools or None, environment_factory=factory,
@@ -194,7 +202,8 @@ def run_trl(name: str, tok, out_dir: str) -> dict:
     with patch.object(trainer.model, "generate", side_effect=scripted_generate):
         trainer._generate_and_score_completions(inputs)
     metrics = trainer._metrics["train"]
-    record.update(rows_per_call=[len(rows) * k if c is None else c for c in calls], reward_completions=seen[0] if seen else None,
+    record.update(rows_per_call=[len(rows) * k if c is None else c for c in calls], reward_completions=seen[0][1] if seen else None,
+                  reward_prompts=seen[0][0] if seen else None,
                   call_frequency=metrics["tools/call_frequency"][-1] if tools or factory else None,
                   failure_frequency=metrics["tools/failure_frequency"][-1] if tools or factory else None,
                   reward_names=list(trainer.reward_func_names))
@@ -210,7 +219,7 @@ def run_fastppo(name: str, tok, out_dir: str, response_template) -> dict:
     seen = []
     args = GRPOConfig(**settings(out_dir, len(rows), k, overrides), max_steps=1, disable_tqdm=True,
                       gradient_checkpointing=False)
-    reward_funcs = [recorder(seen)] if factory is None or name == "environments_by_name" else None
+    reward_funcs = [recorder(seen)] if factory is None or name in RECORDED_BESIDE_ENVIRONMENTS else None
     custom = name in ROLLOUT_FUNC_SCENARIOS
     trainer = GRPOTrainer(model=tiny_model(tok), processing_class=tok, args=args,
                           train_dataset=datasets.Dataset.from_list(rows), reward_funcs=reward_funcs,
@@ -225,7 +234,8 @@ def run_fastppo(name: str, tok, out_dir: str, response_template) -> dict:
     return {"prompt_ids": prompts, "completion_ids": completions, "mask": mask,
             "rewards": clean([list(r) for r in zip(*columns)]),
             "rows_per_call": [len(rows) * k] * custom + trainer._sample.rows,
-            "reward_completions": seen[0] if seen else None,
+            "reward_completions": seen[0][1] if seen else None,
+            "reward_prompts": seen[0][0] if seen else None,
             "call_frequency": metrics.get("tools/call_frequency"),
             "failure_frequency": metrics.get("tools/failure_frequency"),
             "reward_names": list(trainer.reward_func_names)}
