@@ -61,6 +61,32 @@ def test_the_config_fills_the_generation_batch_as_trl_does(tmp_path):
         grpo_args(tmp_path, steps_per_generation=4, generation_batch_size=12)
 
 
+@pytest.mark.parametrize("given, sizes", [
+    # (the settings, (completions per generation batch, per optimizer step, micro-batches per step, steps per batch))
+    (dict(steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=2), (8, 4, 2, 2)),
+    (dict(steps_per_generation=4, gradient_accumulation_steps=1, per_device_train_batch_size=2), (8, 2, 1, 4)),
+    (dict(generation_batch_size=12, steps_per_generation=None, gradient_accumulation_steps=1,
+          per_device_train_batch_size=4), (12, 4, 1, 3)),
+    (dict(steps_per_generation=None, gradient_accumulation_steps=3, per_device_train_batch_size=4), (12, 12, 3, 1)),
+])
+def test_the_batches_are_trls(tmp_path, model_dir, given, sizes):
+    """TRL GRPO's generation batch is per_device_train_batch_size × steps_per_generation completions, and each
+    optimizer step per_device_train_batch_size × gradient_accumulation_steps of them (fastppo once took the rollout as
+    the latter: half of TRL's batch when steps_per_generation = 2 × gradient_accumulation_steps)."""
+    args = grpo_args(tmp_path, num_generations=2, num_iterations=2, max_steps=8,
+                     **{"generation_batch_size": None, **given})
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=prompts(), args=args)
+    s = trainer.sizes
+    assert (s.local_batch_size, s.local_mini_batch_size, s.micro_steps, s.num_mini_batches) == sizes
+    assert s.local_micro_batch_size == args.per_device_train_batch_size and s.steps_per_iteration == 2 * sizes[3]
+
+
+def test_trls_batch_settings_are_refused_in_trls_words(tmp_path):
+    with pytest.raises(SettingsError, match="^generation_batch_size \\(6\\) must be divisible by num_generations \\(4\\)$"):
+        grpo_args(tmp_path, steps_per_generation=None, generation_batch_size=6, per_device_train_batch_size=2,
+                  gradient_accumulation_steps=1)
+
+
 def test_several_optimizer_steps_per_generation_batch_count_as_trl_counts_them(tmp_path, model_dir, monkeypatch):
     """2 iterations × (4 / 2) minibatches = 4 optimizer steps per generation batch; max_steps 7 ends inside the second
     batch, which takes 3. The linear schedule moves after every optimizer step, each callback sees each step, and
