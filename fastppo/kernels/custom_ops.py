@@ -29,11 +29,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fastppo.kernels import gae as _gae
 from fastppo.kernels import kl as _kl
 from fastppo.kernels import logprobs as _lp
 from fastppo.kernels import ppo_loss as _ppo
 from fastppo.kernels._common import refuse_double_backward
+from fastppo.kernels.gae import _launch_gae_fwd  # (the package's name gae is the function)
 from fastppo.kernels._lmhead import LM_HEAD_RANGE, ChunkPlan, LogitTransform, _chunked_backward
 from fastppo.kernels._lmhead import _chunked_forward, _chunked_full_kl_backward, _chunked_full_kl_forward
 from fastppo.kernels._lmhead import _materialised_full_kl, _materialised_stats, _neg_inf_logits_possible, _operands
@@ -466,7 +466,7 @@ kl_penalty.register_autograd(_kl_penalty_grad, setup_context=_kl_penalty_setup)
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
         skip_masked: bool) -> tuple[Tensor, Tensor]:
     """(advantages, returns) [B, T] fp32 of the Triton scan (no gradient: ``gae`` runs under no_grad)."""
-    return _gae._launch_gae_fwd(rewards, values, mask, gamma, lam, skip_masked)
+    return _launch_gae_fwd(rewards, values, mask, gamma, lam, skip_masked)
 
 
 @gae.register_fake
