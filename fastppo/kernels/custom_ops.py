@@ -239,7 +239,7 @@ def _(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl, lse_p, lse_q, 
 
 
 def _full_kl_setup(ctx, inputs, output):
-    hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature, *plan = inputs
+    hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature, *plan = inputs  # plan: the chunked op only
     kl, lse_p, lse_q = output
     ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl, lse_p, lse_q)
     ctx.temperature, ctx.plan = temperature, (plan[0] if plan else None)
