@@ -1,8 +1,8 @@
 """Every public kernel entry point under ``torch.compile``, forward and backward: the values and gradients of eager,
 on both CPU paths (the Triton kernels through the interpreter, and the PyTorch path). Users compile their training
-steps; a kernel reached from compiled code runs as one opaque step (``_common.run_eagerly``: a graph break), and
-the PyTorch math around it compiles. On a GPU session (``TRITON_INTERPRET=0 pytest``) the same tests run the
-compiled Triton kernels on CUDA tensors (the reported failure: inductor inside ``token_logprobs``'s backward).
+steps; a kernel reached from compiled code is a custom op (``fastppo/kernels/custom_ops.py``: traced as one op, no
+graph break; ``tests/test_custom_ops.py`` compiles with ``fullgraph=True``), and the PyTorch math around it
+compiles. On a GPU session (``TRITON_INTERPRET=0 pytest``) the same tests run the compiled Triton kernels on CUDA tensors (the reported failure: inductor inside ``token_logprobs``'s backward).
 
 Backends: ``aot_eager`` for every entry point (dynamo and AOTAutograd, where the reported failure arose), inductor
 for the LM-head ones (inductor compiles C++ on the CPU: a few seconds a case)."""

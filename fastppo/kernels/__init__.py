@@ -5,7 +5,9 @@ plain PyTorch reference of the same math; the LM-head kernels (logprobs, kl,
 ppo_loss) share one private core, ``_lmhead``. Dispatch (``_common.use_triton``):
 CUDA tensors take the kernel, CPU tensors the reference (the LM-head entry points:
 ``_lmhead``'s chunked PyTorch path, no [N, V] logits), and ``TRITON_INTERPRET=1``
-runs the Triton kernels on CPU tensors.
+runs the Triton kernels on CPU tensors. Every kernel step is a ``torch.library`` custom op
+(``custom_ops``: ``torch.ops.fastppo.*``, with fakes and autograd), so ``torch.compile(fullgraph=True)``
+traces the public functions without a graph break.
 """
 from fastppo.kernels._common import check_temperature
 from fastppo.kernels.gae import gae, gae_reference
@@ -28,6 +30,8 @@ from fastppo.kernels.masking import extension_backend, truncate_at_stop, truncat
 from fastppo.kernels.ppo_loss import (PPOPolicyLossOutput, clip_sides, clipped_surrogate, fused_ppo_policy_loss,
                                       fused_ppo_policy_loss_reference)
 from fastppo.kernels.stats import masked_mean, masked_var, masked_whiten
+
+from fastppo.kernels import custom_ops  # noqa: E402,F401  (last: registers torch.ops.fastppo.* over the modules above)
 
 __all__ = [
     "KL_ESTIMATORS",

@@ -20,8 +20,8 @@ time here so a test can still route a call to the reference path.
 Also here: the launch helper every kernel module goes through (it sets the
 CUDA device of the tensors, so a launch on ``cuda:1`` works whatever the
 current device is, and rounds float arguments to fp32 so the interpreter sees
-what a GPU sees), the double-backward refusal, and the tile-override hook
-``bench/tune.py`` uses.
+what a GPU sees), the double-backward refusal, autograd inside a custom op's
+forward (``custom_ops.py``), and the tile-override hook ``bench/tune.py`` uses.
 Importing this module changes nothing in Triton: the interpreter backport for
 older Triton versions is installed by the test and bench setup
 (``fastppo.kernels._interpreter``), not by the library.
@@ -177,11 +177,13 @@ def check_index_range(index: torch.Tensor, vocab_size: int, name: str = "index")
     On a CPU (and under the interpreter) a ``ValueError`` naming the range found, at once (the host sync is free
     there). On CUDA a device-side assertion, queued with no host sync (``torch._assert_async``): an index out of
     range fails the run at the next synchronisation, as ``torch.gather`` does with one, and like any CUDA
-    device-side assert it ends the process's CUDA context. Call this before the kernels launch.
+    device-side assert it ends the process's CUDA context. Call this before the kernels launch. Under
+    ``torch.compile`` (any device) the same assertion, in the graph: a ``RuntimeError`` naming the range when the
+    compiled step runs (reading the values on the host would break the graph).
     """
     if index.numel() == 0:
         return
-    if index.is_cuda:
+    if index.is_cuda or torch.compiler.is_compiling():
         torch._assert_async(((index >= 0) & (index < vocab_size)).all(),
                             f"fastppo.kernels: {name} values must lie in [0, {vocab_size})")
         return
@@ -211,14 +213,14 @@ def launch(kernel, grid, device: torch.device, *args, **meta) -> None:
         kernel[grid](*args, **meta)
 
 
-@torch.compiler.disable
-def run_eagerly(fn, *args):
-    """``fn(*args)``, run as it runs without ``torch.compile`` when a compiled caller reaches it: the kernels'
-    autograd Functions and launches are one opaque step there (a graph break), with the values and gradients of
-    eager. Traced instead, dynamo follows the Triton interpreter into numpy and fails, and inductor's
-    functionalisation of a kernel that writes into its outputs fails inside AOTAutograd ("a leaf Variable that
-    requires grad is being used in an in-place operation", seen on CUDA)."""
-    return fn(*args)
+def autograd_inside_op():
+    """Autograd recording again inside a custom op's implementation (``custom_ops.py``), which runs below the
+    autograd dispatch keys: for a forward that differentiates a piece of its own math (``ppo_loss``'s sequence
+    level: ``clipped_surrogate`` by autograd on detached leaves). Use with ``torch.enable_grad()``."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
 def refuse_double_backward(name: str) -> None:

@@ -84,7 +84,6 @@ from typing import NamedTuple
 import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, check_same_device, check_tensor, tile_choice, tl, triton
-from fastppo.kernels._common import run_eagerly
 
 # --------------------------------------------------------------------------- kernels (device functions)
 
@@ -830,39 +829,9 @@ def _materialised_stats(hidden2d, weight, bias, index, transform: LogitTransform
 LM_HEAD_RANGE = "fastppo.lm_head"
 
 
-class _ChunkedLMHeadStats(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden2d, weight, bias, index, transform, wants, plan):
-        guard = _neg_inf_logits_possible(bias, transform)
-        with no_autocast(hidden2d.device), torch.profiler.record_function(LM_HEAD_RANGE):
-            ops = _operands(hidden2d, weight, bias, plan)
-            logp, lse, ent, sum_sq, mean, top1 = _chunked_forward(ops, index, transform, wants, plan, guard)
-        ctx.save_for_backward(hidden2d, weight, bias, index, lse, ent)
-        ctx.transform, ctx.plan, ctx.guard = transform, plan, guard
-        ctx.set_materialize_grads(False)  # a None grad skips its term in (L5)
-        ctx.mark_non_differentiable(*(x for x in (sum_sq, mean, top1) if x is not None))
-        return logp, ent, sum_sq, mean, top1
-
-    @staticmethod
-    def backward(ctx, g_logp, g_ent=None, *_statistics):
-        hidden2d, weight, bias, index, lse, ent = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        none = (None,) * 4
-        if (g_logp is None and g_ent is None) or not any(needs):
-            return (None, None, None, *none)
-        if torch.is_grad_enabled():  # create_graph=True: a first backward that autograd can differentiate
-            inputs = [x for x, need in zip((hidden2d, weight, bias), needs) if need]
-            with torch.enable_grad(), no_autocast(hidden2d.device):
-                logp, entropy = _materialised_stats(hidden2d, weight, bias, index, ctx.transform, g_ent is not None)
-                pairs = [(o, g) for o, g in ((logp, g_logp), (entropy, g_ent)) if g is not None]
-                grads = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
-                                                 create_graph=True, allow_unused=True))
-            return (*(next(grads) if need else None for need in needs), *none)
-        with no_autocast(hidden2d.device), torch.profiler.record_function(LM_HEAD_RANGE):
-            ops = _operands(hidden2d, weight, bias, ctx.plan)
-            grads = _chunked_backward(ops, weight, bias, index, lse, ent, g_logp, g_ent, ctx.transform, ctx.plan,
-                                      ctx.guard, needs)
-        return (*grads, *none)
+# ``chunked_lm_head_stats`` and ``chunked_full_kl`` below are custom ops (``custom_ops.py``: the forward and backward
+# above as ``torch.ops.fastppo.chunked_lm_head_stats``/``chunked_full_kl`` and their ``*_backward``, with fakes and the
+# autograd formula), so ``torch.compile(fullgraph=True)`` traces a call as one op.
 
 
 def chunked_lm_head_stats(hidden2d, weight, bias, index, transform: LogitTransform = LogitTransform(),
@@ -878,7 +847,11 @@ def chunked_lm_head_stats(hidden2d, weight, bias, index, transform: LogitTransfo
     and, for a 16-bit weight, one chunk's fp32 grad_W. Never an [N, V] tensor (double backward excepted).
     """
     plan = chunk_plan(hidden2d.shape[0], weight.shape[0], chunk)
-    return run_eagerly(_ChunkedLMHeadStats.apply, hidden2d, weight, bias, index, transform, tuple(wants), plan)
+    logp, _lse, *rest = torch.ops.fastppo.chunked_lm_head_stats(
+        hidden2d, weight, bias, index, float(transform.temperature),
+        None if transform.softcap is None else float(transform.softcap), float(transform.logit_scale), list(wants),
+        list(plan))
+    return tuple(x if want else None for x, want in zip((logp, *rest), wants))
 
 
 def chunked_logprobs_entropy(hidden2d, weight, bias, index, temperature: float = 1.0, *,
@@ -984,41 +957,6 @@ def _materialised_full_kl(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_
     return (p * torch.where(p > 0, log_p - log_q, torch.zeros_like(log_p))).sum(-1)
 
 
-class _ChunkedFullKL(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, temperature, plan):
-        acc = torch.promote_types(acc_dtype(hidden2d.dtype), acc_dtype(ref_hidden2d.dtype))
-        guard = any(b is not None and bool(torch.isneginf(b).any()) for b in (bias, ref_bias))
-        with no_autocast(hidden2d.device):
-            pol = _operands(hidden2d, weight, bias, plan, acc)
-            ref = _operands(ref_hidden2d, ref_weight, ref_bias, plan, acc)
-            kl, lse_p, lse_q = _chunked_full_kl_forward(pol, ref, temperature, plan, guard)
-        ctx.save_for_backward(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, kl, lse_p, lse_q)
-        ctx.temperature, ctx.plan, ctx.guard, ctx.acc = temperature, plan, guard, acc
-        return kl
-
-    @staticmethod
-    def backward(ctx, g):
-        hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, kl, lse_p, lse_q = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        none = (None,) * 5
-        if not any(needs):
-            return (None, None, None, *none)
-        if torch.is_grad_enabled():  # create_graph=True: a first backward that autograd can differentiate
-            inputs = [x for x, need in zip((hidden2d, weight, bias), needs) if need]
-            with torch.enable_grad(), no_autocast(hidden2d.device):
-                out = _materialised_full_kl(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias,
-                                            ctx.temperature, ctx.acc)
-                grads = iter(torch.autograd.grad(out, inputs, g, create_graph=True, allow_unused=True))
-            return (*(next(grads) if need else None for need in needs), *none)
-        with no_autocast(hidden2d.device):
-            pol = _operands(hidden2d, weight, bias, ctx.plan, ctx.acc)
-            ref = _operands(ref_hidden2d, ref_weight, ref_bias, ctx.plan, ctx.acc)
-            grads = _chunked_full_kl_backward(pol, ref, weight, bias, kl, lse_p, lse_q, g, ctx.temperature, ctx.plan,
-                                              ctx.guard, needs)
-        return (*grads, *none)
-
-
 def chunked_full_kl(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, temperature: float = 1.0, chunk=None):
     """KL(π‖π_ref) [N] over the whole vocabulary by the chunked path (``kl.fused_full_kl`` without Triton),
     differentiable in hidden2d, weight and bias; the reference tensors must come detached (frozen model).
@@ -1029,7 +967,9 @@ def chunked_full_kl(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, 
     states, grad_h's [N, H] accumulator; never an [N, V] tensor (double backward excepted).
     """
     plan = chunk_plan(hidden2d.shape[0], weight.shape[0], chunk)
-    return run_eagerly(_ChunkedFullKL.apply, hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, float(temperature), plan)
+    kl, _lse_p, _lse_q = torch.ops.fastppo.chunked_full_kl(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias,
+                                                           float(temperature), list(plan))
+    return kl
 
 
 # --------------------------------------------------------------------------- references

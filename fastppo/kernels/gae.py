@@ -53,7 +53,7 @@ import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, MASK_DTYPES, check_same_device, check_float
 from fastppo.kernels._common import check_same_shape, check_tensor, fp32_product, launch, tile_choice, tl, triton
-from fastppo.kernels._common import run_eagerly, use_triton
+from fastppo.kernels._common import use_triton
 
 
 # --------------------------------------------------------------------------- kernels
@@ -210,7 +210,7 @@ def gae(rewards, values, mask, gamma: float, lam: float, skip_masked: bool = Fal
     """
     gamma, lam = _check_gae_args(rewards, values, mask, gamma, lam, skip_masked)
     if use_triton(rewards):
-        return run_eagerly(_launch_gae_fwd, rewards, values, mask, gamma, lam, skip_masked)
+        return torch.ops.fastppo.gae(rewards, values, mask, gamma, lam, skip_masked)  # custom_ops.py: the launcher
     adv, ret = gae_reference(rewards, values, mask, gamma, lam, skip_masked)
     return adv.float(), ret.float()
 

@@ -62,8 +62,7 @@ from __future__ import annotations
 import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, check_same_device, check_same_shape, check_temperature
-from fastppo.kernels._common import check_tensor, launch, refuse_double_backward, tile_choice, tl, triton, use_triton
-from fastppo.kernels._common import run_eagerly
+from fastppo.kernels._common import check_tensor, launch, tile_choice, tl, triton, use_triton
 from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype, check_lm_head_args
 from fastppo.kernels._lmhead import dot_precision, dot_upcast, lm_head_logits_reference, merge_splits, mm_acc
 from fastppo.kernels._lmhead import lm_head_operands, no_autocast, softmax_dlogits_tile, split_plan, tl_dtype
@@ -331,47 +330,26 @@ def _full_kl_backward(grad_kl, hidden, weight, bias, ref_hidden, ref_weight, ref
 # --------------------------------------------------------------------------- autograd
 
 
-class _KLPenalty(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logprobs, ref_logprobs, code, estimator):
-        ctx.save_for_backward(logprobs, ref_logprobs)
-        ctx.code, ctx.estimator = code, estimator
-        return _launch_kl_penalty_fwd(logprobs, ref_logprobs, code)
-
-    @staticmethod
-    def backward(ctx, grad):
-        logprobs, ref_logprobs = ctx.saved_tensors
-        need_dlogp, need_dref = ctx.needs_input_grad[:2]
-        if torch.is_grad_enabled():
-            # Double backward (create_graph=True): the same f'(d), in differentiable PyTorch ops.
-            dtype = _kl_penalty_dtype(logprobs, ref_logprobs)
-            gd = grad.to(dtype) * _kl_slope_math(logprobs.to(dtype) - ref_logprobs.to(dtype), ctx.estimator)
-            return (gd.to(logprobs.dtype) if need_dlogp else None,
-                    (-gd).to(ref_logprobs.dtype) if need_dref else None, None, None)
-        dlogp, dref = _launch_kl_penalty_bwd(grad, logprobs, ref_logprobs, ctx.code, need_dlogp, need_dref)
-        return dlogp, dref, None, None
+# The Triton paths' differentiable calls: custom ops (``custom_ops.py`` registers the launchers above as
+# ``torch.ops.fastppo.kl_penalty`` and ``fused_full_kl``, their fakes, and backwards that are ops too).
 
 
-class _FusedFullKL(torch.autograd.Function):
+class _KLPenalty:
+    """``kl_penalty``'s Triton path (differentiable twice: the double backward is PyTorch's)."""
+
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, temperature):
-        kl, lse_p, lse_q = _launch_full_kl_fwd(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias,
-                                               temperature)
-        ctx.save_for_backward(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, lse_p, lse_q, kl)
-        ctx.temperature = temperature
+    def apply(logprobs, ref_logprobs, code: int, estimator: str):
+        return torch.ops.fastppo.kl_penalty(logprobs, ref_logprobs, code)
+
+
+class _FusedFullKL:
+    """``fused_full_kl``'s Triton path: KL [N], differentiable in the policy's hidden2d, weight and bias."""
+
+    @staticmethod
+    def apply(hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, temperature: float):
+        kl, _lse_p, _lse_q = torch.ops.fastppo.fused_full_kl(hidden2d, weight, bias, ref_hidden2d, ref_weight,
+                                                             ref_bias, temperature)
         return kl
-
-    @staticmethod
-    def backward(ctx, grad_kl):
-        refuse_double_backward("fused_full_kl")
-        hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias, lse_p, lse_q, kl = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        if not any(needs):
-            return (None,) * 7
-        with no_autocast(hidden2d.device):
-            grads = _full_kl_backward(grad_kl, hidden2d, weight, bias, ref_hidden2d, ref_weight, ref_bias,
-                                      lse_p, lse_q, kl, ctx.temperature, needs)
-        return (*grads, None, None, None, None)  # the reference side is frozen: no gradient
 
 
 # --------------------------------------------------------------------------- public API
@@ -418,7 +396,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     """
     code = _check_kl_penalty_args(logprobs, ref_logprobs, estimator)
     if use_triton(logprobs):
-        return run_eagerly(_KLPenalty.apply, logprobs, ref_logprobs, code, estimator)
+        return _KLPenalty.apply(logprobs, ref_logprobs, code, estimator)
     return _kl_penalty_math(logprobs, ref_logprobs, estimator)
 
 
@@ -466,7 +444,7 @@ def fused_full_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, bias=
         # No tokens: nothing to launch; the chunked path handles [0, H] and keeps autograd connected.
         # Dispatch sees both models' dtypes: an fp64 reference makes the call fp64 (exact scalars only).
         if use_triton(hidden, (temperature,), ref_hidden) and h2.shape[0] > 0:
-            kl = run_eagerly(_FusedFullKL.apply, h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
+            kl = _FusedFullKL.apply(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
         else:  # the chunked PyTorch path (_lmhead): neither [N, V] logits tensor is formed here either
             kl = chunked_full_kl(h2, weight, bias, rh2, ref_weight, ref_bias, temperature)
     return kl.reshape(hidden.shape[:-1])

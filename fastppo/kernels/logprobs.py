@@ -54,7 +54,7 @@ import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, check_index_range, check_same_device
 from fastppo.kernels._common import check_bool, check_float, check_temperature, check_tensor, launch, tile_choice, tl
-from fastppo.kernels._common import refuse_double_backward, run_eagerly, triton, use_triton
+from fastppo.kernels._common import triton, use_triton
 from fastppo.kernels._lmhead import FP64_LMHEAD_TILE, INTERPRETER_LMHEAD_TILE, LMHeadTile, RowTile, acc_dtype
 from fastppo.kernels._lmhead import check_lm_head_args, dot_precision, dot_upcast, lm_head_logits_reference
 from fastppo.kernels._lmhead import cap_logits_reference, merge_splits, row_tile, softmax_dlogits_tile, split_plan
@@ -362,57 +362,26 @@ def _fused_token_logprobs_backward(hidden2d, weight, bias, index, lse, ent, g_lo
 # --------------------------------------------------------------------------- autograd
 
 
-class _TokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits2d, index, temperature, compute_entropy):
-        logp, lse, ent = _launch_token_logprobs_fwd(logits2d, index, temperature, compute_entropy)
-        ctx.save_for_backward(logits2d, index, lse, ent)
-        ctx.temperature = temperature
-        ctx.set_materialize_grads(False)  # a None grad skips its term in (L5)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, g_logp, g_ent=None):
-        refuse_double_backward("token_logprobs")
-        logits2d, index, lse, ent = ctx.saved_tensors
-        if g_logp is None and g_ent is None:
-            return None, None, None, None
-        grad = torch.empty_like(logits2d, memory_format=torch.contiguous_format)
-        _launch_softmax_dlogits(
-            logits2d, grad, index, lse, ent,
-            None if g_logp is None else g_logp.contiguous(),
-            None if g_ent is None else g_ent.contiguous(),
-            HeadMath(ctx.temperature, 1.0, 1.0, False),
-        )
-        return grad, None, None, None
+# The Triton paths' differentiable calls: custom ops (``custom_ops.py`` registers the ops above as
+# ``torch.ops.fastppo.token_logprobs`` and ``fused_token_logprobs``, their fakes, and backwards that are ops too).
 
 
-class _FusedTokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden2d, weight, bias, index, head, wants):
-        logp, lse, ent, sum_sq, mean, top1 = _launch_fused_token_logprobs_fwd(hidden2d, weight, bias, index, head,
-                                                                              wants)
-        ctx.save_for_backward(hidden2d, weight, bias, index, lse, ent)
-        ctx.head = head
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*(x for x in (sum_sq, mean, top1) if x is not None))
-        return logp, ent, sum_sq, mean, top1
+class _TokenLogprobs:
+    """``token_logprobs``' Triton path: (logp, entropy or None) [N] of logits2d [N, V]."""
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent=None, *_statistics):
-        refuse_double_backward("fused_token_logprobs")
-        hidden2d, weight, bias, index, lse, ent = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        if (g_logp is None and g_ent is None) or not any(needs):
-            return None, None, None, None, None, None
-        with no_autocast(hidden2d.device):  # a backward run under autocast must not demote its GEMMs
-            grad_h, grad_w, grad_b = _fused_token_logprobs_backward(
-                hidden2d, weight, bias, index, lse, ent,
-                None if g_logp is None else g_logp.contiguous(),
-                None if g_ent is None else g_ent.contiguous(),
-                ctx.head, needs,
-            )
-        return grad_h, grad_w, grad_b, None, None, None
+    def apply(logits2d, index, temperature: float, compute_entropy: bool):
+        logp, _lse, ent = torch.ops.fastppo.token_logprobs(logits2d, index, temperature, compute_entropy)
+        return logp, (ent if compute_entropy else None)
+
+
+class _FusedTokenLogprobs:
+    """``fused_token_logprobs``' Triton path: the five raw results of ``TokenStats`` [N], None where not wanted."""
+
+    @staticmethod
+    def apply(hidden2d, weight, bias, index, head: HeadMath, wants):
+        logp, _lse, *rest = torch.ops.fastppo.fused_token_logprobs(hidden2d, weight, bias, index, *head, list(wants))
+        return tuple(x if want else None for x, want in zip((logp, *rest), wants))
 
 
 # --------------------------------------------------------------------------- public API
@@ -558,7 +527,7 @@ def token_logprobs(logits, index, temperature=1.0, *, return_entropy=False, outp
     check_index_range(safe_index, vocab)  # on CUDA an assertion on the device, no sync
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    logp, ent = run_eagerly(_TokenLogprobs.apply, 
+    logp, ent = _TokenLogprobs.apply(
         logits.reshape(-1, vocab), safe_index.reshape(-1).contiguous(), temperature, wants[1]
     )
     return _finish((logp, ent, None, None, None), wants, keep, safe_index.shape, return_entropy, outputs)
@@ -612,7 +581,7 @@ def fused_token_logprobs(hidden, weight, index, temperature=1.0, *, bias=None, r
                                         wants)
         else:
             check_index_range(safe_index, vocab)  # on CUDA an assertion on the device, no sync
-            raw = run_eagerly(_FusedTokenLogprobs.apply, 
+            raw = _FusedTokenLogprobs.apply(
                 hidden.reshape(-1, hdim), weight, bias, safe_index.reshape(-1).contiguous(), head, wants
             )
     return _finish(raw, wants, keep, safe_index.shape, return_entropy, outputs)

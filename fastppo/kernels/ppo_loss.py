@@ -109,8 +109,8 @@ import torch
 
 from fastppo.kernels._common import FLOAT_DTYPES, HAS_TRITON, INDEX_DTYPES, MASK_DTYPES, check_float
 from fastppo.kernels._common import check_index_range, check_same_device, check_same_shape, check_temperature
-from fastppo.kernels._common import check_tensor, launch, refuse_double_backward, tile_choice, tl, triton, use_triton
-from fastppo.kernels._common import run_eagerly
+from fastppo.kernels._common import check_tensor, launch, tile_choice, tl, triton, use_triton
+from fastppo.kernels._common import autograd_inside_op
 from fastppo.kernels._lmhead import acc_dtype, addmm_acc_, check_lm_head_args, chunked_logprobs_entropy
 from fastppo.kernels._lmhead import lm_head_logits_reference, mm_acc
 from fastppo.kernels._lmhead import lm_head_operands, no_autocast, row_tile, tl_dtype
@@ -385,7 +385,7 @@ def _sequence_rows(x_c, dx_c, index, old, adv, mask, count, weights, norm, entro
     real = mask != 0
     ids = torch.repeat_interleave(torch.arange(len(lengths), device=x_c.device),
                                   torch.as_tensor(lengths, device=x_c.device))
-    with torch.enable_grad():
+    with torch.enable_grad(), autograd_inside_op():  # the op's forward runs below autograd (custom_ops.py)
         lp_leaf = lp.detach().requires_grad_(needs_grad)
         pg, ratio, clipped = clipped_surrogate(lp_leaf, old.to(lp.dtype), adv.to(lp.dtype), terms.cliprange,
                                                mask=real, cliprange_high=terms.cliprange_high, delta=terms.delta,
@@ -426,24 +426,24 @@ def _scaled(grad: torch.Tensor, scale: torch.Tensor, chunk: int = 1 << 24) -> to
 # --------------------------------------------------------------------------- autograd
 
 
-class _FusedPPOPolicyLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden2d, weight, bias, index, old, adv, mask, temperature, terms):
-        loss, stats, grads = _launch_ppo_policy_loss(
-            hidden2d, weight, bias, index, old, adv, mask, temperature, terms,
-            ctx.needs_input_grad[:3],  # all False under no_grad: no gradient is formed
-        )
-        ctx.save_for_backward(*grads)
-        ctx.mark_non_differentiable(*stats)
-        return (loss, *stats)
+# The Triton path's differentiable call: a custom op (``custom_ops.py`` registers ``_launch_ppo_policy_loss`` as
+# ``torch.ops.fastppo.fused_ppo_policy_loss``, its fake, and the backward that scales the saved gradients).
+
+
+class _FusedPPOPolicyLoss:
+    """``fused_ppo_policy_loss``'s Triton path: (loss, logp, ratio, clipped, entropy), the loss differentiable in
+    hidden2d, weight and bias."""
 
     @staticmethod
-    def backward(ctx, g_loss, *_):
-        # Formed in the forward from the inputs' values: they carry no graph for a second derivative.
-        refuse_double_backward("fused_ppo_policy_loss")
-        # The gradients were formed in the forward for an upstream gradient of 1: only scale them.
-        grads = tuple(None if g is None else _scaled(g, g_loss) for g in ctx.saved_tensors)
-        return (*grads, *(None,) * 6)
+    def apply(hidden2d, weight, bias, index, old, adv, mask, temperature: float, terms: PolicyTerms):
+        needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden2d, weight, bias)]
+        out = torch.ops.fastppo.fused_ppo_policy_loss(
+            hidden2d, weight, bias, index, old, adv, mask, terms.token_weights, terms.normalizer,
+            terms.entropy_weights, temperature, terms.cliprange, terms.cliprange_high, terms.delta,
+            terms.entropy_coef, terms.token_mean, terms.sequence_lengths, terms.surrogate,
+            list(terms.sapo_temperatures), terms.level, list(terms.vespo_gamma), terms.off_policy_mask_threshold,
+            needs)
+        return out[:5]
 
 
 # --------------------------------------------------------------------------- public API
@@ -630,7 +630,7 @@ def fused_ppo_policy_loss(hidden, weight, index, old_logprobs, advantages, mask,
         if getattr(terms, name) is not None:
             terms = terms._replace(**{name: getattr(terms, name).detach().reshape(-1).contiguous()})
     with no_autocast(hidden.device):
-        loss, logp, ratio, clipped, ent = run_eagerly(_FusedPPOPolicyLoss.apply, 
+        loss, logp, ratio, clipped, ent = _FusedPPOPolicyLoss.apply(
             hidden.reshape(-1, hdim), weight, bias, *flat, temperature, terms)
     shape = index.shape
     return PPOPolicyLossOutput(loss, logp.view(shape), ratio.view(shape), clipped.view(shape), ent.view(shape))
