@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.episode_decode import EpisodeDecode
 from fastppo.generation import Sampling, cut_after_stop, sample_responses, stop_ids_of
 from fastppo.layout import lm_of
+from fastppo.library_log import CONSOLE_SHOWN, library_logger
 from fastppo.metrics import RewardLogs, Samples, print_samples
 from fastppo.reward_scores import RewardScoring, processing_classes_by_name, resolve_rewards, score_rewards
 from fastppo.rewards import check_reward_fn_columns, reward_fn_name
@@ -51,7 +51,7 @@ from fastppo.rollout import (Rollout, ScoredRollout, apply_eos_penalties, assemb
                              make_rollout)
 
 
-SETTINGS_LOG = logging.getLogger("fastppo.checks")
+SETTINGS_LOG = library_logger("fastppo.checks")
 
 
 class PPOTrainer(TrainingLoop):
@@ -141,7 +141,7 @@ class PPOTrainer(TrainingLoop):
         for note in notes:  # the console's line, and Python logging's warning (what TRL's logger.warning is)
             self.log(note)
             if self.dist.is_main:
-                SETTINGS_LOG.warning(note)
+                SETTINGS_LOG.warning(note, extra={CONSOLE_SHOWN: True})
         if data_collator is not None:  # TRL 0.26 takes one; PPO's prompts are padded by the trainer itself
             self.log("data_collator is not used: fastppo left-pads the prompts itself (with the tokenizer's pad "
                      "token); pass the dataset with a text column or input_ids")
