@@ -265,7 +265,9 @@ class PPOConfig(TrainingArguments):
         default=None, metadata={"help": "fastppo: left-pad query batches to a multiple of this many tokens."}
     )
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Delete a previous run's files in output_dir before training."}
+        default=False, metadata={"help": "Delete a previous fastppo run's files in output_dir before training "
+                                 "(fastppo's command line; from Python a new run always replaces them, as TRL's "
+                                 "Trainer does)."}
     )
     num_threads: int | None = field(
         default=None, metadata={"help": "fastppo: CPU threads for torch ops (torch.set_num_threads)."}

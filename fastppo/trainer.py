@@ -40,13 +40,13 @@ from fastppo.rewards import check_reward_fn_columns, reward_fn_name
 from fastppo.script_args import ModelConfig
 from fastppo.sizes import derive_sizes
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
-from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
+from fastppo.zero import deepspeed_request, resolve_deepspeed_config
 from fastppo.tools import Episodes, TurnLimits, run_episodes
 from fastppo.train import IterationResult, Learner, ppo_iteration
 from fastppo.trainer_setup import check_models_share_prompts, fill_derived_sizes, load_tokenizer, tool_calling
 from fastppo.training_loop import TrainingLoop, check_callbacks, new_state
 from fastppo.sharing import prompt_sharing
-from fastppo.output_dir import decide_resume, refuse_foreign, remove_run_files
+from fastppo.output_dir import refuse_foreign
 from fastppo.rollout import (Rollout, ScoredRollout, apply_eos_penalties, assemble, contains_stop, eos_count,
                              make_rollout)
 
@@ -65,19 +65,24 @@ class PPOTrainer(TrainingLoop):
     ``reward_model`` also takes a function ``fn(prompts, completions, **kwargs)`` or a ``"module:function"``
     string. ``None`` falls back to ``args``' paths, and with no model anywhere to the embedded tiny model;
     ``train_dataset=None`` to the built-in prompts. The user's objects are used as given: never resized or
-    re-typed (a mismatch is refused with what to do).
+    re-typed (a mismatch is refused with what to do). An ``output_dir`` holding an earlier fastppo run is
+    continued when ``resume_from_checkpoint`` asks, else replaced as TRL's Trainer replaces it (when ``train()``
+    starts; ``fastppo.output_dir.replaces_earlier_run``); ``command_line=True`` (fastppo's command line) refuses it
+    unless ``overwrite_output_dir``.
 
     """
 
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
                  optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None,
-                 reward_processing_classes=None, tools=None, environments=None, rollout_func=None):
+                 reward_processing_classes=None, tools=None, environments=None, rollout_func=None,
+                 command_line: bool = False):
         config = PPOConfig(output_dir=None) if args is None else args
         if not isinstance(config, PPOConfig):
             raise SettingsTypeError(f"args must be a fastppo.PPOConfig (TRL 0.26's fields; for legacy TRL's config use "
                             f"fastppo.legacy.PPOConfig), got {type(config).__name__}")
         self.args = self.config = config
+        self.command_line = command_line  # built by fastppo.cli: its output_dir guard, and flags in the messages
         self.model_args = model_args = ModelConfig() if model_args is None else model_args
         notes = check_settings(config, model_args, peft=peft_config is not None or model_args.use_peft or (
             isinstance(model, nn.Module) and L.is_peft(model)))
@@ -169,7 +174,7 @@ class PPOTrainer(TrainingLoop):
             self.ds_config, ds_notes = resolve_deepspeed_config(ds_request, self.config, self.sizes)
             for note in ds_notes:
                 self.log(note)
-        self._resume_path = self._decide_resume()
+        self._resume_path = self._decide_resume(self.log)
 
     def _build_models(self, given: dict, policy_path: str | None, longest_prompt: int) -> None:
         """The policy, reference, value and reward models (``loading.build_models``) from the ``given`` arguments;
@@ -529,27 +534,6 @@ class PPOTrainer(TrainingLoop):
         return result
 
     # ------------------------------------------------------------------ checkpoints and resuming
-
-    def _start_output(self) -> int:
-        """The output_dir for this run (resumed, overwritten or fresh); returns the first iteration to run."""
-        config = self.config
-        path = self._resume_path
-        elsewhere = path is not None and os.path.abspath(os.path.dirname(path)) != os.path.abspath(config.output_dir)
-        if (path is None or elsewhere) and config.overwrite_output_dir and self.dist.is_main:
-            remove_run_files(config.output_dir)
-        if path is None:
-            fdist.barrier()
-            return 1
-        self._load_checkpoint(path)
-        if self.dist.is_main:
-            for name, key in (("metrics.jsonl", "step"), ("samples.jsonl", "iteration")):
-                C.truncate_jsonl(os.path.join(config.output_dir, name), key, self.state.global_step)
-        fdist.barrier()
-        return self.iterations_done + 1
-
-    def _decide_resume(self, log_notes: bool = True) -> str | None:
-        return decide_resume(self.config, self.model_args, self.dist.world_size, zero_stage_of(self.ds_config),
-                             self.sizes.total_steps, self.log if log_notes else None)
 
     def save_checkpoint(self) -> str:
         """``checkpoint-<iteration>`` with everything needed to continue exactly (see ``fastppo.checkpoint``)."""
