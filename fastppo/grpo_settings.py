@@ -90,8 +90,8 @@ INSTEAD = {
     "temperature": "set temperature instead (fastppo's log-probs read the temperature the completions are sampled at)",
     "max_length": "not supported; set max_completion_length instead (the completion's length; prompts keep theirs, "
                   "max_prompt_length cuts them)",
-    "stop_strings": "not supported: fastppo's sampler stops at token ids, not strings: set stop_token_id (or generation_kwargs' "
-                    "eos_token_id) to the ids of the stop text's tokens",
+    "stop_strings": "not supported: fastppo's sampler stops at token ids, not strings: set stop_token_id (or "
+                    "generation_kwargs' eos_token_id) to the ids of the stop text's tokens",
 }
 
 
