@@ -160,7 +160,8 @@ class PPOConfig(TrainingArguments):
     )
     local_mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: rows per process per minibatch."})
     mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: rows per minibatch, all processes."})
-    push_to_hub: bool = field(default=False, metadata={"help": "Push the model to the Hub (not supported: refused)."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Push the model to the Hub during training (not "
+                                                           "supported: refused; call trainer.push_to_hub())."})
 
     # ------------------------------------------------------------ TRL 0.26 PPOConfig
     exp_name: str = field(default="ppo_config", metadata={

@@ -32,6 +32,7 @@ from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.episode_decode import EpisodeDecode
 from fastppo.generation import Sampling, cut_after_stop, sample_responses, stop_ids_of
+from fastppo.hub import push_to_hub
 from fastppo.layout import lm_of
 from fastppo.library_log import CONSOLE_SHOWN, library_logger
 from fastppo.metrics import RewardLogs, Samples, print_samples
@@ -571,6 +572,12 @@ class PPOTrainer(TrainingLoop):
                                self.moments, self.state, self.zero, self.shuffle, self.entropy_ctl)
 
     # ------------------------------------------------------------------ saving
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
+        """transformers' ``Trainer.push_to_hub`` (TRL's trainers'): the model saved to output_dir, a model card, the
+        directory uploaded to ``hub_model_id`` (``fastppo.hub.push_to_hub``; ``model_name`` for the card)."""
+        return push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Policy (+ value head on its trunk), tokenizer and a separate value model (``value_model/``)."""
