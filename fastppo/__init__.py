@@ -7,13 +7,13 @@
     from fastppo.kernels import fused_token_logprobs, gae, ...  # the kernels, for other trainers
 """
 
-import logging
+from fastppo import library_log
 
 __version__ = "0.1.0"
 
-# the settings' warnings also go to Python's logging (``fastppo.checks``), where TRL's go to its logger; a library
-# adds no handler of its own beyond this one, which keeps Python's last-resort handler from printing them twice
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+# fastppo's warnings go to Python's logging (the settings' to ``fastppo.checks``), where TRL's go to its logger, and
+# are shown as TRL's are: on stderr without a logging configuration, through the user's with one, each once
+library_log.install()
 
 __all__ = ["AutoModelForCausalLMWithValueHead", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer",
            "RLOOConfig", "RLOOTrainer", "create_reference_model"]

@@ -17,6 +17,7 @@ from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
 from fastppo import dist as fdist
+from fastppo import library_log
 from fastppo.actor_critic import PolicyAndValue, Reference
 from fastppo.config import PPOConfig
 from fastppo.loading import check_optimizer_covers
@@ -64,6 +65,7 @@ def start_runtime(config: PPOConfig, need_group: bool = False) -> Runtime:
     """The process group (torchrun's, or none), a console that prints on the main process only (transformers'
     and the Hub's progress bars off), the thread count, and whether bf16 autocast runs (unset: on a bf16 GPU)."""
     state = fdist.setup_distributed(config.ddp_timeout, config.use_cpu, need_group=need_group)
+    library_log.new_run()  # fastppo's warnings, each shown once per trainer
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     try:  # transformers 5 writes checkpoints with huggingface_hub's progress bars

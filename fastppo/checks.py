@@ -85,7 +85,8 @@ UNSUPPORTED: dict[str, str] = {
     "fp16": "fp16 mixed precision is not supported (no loss scaling): use --bf16, or --dtype bfloat16 for bf16 weights",
     "fsdp": "FSDP is not supported: use --deepspeed (ZeRO-2/3) to shard models",
     "fsdp_config": "FSDP is not supported: use --deepspeed (ZeRO-2/3) to shard models",
-    "push_to_hub": "pushing to the Hub is not supported; upload output_dir yourself",
+    "push_to_hub": "pushing to the Hub is not supported during training; call trainer.push_to_hub() after train() "
+                   "(it saves the model to output_dir, then uploads it)",
     "model_adapter_name": "multi-adapter PEFT is not supported (the reference is the policy with its adapter off)",
     "ref_adapter_name": "multi-adapter PEFT is not supported (the reference is the policy with its adapter off)",
     "optim_target_modules": "only AdamW (--optim adamw_torch or adamw_torch_fused)",
@@ -103,6 +104,8 @@ USED = frozenset({
     "report_to", "run_name", "per_device_eval_batch_size", "save_strategy", "save_steps", "save_total_limit",
     "seed", "use_cpu", "ddp_timeout", "deepspeed", "resume_from_checkpoint", "local_rank", "logging_strategy",
     "logging_dir", "overwrite_output_dir",
+    # read by trainer.push_to_hub() (fastppo.hub)
+    "hub_model_id", "hub_private_repo", "hub_strategy", "hub_token", "hub_revision",
 })
 REPORTERS = ("tensorboard", "wandb")
 

@@ -219,7 +219,7 @@ def build_trainer(script_args, training_args: PPOConfig, model_args, embedded: b
     return PPOTrainer(args=training_args, processing_class=tokenizer, model=model, ref_model=None,
                       reward_model=rewards, train_dataset=train,
                       value_model=value, eval_dataset=evals, peft_config=get_peft_config(model_args),
-                      model_args=model_args)
+                      model_args=model_args, command_line=True)
 
 
 def require_supported_model_args(model_args, script_args=None) -> None:

@@ -165,7 +165,8 @@ class PPOConfig(TrainingArguments):
     )
     local_mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: rows per process per minibatch."})
     mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: rows per minibatch, all processes."})
-    push_to_hub: bool = field(default=False, metadata={"help": "Push the model to the Hub (not supported: refused)."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Push the model to the Hub during training (not "
+                                                           "supported: refused; call trainer.push_to_hub())."})
 
     # ------------------------------------------------------------ TRL 0.26 PPOConfig
     exp_name: str = field(default="ppo_config", metadata={
@@ -270,7 +271,9 @@ class PPOConfig(TrainingArguments):
         default=None, metadata={"help": "fastppo: left-pad query batches to a multiple of this many tokens."}
     )
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Delete a previous run's files in output_dir before training."}
+        default=False, metadata={"help": "Delete a previous fastppo run's files in output_dir before training "
+                                 "(fastppo's command line; from Python a new run always replaces them, as TRL's "
+                                 "Trainer does)."}
     )
     num_threads: int | None = field(
         default=None, metadata={"help": "fastppo: CPU threads for torch ops (torch.set_num_threads)."}

@@ -40,6 +40,7 @@ from fastppo.environments import Environments
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.grpo_settings import apply_generation_kwargs, model_args_of
 from fastppo.kernels.ppo_loss import off_policy_keep
+from fastppo.library_log import CONSOLE_SHOWN
 from fastppo.metrics import print_completions
 from fastppo.policy_terms import high_entropy_mask
 from fastppo.sampling import Truncation
@@ -292,7 +293,8 @@ class GRPOTrainer(PPOTrainer):
         if args.model_init_kwargs and not isinstance(model, str):
             self.log("You passed `model_init_kwargs` to the GRPOConfig, but your model is already instantiated. The "
                      "`model_init_kwargs` will be ignored.")
-            SETTINGS_LOG.warning("model_init_kwargs ignored: the model is already instantiated")
+            SETTINGS_LOG.warning("model_init_kwargs ignored: the model is already instantiated",
+                                 extra={CONSOLE_SHOWN: True})
         if not args.disable_dropout:
             self.log("disable_dropout=False (TRL GRPO's default): fastppo disables dropout in every model anyway, so "
                      "that the sampled and the trained forwards agree (the first ratio is exactly 1)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from rich.markup import escape
 from rich.table import Table
 
 from fastppo.dist import all_gather, all_reduce, is_distributed
@@ -437,12 +438,14 @@ def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> N
 
 def print_completions(console, table: dict[str, list], step: int, rows: list[int]) -> None:
     """TRL GRPO's ``log_completions`` table: ``table``'s columns (prompt, completion, each reward, advantage, the
-    reward functions' logged columns), the given ``rows``."""
+    reward functions' logged columns), the given ``rows``. Text is escaped: rich would read ``[none]`` in a
+    completion as markup and drop it."""
     shown = Table(title=f"completions at step {step}", show_lines=True)
     for name in table:
-        shown.add_column(name, overflow="fold", justify="right" if name not in ("prompt", "completion") else "left")
+        shown.add_column(escape(name), overflow="fold",
+                         justify="right" if name not in ("prompt", "completion") else "left")
     for i in rows:
-        shown.add_row(*(f"{v[i]:.2f}" if isinstance(v[i], float) else str(v[i]) for v in table.values()))
+        shown.add_row(*(f"{v[i]:.2f}" if isinstance(v[i], float) else escape(str(v[i])) for v in table.values()))
     console.print(shown)
 
 
@@ -459,7 +462,8 @@ class Samples(NamedTuple):
 
 
 def print_samples(console, samples: Samples, update: int, path: str | None, n: int = 6) -> None:
-    """A rich table of sample completions, also appended to ``path`` (samples.jsonl; None: printed only)."""
+    """A rich table of sample completions, also appended to ``path`` (samples.jsonl; None: printed only). Text is
+    escaped for the table (rich reads ``[none]`` as markup), written as it is to the file."""
     prompts, completions, scores, columns, extra = samples
     columns = columns if columns and len(columns) > 1 else {}  # one reward: its column is the score
     extra = extra or {}
@@ -467,14 +471,15 @@ def print_samples(console, samples: Samples, update: int, path: str | None, n: i
     table.add_column("query", overflow="fold")
     table.add_column("response", overflow="fold")
     for name in columns:
-        table.add_column(name, justify="right")
+        table.add_column(escape(name), justify="right")
     for name in extra:
-        table.add_column(name, overflow="fold")
+        table.add_column(escape(name), overflow="fold")
     table.add_column("score", justify="right")
     rows = list(zip(prompts, completions, scores, *columns.values(), *extra.values()))[:n]
     for p, c, s, *each in rows:
         scored, logged = each[:len(columns)], each[len(columns):]
-        table.add_row(p, c, *(f"{x:.3f}" for x in scored), *(str(x) for x in logged), f"{s:.3f}")
+        table.add_row(escape(p), escape(c), *(f"{x:.3f}" for x in scored), *(escape(str(x)) for x in logged),
+                      f"{s:.3f}")
     if path is not None:
         with open(path, "a") as f:
             for p, c, s, *each in rows:

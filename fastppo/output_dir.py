@@ -174,15 +174,24 @@ def describe_foreign(output_dir: str, found: list[str]) -> str:
     return f"{what} ({', '.join(shown[:8])}{more})"
 
 
-def refuse_foreign(output_dir: str, what: str = "--output_dir") -> None:
+def said(name: str, command_line: bool, value: str = "") -> str:
+    """A setting as its caller writes it: a flag of fastppo's command line (``--name value``), a keyword to a
+    Python caller of the TRL API (``name=value``)."""
+    return f"--{name} {value}".rstrip() if command_line else f"{name}={value}"
+
+
+def refuse_foreign(output_dir: str, what: str | None = None, command_line: bool = False) -> None:
     """A SettingsError naming what in ``output_dir`` no fastppo run wrote (``foreign_files``), if anything: fastppo
-    writes nothing there, so the way out is another directory (``--overwrite_output_dir`` does not change it)."""
+    writes nothing there, so the way out is another directory (``overwrite_output_dir`` does not change it).
+    ``what``: the directory's name in the message (None: the output_dir setting, in the caller's words)."""
     found = foreign_files(output_dir)
     if found:
+        head = said("output_dir", command_line, repr(output_dir)) if what is None else f"{what} {output_dir!r}"
         raise SettingsError(
-            f"{what} {output_dir!r} holds {describe_foreign(output_dir, found)}: files that no fastppo run wrote. "
-            "fastppo never writes over or deletes them, --overwrite_output_dir included: use another "
-            f"{'--output_dir' if what == '--output_dir' else 'directory'}")
+            f"{head} holds {describe_foreign(output_dir, found)}: files that no fastppo run wrote. "
+            f"fastppo never writes over or deletes them, "
+            f"{said('overwrite_output_dir', command_line, '' if command_line else 'True')} "
+            f"included: use another {said('output_dir', command_line).rstrip('=') if what is None else 'directory'}")
 
 
 def run_files(output_dir: str) -> list[str]:
@@ -206,12 +215,21 @@ def remove_run_files(output_dir: str) -> None:
 # ============================================================================ which run this one continues
 
 
+def replaces_earlier_run(config: PPOConfig, command_line: bool) -> bool:
+    """Whether a new run into an output_dir holding an earlier fastppo run replaces that run's files. From Python
+    (the TRL API), yes, as TRL's Trainer writes over an earlier run (its GRPOConfig has no overwrite_output_dir);
+    fastppo's command line only with ``--overwrite_output_dir``, and refuses otherwise."""
+    return config.overwrite_output_dir or not command_line
+
+
 def decide_resume(config: PPOConfig, model_args, world_size: int, zero_stage: int | None, total_iterations: int,
-              log: Callable[[str], None] | None) -> str | None:
+                  log: Callable[[str], None] | None, command_line: bool = False) -> str | None:
     """Which checkpoint this run continues (None: a fresh run), and whether the output_dir may be written:
     decided before any model loads, and again when ``train()`` starts writing (under the directory's
-    lock). A previous run there is never silently mixed with or overwritten. ``log``: where the notes go (None:
-    not again)."""
+    lock). A previous run there is never silently mixed: it is continued when asked, else replaced
+    (``replaces_earlier_run``: a Python caller, or ``--overwrite_output_dir``) or, on the command line, refused.
+    ``log``: where the notes go (None: not again); ``command_line``: the messages' words are flags, else
+    keywords."""
     notes_to = log or (lambda _: None)
     spec = config.resume_from_checkpoint
     if spec is True or (isinstance(spec, str) and spec.lower() == "true"):
@@ -224,16 +242,16 @@ def decide_resume(config: PPOConfig, model_args, world_size: int, zero_stage: in
         if spec:
             notes_to("elastic restart: resuming from the latest checkpoint")
     # a directory no fastppo run wrote (a transformers Trainer's output, the policy's own source): never written
-    refuse_foreign(config.output_dir)
+    refuse_foreign(config.output_dir, command_line=command_line)
     existing = run_files(config.output_dir)  # a fastppo run's files: only where fastppo's own marker is
     if spec is not None:
         path = resolve_checkpoint(spec, config.output_dir, log=notes_to)
 
         for note in check_compatible(path, config, world_size, zero_stage, model_args):
             notes_to(note)
-        _check_resume_keeps_outputs(config, total_iterations, path, existing)
+        _check_resume_keeps_outputs(config, total_iterations, path, existing, command_line)
         return path
-    if existing and not config.overwrite_output_dir and not restarted:
+    if existing and not replaces_earlier_run(config, command_line) and not restarted:
         resumable = checkpoints(config.output_dir)
         raise SettingsError(
             f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}"
@@ -245,9 +263,11 @@ def decide_resume(config: PPOConfig, model_args, world_size: int, zero_stage: in
     return None
 
 
-def _check_resume_keeps_outputs(config: PPOConfig, total: int, path: str, existing: list[str]) -> None:
+def _check_resume_keeps_outputs(config: PPOConfig, total: int, path: str, existing: list[str],
+                                command_line: bool) -> None:
     """A resume may redo what came after its checkpoint only where nothing finished lies there: the
     iterations past a crash are lost anyway, but a finished run's final model and metrics are not."""
+    output_dir = said("output_dir", command_line, repr(config.output_dir))
     step = saved_step(path)
     if step >= total:
         raise SettingsError(
@@ -256,13 +276,14 @@ def _check_resume_keeps_outputs(config: PPOConfig, total: int, path: str, existi
     inside = os.path.abspath(os.path.dirname(path)) == os.path.abspath(config.output_dir)
     final = finished_step(config.output_dir)
     if final is not None and final > step:
+        how = (f"--resume_from_checkpoint {path} --output_dir NEW" if command_line else
+               f"resume_from_checkpoint={path!r} with another output_dir")
         raise SettingsError(
-            f"--output_dir {config.output_dir!r} holds a finished run's final model (iteration {final}), newer "
-            f"than {os.path.basename(path)}: resuming there would replace that model and drop the metrics after "
-            f"iteration {step}; to redo from the checkpoint, resume into another --output_dir "
-            f"(--resume_from_checkpoint {path} --output_dir NEW)")
-    if not inside and existing and not config.overwrite_output_dir:
+            f"{output_dir} holds a finished run's final model (iteration {final}), newer than "
+            f"{os.path.basename(path)}: resuming there would replace that model and drop the metrics after "
+            f"iteration {step}; to redo from the checkpoint, resume into another directory ({how})")
+    if not inside and existing and not replaces_earlier_run(config, command_line):
         raise SettingsError(
-            f"--output_dir {config.output_dir!r} already holds a run ({', '.join(existing[:6])}), and "
+            f"{output_dir} already holds a run ({', '.join(existing[:6])}), and "
             f"{path} is another directory's checkpoint: resume into an empty --output_dir, or pass "
             "--overwrite_output_dir to replace that run")

@@ -8,7 +8,6 @@ are ``fastppo.rewards``'; this module only lists and combines them.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,10 +18,11 @@ import torch.nn as nn
 from fastppo.config import as_list, user_path
 from fastppo.data import prompt_messages
 from fastppo.errors import SettingsError, SettingsTypeError
+from fastppo.library_log import library_logger
 from fastppo.rewards import (DEFAULT_REWARD_FN, call_reward_fns, load_reward_fn, own_forward_scores,
                              reward_fn_columns, reward_fn_name, reward_model_scores)
 
-logger = logging.getLogger(__name__)
+logger = library_logger(__name__)
 
 
 @dataclass

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import time
 import types
 
@@ -63,8 +62,9 @@ except ImportError:  # pragma: no cover
 
 from fastppo.errors import SettingsError
 from fastppo.layout import cache_keyword, causal_lm_of, four_d_mask, shared_mask_kind
+from fastppo.library_log import library_logger
 
-logger = logging.getLogger(__name__)
+logger = library_logger(__name__)
 
 DEFAULT_CACHE_BUCKET = 64
 

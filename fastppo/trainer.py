@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -33,25 +32,27 @@ from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.episode_decode import EpisodeDecode
 from fastppo.generation import Sampling, cut_after_stop, sample_responses, stop_ids_of
+from fastppo.hub import push_to_hub
 from fastppo.layout import lm_of
+from fastppo.library_log import CONSOLE_SHOWN, library_logger
 from fastppo.metrics import RewardLogs, Samples, print_samples
 from fastppo.reward_scores import RewardScoring, processing_classes_by_name, resolve_rewards, score_rewards
 from fastppo.rewards import check_reward_fn_columns, reward_fn_name
 from fastppo.script_args import ModelConfig
 from fastppo.sizes import derive_sizes
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
-from fastppo.zero import deepspeed_request, resolve_deepspeed_config, zero_stage_of
+from fastppo.zero import deepspeed_request, resolve_deepspeed_config
 from fastppo.tools import Episodes, TurnLimits, run_episodes
 from fastppo.train import IterationResult, Learner, ppo_iteration
 from fastppo.trainer_setup import check_models_share_prompts, fill_derived_sizes, load_tokenizer, tool_calling
 from fastppo.training_loop import TrainingLoop, check_callbacks, new_state
 from fastppo.sharing import prompt_sharing
-from fastppo.output_dir import decide_resume, refuse_foreign, remove_run_files
+from fastppo.output_dir import refuse_foreign
 from fastppo.rollout import (Rollout, ScoredRollout, apply_eos_penalties, assemble, contains_stop, eos_count,
                              make_rollout)
 
 
-SETTINGS_LOG = logging.getLogger("fastppo.checks")
+SETTINGS_LOG = library_logger("fastppo.checks")
 
 
 class PPOTrainer(TrainingLoop):
@@ -65,19 +66,24 @@ class PPOTrainer(TrainingLoop):
     ``reward_model`` also takes a function ``fn(prompts, completions, **kwargs)`` or a ``"module:function"``
     string. ``None`` falls back to ``args``' paths, and with no model anywhere to the embedded tiny model;
     ``train_dataset=None`` to the built-in prompts. The user's objects are used as given: never resized or
-    re-typed (a mismatch is refused with what to do).
+    re-typed (a mismatch is refused with what to do). An ``output_dir`` holding an earlier fastppo run is
+    continued when ``resume_from_checkpoint`` asks, else replaced as TRL's Trainer replaces it (when ``train()``
+    starts; ``fastppo.output_dir.replaces_earlier_run``); ``command_line=True`` (fastppo's command line) refuses it
+    unless ``overwrite_output_dir``.
 
     """
 
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
                  optimizers=(None, None), callbacks=None, peft_config=None, *, model_args=None,
-                 reward_processing_classes=None, tools=None, environments=None, rollout_func=None):
+                 reward_processing_classes=None, tools=None, environments=None, rollout_func=None,
+                 command_line: bool = False):
         config = PPOConfig(output_dir=None) if args is None else args
         if not isinstance(config, PPOConfig):
             raise SettingsTypeError(f"args must be a fastppo.PPOConfig (TRL 0.26's fields; for legacy TRL's config use "
                             f"fastppo.legacy.PPOConfig), got {type(config).__name__}")
         self.args = self.config = config
+        self.command_line = command_line  # built by fastppo.cli: its output_dir guard, and flags in the messages
         self.model_args = model_args = ModelConfig() if model_args is None else model_args
         notes = check_settings(config, model_args, peft=peft_config is not None or model_args.use_peft or (
             isinstance(model, nn.Module) and L.is_peft(model)))
@@ -141,7 +147,7 @@ class PPOTrainer(TrainingLoop):
         for note in notes:  # the console's line, and Python logging's warning (what TRL's logger.warning is)
             self.log(note)
             if self.dist.is_main:
-                SETTINGS_LOG.warning(note)
+                SETTINGS_LOG.warning(note, extra={CONSOLE_SHOWN: True})
         if data_collator is not None:  # TRL 0.26 takes one; PPO's prompts are padded by the trainer itself
             self.log("data_collator is not used: fastppo left-pads the prompts itself (with the tokenizer's pad "
                      "token); pass the dataset with a text column or input_ids")
@@ -169,7 +175,7 @@ class PPOTrainer(TrainingLoop):
             self.ds_config, ds_notes = resolve_deepspeed_config(ds_request, self.config, self.sizes)
             for note in ds_notes:
                 self.log(note)
-        self._resume_path = self._decide_resume()
+        self._resume_path = self._decide_resume(self.log)
 
     def _build_models(self, given: dict, policy_path: str | None, longest_prompt: int) -> None:
         """The policy, reference, value and reward models (``loading.build_models``) from the ``given`` arguments;
@@ -531,27 +537,6 @@ class PPOTrainer(TrainingLoop):
 
     # ------------------------------------------------------------------ checkpoints and resuming
 
-    def _start_output(self) -> int:
-        """The output_dir for this run (resumed, overwritten or fresh); returns the first iteration to run."""
-        config = self.config
-        path = self._resume_path
-        elsewhere = path is not None and os.path.abspath(os.path.dirname(path)) != os.path.abspath(config.output_dir)
-        if (path is None or elsewhere) and config.overwrite_output_dir and self.dist.is_main:
-            remove_run_files(config.output_dir)
-        if path is None:
-            fdist.barrier()
-            return 1
-        self._load_checkpoint(path)
-        if self.dist.is_main:
-            for name, key in (("metrics.jsonl", "step"), ("samples.jsonl", "iteration")):
-                C.truncate_jsonl(os.path.join(config.output_dir, name), key, self.state.global_step)
-        fdist.barrier()
-        return self.iterations_done + 1
-
-    def _decide_resume(self, log_notes: bool = True) -> str | None:
-        return decide_resume(self.config, self.model_args, self.dist.world_size, zero_stage_of(self.ds_config),
-                             self.sizes.total_steps, self.log if log_notes else None)
-
     def save_checkpoint(self) -> str:
         """``checkpoint-<iteration>`` with everything needed to continue exactly (see ``fastppo.checkpoint``)."""
         config, state = self.config, self.state
@@ -588,6 +573,12 @@ class PPOTrainer(TrainingLoop):
                                self.moments, self.state, self.zero, self.shuffle, self.entropy_ctl)
 
     # ------------------------------------------------------------------ saving
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
+        """transformers' ``Trainer.push_to_hub`` (TRL's trainers'): the model saved to output_dir, a model card, the
+        directory uploaded to ``hub_model_id`` (``fastppo.hub.push_to_hub``; ``model_name`` for the card)."""
+        return push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Policy (+ value head on its trunk), tokenizer and a separate value model (``value_model/``)."""

@@ -23,10 +23,11 @@ from fastppo import dist as fdist
 from fastppo.config import PPOConfig
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.metrics import MetricsLogger, Samples, plot_curves, print_samples
-from fastppo.output_dir import RunLock
+from fastppo.output_dir import RunLock, decide_resume, remove_run_files, replaces_earlier_run, run_files, said
 from fastppo.sizes import Sizes, every
 from fastppo.step_logs import StepLogs, grpo_progress_line
 from fastppo.train import IterationResult
+from fastppo.zero import zero_stage_of
 
 
 class TrainingLoop:
@@ -59,24 +60,61 @@ class TrainingLoop:
 
     def _lock_output_dir(self) -> None:
         """Take the output_dir's lock (rank 0, for the run's life) and decide again, under it, what this run
-        does there: another trainer may have written it since this one was built."""
+        does there: another trainer may have written it since this one was built, and ``train()`` may have been
+        given a resume_from_checkpoint (TRL's way) that the constructor was not."""
         lock = RunLock(self.config.output_dir) if self.dist.is_main else None
         holder = lock.acquire() if lock is not None else None
         refused = torch.tensor([float(holder is not None)], device=self.device)
         fdist.all_reduce(refused)
         if refused.item():
+            output_dir = said("output_dir", self.command_line)
             raise SettingsError(
-                f"--output_dir {self.config.output_dir!r} is being written by another run ({holder or 'rank 0 says'}"
+                f"{said('output_dir', self.command_line, repr(self.config.output_dir))} is being written by another "
+                f"run ({holder or 'rank 0 says'}"
                 f"{' (this process: another PPOTrainer)' if holder == f'pid {os.getpid()}' else ''}); wait for it "
-                "to finish, or use another --output_dir")
+                f"to finish, or use another {output_dir.rstrip('=')}")
         self._run_lock = lock
         try:
-            self._resume_path = self._decide_resume(log_notes=False)
+            notes: list[str] = []
+            decided = self._decide_resume(notes.append)
+            if decided != self._resume_path:  # the constructor's notes were of another decision: these are news
+                for note in notes:
+                    self.log(note)
+            self._resume_path = decided
         except BaseException:
             if lock is not None:
                 lock.release()
             self._run_lock = None
             raise
+
+    def _decide_resume(self, log: Callable[[str], None] | None = None) -> str | None:
+        """Which checkpoint this run continues (``output_dir.decide_resume``), its notes to ``log``."""
+        return decide_resume(self.config, self.model_args, self.dist.world_size, zero_stage_of(self.ds_config),
+                             self.sizes.total_steps, log, self.command_line)
+
+    def _start_output(self) -> int:
+        """The output_dir for this run (resumed, or fresh: an earlier fastppo run's files there removed where
+        this run replaces them, ``output_dir.replaces_earlier_run``, only those, and only now that it writes,
+        under the lock); returns the first iteration to run."""
+        config = self.config
+        path = self._resume_path
+        elsewhere = path is not None and os.path.abspath(os.path.dirname(path)) != os.path.abspath(config.output_dir)
+        earlier = run_files(config.output_dir) if self.dist.is_main and (path is None or elsewhere) else []
+        if earlier and replaces_earlier_run(config, self.command_line):
+            self.log(f"{said('output_dir', self.command_line, repr(config.output_dir))} held an earlier fastppo "
+                     f"run ({', '.join(earlier[:6])}{', ...' if len(earlier) > 6 else ''}): starting afresh, its "
+                     f"files replaced (to continue it instead: "
+                     f"{said('resume_from_checkpoint', self.command_line, 'latest' if self.command_line else 'True')})")
+            remove_run_files(config.output_dir)
+        if path is None:
+            fdist.barrier()
+            return 1
+        self._load_checkpoint(path)
+        if self.dist.is_main:
+            for name, key in (("metrics.jsonl", "step"), ("samples.jsonl", "iteration")):
+                C.truncate_jsonl(os.path.join(config.output_dir, name), key, self.state.global_step)
+        fdist.barrier()
+        return self.iterations_done + 1
 
     def _train(self):
         config, sizes, state = self.config, self.sizes, self.state
@@ -126,7 +164,8 @@ class TrainingLoop:
                 self._save_when_asked(preempted, stopping)
                 if preempted:
                     self.log(f"stopped by a signal after iteration {update}: checkpoint saved; continue with "
-                             "--resume_from_checkpoint latest")
+                             + said("resume_from_checkpoint", self.command_line,
+                                    "latest" if self.command_line else "True"))
                     break
                 if stopping:
                     self.log(f"a callback stopped training after iteration {update}")

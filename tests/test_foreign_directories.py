@@ -77,7 +77,7 @@ def test_a_transformers_trainers_output_is_never_taken_for_a_fastppo_run(tmp_pat
     for overwrite in (False, True):
         with pytest.raises(ValueError, match=r"holds a transformers/TRL Trainer's output \(checkpoint-1/ holding "
                                              r"trainer_state.json.*model.safetensors.*that no fastppo run wrote.*"
-                                             r"--overwrite_output_dir included: use another --output_dir") as err:
+                                             r"overwrite_output_dir=True included: use another output_dir") as err:
             PPOTrainer(args=config(tmp_path, name="sft", overwrite_output_dir=overwrite), reward_model=length_reward)
         assert "to replace it" not in str(err.value)
     assert fastppo_marker(str(own)) is None and run_files(str(own)) == []
@@ -112,7 +112,7 @@ def test_other_directories_fastppo_did_not_write_are_refused(tmp_path, sft_dir, 
                            ("downloaded", "a model (model.gguf)"), ("logs", "files (metrics.jsonl)")):
         before = tree(tmp_path / name)
         for overwrite in (False, True):
-            with pytest.raises(ValueError, match="use another --output_dir") as err:
+            with pytest.raises(ValueError, match="use another output_dir") as err:
                 PPOTrainer(args=config(tmp_path, name=name, overwrite_output_dir=overwrite), reward_model=length_reward)
             assert fragment in str(err.value)
         assert tree(tmp_path / name) == before
@@ -189,7 +189,7 @@ def test_directories_fastppo_wrote_are_still_its_own(tmp_path, model_dir):
     for name in ("done", "stopped", "crashed", "torn"):
         assert fastppo_marker(str(tmp_path / name)) is not None and foreign_files(str(tmp_path / name)) == []
         with pytest.raises(ValueError, match="already holds a run .*--overwrite_output_dir to replace it"):
-            PPOTrainer(args=config(tmp_path, name=name), reward_model=length_reward)
+            PPOTrainer(args=config(tmp_path, name=name), reward_model=length_reward, command_line=True)
     # the run that stopped after a checkpoint resumes; the crashed one is replaced with --overwrite_output_dir
     resumed = PPOTrainer(args=config(tmp_path, name="stopped", total_episodes=24, resume_from_checkpoint="latest"),
                          reward_model=length_reward)

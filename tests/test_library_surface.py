@@ -142,7 +142,9 @@ def test_a_batch_with_one_trained_token_updates(model_dir):
 
 def test_two_trainers_on_one_output_dir_cannot_both_write_it(tmp_path, model_dir):
     first = PPOTrainer(args=config(tmp_path, total_episodes=8))
-    second = PPOTrainer(args=config(tmp_path, total_episodes=8))  # both built on an empty directory
+    # both built on an empty directory; the second as fastppo's command line builds it (from Python, a run after
+    # another replaces it, as TRL's: test_output_dir_api.py)
+    second = PPOTrainer(args=config(tmp_path, total_episodes=8), command_line=True)
     first.train()
     model = (tmp_path / "out" / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match="already holds a run"):  # decided again when writing starts
@@ -227,7 +229,7 @@ def test_a_run_that_fails_in_its_first_iteration_leaves_a_usable_directory(tmp_p
 def test_a_run_without_checkpoints_is_not_offered_a_resume(tmp_path, model_dir):
     PPOTrainer(args=config(tmp_path, total_episodes=8, save_strategy="no")).train()
     with pytest.raises(ValueError, match="it has no checkpoint to continue from: --overwrite_output_dir"):
-        PPOTrainer(args=config(tmp_path, total_episodes=8))
+        PPOTrainer(args=config(tmp_path, total_episodes=8), command_line=True)
 
 
 # ---------------------------------------------------------------------------- reward functions and datasets
@@ -455,7 +457,7 @@ def test_a_model_directory_no_fastppo_run_wrote_is_never_overwritten(tmp_path, m
     shutil.copytree(model_dir, own)
     before = sorted(os.listdir(own))
     for overwrite in (False, True):
-        with pytest.raises(ValueError, match=r"holds a model \(config.json.*that no fastppo run wrote.*use another --output_dir"):
+        with pytest.raises(ValueError, match=r"holds a model \(config.json.*that no fastppo run wrote.*use another output_dir"):
             PPOTrainer(args=config(tmp_path, name="my-model", sft_model_path=str(own), overwrite_output_dir=overwrite))
     assert sorted(os.listdir(own)) == before
 

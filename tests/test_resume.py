@@ -70,7 +70,7 @@ def test_output_dir_is_never_silently_mixed_or_wiped(tmp_path):
     PPOTrainer(args=PPOConfig(**{**SETTINGS, "total_episodes": 8}, output_dir=str(out))).train()
     before = (out / "metrics.jsonl").read_text()
     with pytest.raises(ValueError, match="already holds a run .*--resume_from_checkpoint latest.*--overwrite_output_dir"):
-        PPOTrainer(args=PPOConfig(**{**SETTINGS, "total_episodes": 8}, output_dir=str(out)))
+        PPOTrainer(args=PPOConfig(**{**SETTINGS, "total_episodes": 8}, output_dir=str(out)), command_line=True)
     with pytest.raises(ValueError, match="learning_rate must be > 0"):  # a bad flag touches nothing
         PPOTrainer(args=PPOConfig(**{**SETTINGS, "learning_rate": -1.0}, output_dir=str(out)))
     assert (out / "metrics.jsonl").read_text() == before

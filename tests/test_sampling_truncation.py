@@ -193,6 +193,37 @@ def test_generation_kwargs_set_the_sampling_settings(tmp_path, model_dir):
     assert trainer.actor_critic.truncation == Truncation(top_k=7, repetition_penalty=1.2)
 
 
+def test_generation_kwargs_that_set_the_length_or_the_stop_are_honoured(tmp_path, model_dir):
+    """TRL takes generation_kwargs last, so max_new_tokens overrides the completion length and eos_token_id the
+    stop tokens (issue 60 item 5: both were refused as if they asked for beam search or greedy decoding)."""
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      max_steps=1, bf16=False, gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
+                      logging_steps=1, report_to="none",
+                      generation_kwargs={"max_new_tokens": 3, "eos_token_id": [5, 7], "min_new_tokens": 0})
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+                          train_dataset=zen())
+    assert trainer.config.response_length == trainer.args.max_completion_length == 3
+    assert trainer.stop_ids == [5, 7]
+    trainer.train()
+    lengths = [r["completions/max_length"] for r in trainer.state.log_history if "completions/max_length" in r]
+    assert lengths and max(lengths) <= 3
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(generation_kwargs={"min_new_tokens": 2}), "generation_kwargs\\['min_new_tokens'\\]=2: not supported"),
+    (dict(generation_kwargs={"stop_strings": ["\\n"]}), "generation_kwargs\\['stop_strings'\\]: .*set stop_token_id"),
+    (dict(generation_kwargs={"max_length": 64}), "generation_kwargs\\['max_length'\\]: .*set max_completion_length"),
+    (dict(generation_kwargs={"max_new_tokens": 0}), "generation_kwargs\\['max_new_tokens'\\] must be an integer >= 1"),
+    (dict(generation_kwargs={"max_new_tokens": 8}, loss_type="dr_grpo"), "set max_completion_length=8 instead"),
+    (dict(generation_kwargs={"eos_token_id": "eos"}), "generation_kwargs\\['eos_token_id'\\] must be a token id"),
+])
+def test_length_generation_kwargs_fastppo_cannot_honour_name_the_setting_to_use(tmp_path, kwargs, message):
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), bf16=False, **kwargs)
+    with pytest.raises(SettingsError, match=message):
+        GRPOTrainer(model="unused", reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+                    train_dataset=zen())
+
+
 def test_the_graphed_decoder_draws_the_same_processed_tokens(model_dir):
     """The static-cache decode loop (the GPU's default, its step uncaptured here) applies the same processing and
     history: the eager loop's tokens, from the same random state."""
