@@ -206,9 +206,12 @@ def score_rewards(rewards: list[Reward], rollout, tokenizer, rows, scoring: Rewa
     functions = [r for r in rewards if r.fn is not None]
     if functions:  # all at once: the async ones run together
         chat = prompt_turns is not None and all(is_conversation(m) for m in prompt_turns)
+        # TRL GRPO: a conversational row's prompt messages; a text row's own text (not its tokens decoded again:
+        # a tokenizer need not round-trip it)
+        texts_given = messages is not None and all(isinstance(m, str) for m in messages)
         scored = call_reward_fns(
             [(reward_fn_name(r.fn), r.fn) for r in functions],
-            prompt_turns if chat else prompts,  # TRL GRPO: a conversational row's prompt messages
+            prompt_turns if chat else messages if texts_given else prompts,
             (completion_messages or [[{"role": "assistant", "content": c}] for c in completions]) if chat
             else completions, scoring.device,
             **reward_fn_columns(prompt_ids, completion_ids, rows), **(context or {}))

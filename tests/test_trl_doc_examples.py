@@ -227,15 +227,10 @@ def test_example_1_reward_longer_completions_in_tokens(tmp_path, standard_model,
     assert {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"} <= set(calls[0])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fastppo hands a standard-format reward function the prompt tokens decoded (reward_scores.score_rewards: "
-    "tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)), TRL 1.16 the dataset's own text "
-    "(GRPOTrainer._generate_and_score_completions: prompts = [x['prompt'] for x in inputs]); they differ wherever "
-    "the tokenizer does not round-trip the text (here the embedded word-level one drops the unknown 'The', 'sky', "
-    "'sun': ['is', 'is', ...] where TRL gives ['The sky is', ...]), and where fastppo cut a prompt"))
 def test_example_1_prompts_keyword_is_the_datasets_text(tmp_path, standard_model):
     """The docs' own check of Example 1 calls it with ``prompts = ["The sky is", "The sun is"]``: the prompts as
-    the dataset holds them, which TRL passes."""
+    the dataset holds them, which TRL passes (fastppo once passed the prompt tokens decoded again: the embedded
+    word-level tokenizer, which knows none of 'The', 'sky', 'sun', gave ['is', ...])."""
     def reward_func(completion_ids, **kwargs):
         """Reward function that assigns higher scores to longer completions (in terms of token count)."""
         return [float(len(ids)) for ids in completion_ids]
