@@ -87,40 +87,26 @@ def trained_weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in model.named_parameters()}
 
 
-def run_trl(kind: str, config: dict, path: str, out_dir: str) -> dict:
+def run(side, kind: str, config: dict, path: str, out_dir: str) -> dict:
+    """One side's run (``side``: the module holding the trainers, ``trl`` or ``fastppo``), on the scripted
+    completions: through ``rollout_func``, or (TRL's RLOOTrainer takes none) its single-turn sampler."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     script = Script(config["max_completion_length"])
-    data = Dataset.from_dict({"prompt": [PROMPT] * ROWS})
-    common = dict(model=path, reward_funcs=[reward_length, reward_tokens], train_dataset=data,
-                  processing_class=tokenizer)
-    if kind == "grpo":
-        trainer = trl.GRPOTrainer(args=trl.GRPOConfig(output_dir=out_dir, **config),
-                                  rollout_func=script.rollout_func(tokenizer), **common)
-    else:
-        trainer = trl.RLOOTrainer(args=trl.RLOOConfig(output_dir=out_dir, **config), **common)
+    config_class, trainer_class = (side.GRPOConfig, side.GRPOTrainer) if kind == "grpo" else \
+        (side.RLOOConfig, side.RLOOTrainer)
+    trainer = trainer_class(model=path, reward_funcs=[reward_length, reward_tokens], processing_class=tokenizer,
+                            train_dataset=Dataset.from_dict({"prompt": [PROMPT] * ROWS}),
+                            args=config_class(output_dir=out_dir, **config),
+                            **({"rollout_func": script.rollout_func(tokenizer)} if kind == "grpo" else {}))
+    if kind == "rloo" and side is trl:
         trainer._generate_single_turn = lambda prompt_ids, *a, **k: script.completions(len(prompt_ids))
-    trainer.train()
-    return {"rows": trainer.state.log_history, "weights": trained_weights(trainer.model), "calls": script.calls}
-
-
-def run_fastppo(kind: str, config: dict, path: str, out_dir: str) -> dict:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    script = Script(config["max_completion_length"])
-    data = Dataset.from_dict({"prompt": [PROMPT] * ROWS})
-    common = dict(model=path, reward_funcs=[reward_length, reward_tokens], train_dataset=data,
-                  processing_class=tokenizer)
-    if kind == "grpo":
-        trainer = fastppo.GRPOTrainer(args=fastppo.GRPOConfig(output_dir=out_dir, **config),
-                                      rollout_func=script.rollout_func(tokenizer), **common)
-    else:
-        trainer = fastppo.RLOOTrainer(args=fastppo.RLOOConfig(output_dir=out_dir, **config), **common)
+    elif kind == "rloo":  # fastppo's trainers sample through a rollout_func when one is set
         trainer.rollout_func = script.rollout_func(tokenizer)
     trainer.train()
-    return {"rows": trainer.state.log_history, "weights": trained_weights(trainer.policy), "calls": script.calls}
+    model = trainer.model if side is trl else trainer.policy
+    return {"rows": trainer.state.log_history, "weights": trained_weights(model), "calls": script.calls}
 
 
 def identity_order():
@@ -143,10 +129,10 @@ def main(out: str, cases_file: str) -> None:
         config = {"report_to": "none", "save_strategy": "no", "use_cpu": True, "bf16": False,
                   "disable_tqdm": True, "dataloader_num_workers": 0, **case["config"]}
         record = {}
-        for side, run in (("trl", run_trl), ("fastppo", run_fastppo)):
+        for side in (trl, fastppo):
             with tempfile.TemporaryDirectory() as tmp:
                 torch.manual_seed(0)
-                record[side] = run(case["trainer"], config, path, os.path.join(tmp, "out"))
+                record[side.__name__] = run(side, case["trainer"], config, path, os.path.join(tmp, "out"))
         results["cases"][name] = record
         print(f"case {name}: done", flush=True)
     torch.save(results, out)
