@@ -124,6 +124,17 @@ def trained(trainer, *reward_names, steps=1) -> dict:
     return row
 
 
+def run_spied(kind, model, reward_func, dataset, tmp_path, **config) -> tuple[dict, list[dict]]:
+    """A doc example's one reward function on TRAINERS[kind], one step, spied: (the row ``trained`` checks, the
+    keywords of each of its calls)."""
+    config_class, trainer_class = TRAINERS[kind]
+    calls = []
+    trainer = trainer_class(model=model, reward_funcs=spy(reward_func, calls), train_dataset=dataset,
+                            args=sized(tmp_path, config_class, **config))
+    trainer.train()
+    return trained(trainer, reward_func.__name__), calls
+
+
 def accuracy_reward(completions, solution, log_extra=None, **kwargs):
     """Stand-in for TRL 1.16's ``trl.rewards.accuracy_reward`` (which needs math_verify): its signature, its
     ``None`` (skip) for a solution it cannot parse and its three ``log_extra`` columns; the boxed answer compared
@@ -214,14 +225,8 @@ def test_example_1_reward_longer_completions_in_tokens(tmp_path, standard_model,
         """Reward function that assigns higher scores to longer completions (in terms of token count)."""
         return [float(len(ids)) for ids in completion_ids]
 
-    config_class, trainer_class = TRAINERS[kind]
-    calls = []
     dataset = datasets.Dataset.from_dict({"prompt": ["The sky is", "The sun is"]})
-    trainer = trainer_class(model=standard_model, reward_funcs=spy(reward_func, calls), train_dataset=dataset,
-                            args=sized(tmp_path, config_class))
-    trainer.train()
-
-    row = trained(trainer, "reward_func")
+    row, calls = run_spied(kind, standard_model, reward_func, dataset, tmp_path)
     assert row["rewards/reward_func/mean"] == pytest.approx(row["completions/mean_length"])  # tokens, as TRL counts
     # the keywords the docs list ("The function must accept the following as keyword arguments")
     assert {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"} <= set(calls[0])
@@ -235,13 +240,8 @@ def test_example_1_prompts_keyword_is_the_datasets_text(tmp_path, standard_model
         """Reward function that assigns higher scores to longer completions (in terms of token count)."""
         return [float(len(ids)) for ids in completion_ids]
 
-    calls = []
     dataset = datasets.Dataset.from_dict({"prompt": ["The sky is", "The sun is"]})
-    trainer = GRPOTrainer(model=standard_model, reward_funcs=spy(reward_func, calls), train_dataset=dataset,
-                          args=sized(tmp_path))
-    trainer.train()
-
-    trained(trainer, "reward_func")
+    _, calls = run_spied("grpo", standard_model, reward_func, dataset, tmp_path)
     assert sorted(calls[0]["prompts"]) == ["The sky is"] * 2 + ["The sun is"] * 2
     assert all(isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in calls[0]["completion_ids"])
 
@@ -252,14 +252,8 @@ def test_example_1_1_reward_longer_completions_in_characters(tmp_path, standard_
         """Reward function that assigns higher scores to longer completions (in terms of character count)."""
         return [float(len(completion)) for completion in completions]
 
-    config_class, trainer_class = TRAINERS[kind]
-    calls = []
     dataset = datasets.Dataset.from_dict({"prompt": ["The sky is", "The sun is"]})
-    trainer = trainer_class(model=standard_model, reward_funcs=spy(reward_func, calls), train_dataset=dataset,
-                            args=sized(tmp_path, config_class))
-    trainer.train()
-
-    row = trained(trainer, "reward_func")
+    row, calls = run_spied(kind, standard_model, reward_func, dataset, tmp_path)
     completions = calls[0]["completions"]
     assert all(isinstance(c, str) for c in completions)  # standard format: strings
     assert row["rewards/reward_func/mean"] == pytest.approx(sum(map(len, completions)) / len(completions))
@@ -274,17 +268,11 @@ def test_example_2_format_reward_conversational(tmp_path, chat_model, kind):
         matches = [re.match(pattern, content) for content in completion_contents]
         return [1.0 if match else 0.0 for match in matches]
 
-    config_class, trainer_class = TRAINERS[kind]
-    calls = []
     dataset = datasets.Dataset.from_dict({"prompt": [
         [{"role": "user", "content": "What is the result of (1 + 2) * 4?"}],
         [{"role": "user", "content": "What is the result of (3 + 1) * 2?"}],
     ]})
-    trainer = trainer_class(model=chat_model, reward_funcs=spy(format_reward_func, calls), train_dataset=dataset,
-                            args=sized(tmp_path, config_class))
-    trainer.train()
-
-    row = trained(trainer, "format_reward_func")
+    row, calls = run_spied(kind, chat_model, format_reward_func, dataset, tmp_path)
     assert row["rewards/format_reward_func/mean"] == 0.0  # a random model writes no <think> block
     prompts, completions = calls[0]["prompts"], calls[0]["completions"]
     assert prompts[0][-1]["role"] == "user" and completions[0][0]["role"] == "assistant"
@@ -299,17 +287,11 @@ def test_example_3_reward_based_on_a_reference(tmp_path, standard_model, kind):
         # Reward 1 if the content is the same as the ground truth, 0 otherwise
         return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
 
-    config_class, trainer_class = TRAINERS[kind]
-    calls = []
     dataset = datasets.Dataset.from_dict({
         "prompt": ["Problem: Solve the equation $2x + 3 = 7$. Solution:", "Problem: Solve the equation $3x - 5 = 10$."],
         "ground_truth": ["2", "5"],
     })
-    trainer = trainer_class(model=standard_model, reward_funcs=spy(reward_func, calls), train_dataset=dataset,
-                            args=sized(tmp_path, config_class))
-    trainer.train()
-
-    trained(trainer, "reward_func")
+    _, calls = run_spied(kind, standard_model, reward_func, dataset, tmp_path)
     # each completion gets its own row's ground truth: a group of 2 shares one
     truths = calls[0]["ground_truth"]
     assert len(truths) == 4 and truths[0] == truths[1] and truths[2] == truths[3] and set(truths) == {"2", "5"}
@@ -428,18 +410,12 @@ def test_example_6_logging_extra_columns_and_metrics(tmp_path, standard_model, k
 
         return rewards
 
-    config_class, trainer_class = TRAINERS[kind]
-    calls = []
     dataset = datasets.Dataset.from_dict({
         "prompt": ["Problem: Solve the equation $2x + 3 = 7$. Solution:", "Problem: Solve the equation $3x - 5 = 10$."],
         "ground_truth": ["2", "5"],
     })
     # log_completions: the completions table log_extra adds its columns to
-    trainer = trainer_class(model=standard_model, reward_funcs=spy(reward_func, calls), train_dataset=dataset,
-                            args=sized(tmp_path, config_class, log_completions=True))
-    trainer.train()
-
-    row = trained(trainer, "reward_func")
+    row, calls = run_spied(kind, standard_model, reward_func, dataset, tmp_path, log_completions=True)
     assert callable(calls[0]["log_extra"]) and callable(calls[0]["log_metric"])
     assert row["accuracy"] == 0.0  # log_metric's scalar, under its own name
     tables = glob.glob(str(tmp_path / "out" / "completions" / "*.parquet"))
