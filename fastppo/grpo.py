@@ -309,6 +309,10 @@ class GRPOTrainer(PPOTrainer):
             given[i] if given[i] is not None else (None if r.fn is not None else r.tokenizer or self.tokenizer)
             for i, r in enumerate(self.rewards)]
         self.reward_func_names = [r.name for r in self.rewards]
+        # the run's tools and, after them, each environment's (its probe instance's public methods), once each
+        self.tools = list(tools or [])
+        for methods in (environments.tools.values() if environments is not None else ()):
+            self.tools += [m for m in methods if m not in self.tools]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         # each eval set tokenized (a stream read) once: the one the sample table already holds, the others on first use
         self._eval_sets = [] if sample_table_set is None else [(sample_table_set, self.eval_prompts, self.eval_rows)]
@@ -370,6 +374,22 @@ class GRPOTrainer(PPOTrainer):
         keep = off_policy_keep((per_token_logps.detach() - sampling_per_token_logps).nan_to_num(0.0),
                                advantages.expand(b, t), mask != 0, rows, b, off_policy_threshold)
         return keep[:, :1].to(mask.dtype)
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        """TRL GRPO's attribute: each reward's weight, in ``reward_funcs``' order (``reward_weights``, else 1; an
+        environment's reward 1). A copy: assign a new sequence to change the weights the next batches are scored
+        with, as TRL reads its attribute at every batch."""
+        return torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
+
+    @reward_weights.setter
+    def reward_weights(self, weights) -> None:
+        values = [float(w) for w in weights]
+        if len(values) != len(self.rewards):
+            raise SettingsError(f"reward_weights: {len(values)} weights for {len(self.rewards)} reward functions "
+                                f"({', '.join(self.reward_func_names)})")
+        for reward, weight in zip(self.rewards, values):
+            reward.weight = weight
 
     @property
     def entropy_coef(self) -> float:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fastppo import GRPOConfig, GRPOTrainer, PPOConfig
 from fastppo.errors import SettingsError
@@ -570,3 +571,18 @@ def test_the_dataloaders_hold_what_the_loop_draws(tmp_path, model_dir):
     evaluated = [row["prompt"] for batch in trainer.get_eval_dataloader() for row in batch]
     assert len(evaluated) == 12 and evaluated[:4] == [evaluated[0]] * 4 and sorted(set(evaluated)) == ["a b", "c d",
                                                                                                           "e f"]
+
+
+def test_reward_weights_is_trls_attribute(tmp_path, model_dir):
+    """TRL's tests read ``trainer.reward_weights`` (a float32 tensor, 1 for an unweighted reward); assigning it
+    changes what the next batches are scored with."""
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=4, max_steps=1, bf16=False, disable_tqdm=True,
+                      gradient_checkpointing=False, reward_weights=[1.0, 0.5], save_strategy="no")
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[accuracy, length_penalty], args=args,
+                          train_dataset=tutorial_dataset())
+    assert trainer.reward_weights.dtype == torch.float32 and trainer.reward_weights.tolist() == [1.0, 0.5]
+    trainer.reward_weights = [2.0, 0.0]
+    assert [r.weight for r in trainer.rewards] == [2.0, 0.0]
+    with pytest.raises(SettingsError, match="reward_weights: 1 weights for 2 reward functions"):
+        trainer.reward_weights = [1.0]

@@ -202,6 +202,17 @@ def test_an_environment_routed_dataset_needs_no_prompt_column(tmp_path):
     assert trainer.state.global_step == 1
 
 
+def test_the_trainers_tools_and_reward_weights_are_trls_attributes(tmp_path):
+    """TRL's tests read ``trainer.tools`` (the run's tools, then each environment's public methods, never
+    ``reset``/``get_reward``) and ``trainer.reward_weights`` (the given weights, 1 for an environment's reward)."""
+    data = datasets.Dataset.from_dict({"environment": ["scored", "plain"]})
+    trainer, _ = grpo(tmp_path, data, rows=2, reward=lambda completions, **k: [0.0] * len(completions),
+                      args=dict(reward_weights=[0.5]), environment_factory={"scored": Scored, "plain": Plain})
+    names = [tool.__name__ for tool in trainer.tools]
+    assert names == ["act", "play"]  # Scored's, then Plain's; reset and get_reward are no tools
+    assert trainer.reward_weights.tolist() == [0.5, 1.0]
+
+
 # ---------------------------------------------------------------- item 11: the tool-template refusal
 
 

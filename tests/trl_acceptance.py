@@ -558,7 +558,7 @@ TOKENIZERS = {
     "gpt2": dict(specials=["<|endoftext|>"], bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                  unk_token="<|endoftext|>"),
     "qwen": dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>",
-                 pad_token="<|endoftext|>", chat_template="chatml", model_max_length=131072),
+                 pad_token="<|endoftext|>", chat_template="chatml_tools", model_max_length=131072),
     # Llama 3.2: TRL's reward-model test sets pad_token = "<|finetune_right_pad_id|>", which must exist
     "llama3": dict(specials=["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
                              "<|finetune_right_pad_id|>"], bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
@@ -685,7 +685,11 @@ def build_tokenizer(family: str, texts):
 
     spec = dict(TOKENIZERS[family])
     specials = spec.pop("specials")
-    if "chat_template" in spec:
+    if spec.get("chat_template") == "chatml_tools":  # Qwen2.5's renders tools, as TRL's tool and environment tests need
+        from fastppo.tools import CHATML_TOOL_TEMPLATE
+
+        spec["chat_template"] = CHATML_TOOL_TEMPLATE
+    elif "chat_template" in spec:
         spec["chat_template"] = CHAT_TEMPLATES[spec["chat_template"]]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
