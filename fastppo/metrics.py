@@ -240,7 +240,7 @@ def optimizer_step_metrics(result: UpdateResult, by_slot: dict[str, list[float]]
                            extremes: tuple[list[float], list[float]], world_size: int,
                            terms: MetricTerms) -> list[dict]:
     """Each optimizer step's metrics as TRL GRPO records them: its ``loss`` (the mean over processes of the
-    step's loss as minimised), ``grad_norm`` and ``learning_rate`` (transformers' log row at that step), and the
+    step's loss as minimised; ``local_loss``, this process's), ``grad_norm`` and ``learning_rate`` (transformers' log row at that step), and the
     per-micro-step values its ``compute_loss`` appends (``entropy``, ``kl``, ``clip_ratio/*``, ``policy_loss``,
     ``entropy_coef``), which a log row averages with every other value appended since the last row. Steps the
     update did not run (``max_steps`` ended inside the batch) are left out."""
@@ -267,7 +267,9 @@ def optimizer_step_metrics(result: UpdateResult, by_slot: dict[str, list[float]]
             values["policy_loss"] = [by_slot["policy_loss"][i] / world_size for i in ran]
             coefficients = result.step_entropy_coefs
             values["entropy_coef"] = [coefficients[position] if position < len(coefficients) else terms.entropy_coef]
+        local = result.stats[STAT["loss"]].flatten()[ran]  # this process's own (the slot sums are every one's)
         steps.append({"loss": sum(by_slot["loss"][i] for i in ran) / len(ran) / world_size,
+                      "local_loss": local.mean().item(),
                       "grad_norm": float(result.step_norms[position]) if position < len(result.step_norms)
                       else float("nan"),
                       "learning_rate": result.step_lrs[position] if position < len(result.step_lrs)

@@ -30,8 +30,9 @@ class StepLogs:
 
     def __init__(self):
         self.pending: dict[str, list[float]] = {}
-        self.losses: list[float] = []  # the steps' losses since the last row
-        self.loss_total, self.steps_run = 0.0, 0
+        self.losses: list[float] = []  # the steps' losses since the last row (every process's mean)
+        self.local_losses: list[float] = []  # the same steps' losses of this process alone
+        self.logged_total, self.steps_run = 0.0, 0
 
     def add_generation(self, metrics: dict[str, float], kl_in_loss: bool) -> None:
         """A generation batch's own metrics, from the iteration's (the per-step ones are added by ``add_step``)."""
@@ -43,7 +44,7 @@ class StepLogs:
         self._add(step["values"])
         self._add({"step_time": step_time})
         self.losses.append(step["loss"])
-        self.loss_total += step["loss"]
+        self.local_losses.append(step["local_loss"])
         self.steps_run += 1
 
     def _add(self, values: dict) -> None:
@@ -68,12 +69,17 @@ class StepLogs:
         ``learning_rate``, then TRL's pending metrics and the ``epoch``."""
         row = {"loss": sum(self.losses) / len(self.losses), "grad_norm": step["grad_norm"],
                "learning_rate": step["learning_rate"], **self.take(), "epoch": epoch}
-        self.losses = []
+        self.logged_total += sum(self.losses)
+        self.losses, self.local_losses = [], []
         return row
 
     def train_loss(self) -> float:
-        """transformers' ``train_loss``: the mean loss of the optimizer steps this ``train()`` call ran."""
-        return self.loss_total / self.steps_run if self.steps_run else float("nan")
+        """transformers' ``train_loss``: the mean loss of the optimizer steps this ``train()`` call ran, each
+        logged step's as logged (every process's mean) and the steps after the last row at this process's own
+        loss (transformers adds its running loss there without gathering it: on several processes each one's
+        ``train_loss`` differs, as TRL's does)."""
+        total = self.logged_total + sum(self.local_losses)
+        return total / self.steps_run if self.steps_run else float("nan")
 
 
 def grpo_progress_line(row: dict) -> str:

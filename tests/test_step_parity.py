@@ -56,18 +56,34 @@ def case_config(overrides: dict) -> dict:
     return {k: v for k, v in {**BASE, **overrides}.items() if not k.startswith("_")}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """Every case, in one process of TRL 1.16's environment (its imports paid once)."""
-    tmp = tmp_path_factory.mktemp("step-parity")
-    cases = {name: {"trainer": o.get("_trainer", "grpo"), "config": case_config(o)} for name, o in CASES.items()}
+# the same cases on two processes (torchrun, Gloo; TRL under accelerate in the same processes): a generation batch
+# split over processes, its advantages over groups of each process, its logs and gradients all-reduced
+TWO_PROCESS_CASES = ("dapo", "grpo-beta", "scale_batch", "iterations2-spg4", "rloo")
+
+
+def run_cases(tmp, names, processes: int = 1) -> dict:
+    """The named cases, in one run of TRL 1.16's environment (its imports paid once), on ``processes`` processes."""
+    cases = {name: {"trainer": CASES[name].get("_trainer", "grpo"), "config": case_config(CASES[name])}
+             for name in names}
     (tmp / "cases.json").write_text(json.dumps(cases))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trl1_dir()), str(ROOT)]), TRITON_INTERPRET="0",
-               FASTPPO_CACHE=str(tmp / "cache"))
-    proc = subprocess.run([sys.executable, str(RUNNER), str(tmp / "out.pt"), str(tmp / "cases.json")], env=env,
+               FASTPPO_CACHE=str(tmp / "cache"), OMP_NUM_THREADS="1")
+    launch = [sys.executable] if processes == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    proc = subprocess.run([*launch, str(RUNNER), str(tmp / "out.pt"), str(tmp / "cases.json")], env=env,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(tmp / "out.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    return run_cases(tmp_path_factory.mktemp("step-parity"), list(CASES))
+
+
+@pytest.fixture(scope="module")
+def runs_on_two_processes(tmp_path_factory) -> dict:
+    return run_cases(tmp_path_factory.mktemp("step-parity-2"), TWO_PROCESS_CASES, processes=2)
 
 
 def differences(trl_rows: list[dict], ours: list[dict]) -> list[str]:
@@ -92,9 +108,7 @@ def close(a, b) -> bool:
     return abs(a - b) <= max(1e-6, 1e-4 * abs(a))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
-def test_the_same_run_as_trls(runs, name):
+def check_the_same_run(runs: dict, name: str) -> None:
     assert runs["trl_version"].startswith("1.16")
     case = runs["cases"][name]
     trl_run, ours = case["trl"], case["fastppo"]
@@ -107,6 +121,18 @@ def test_the_same_run_as_trls(runs, name):
     moved = sum(((trl_run["weights"][k] - initial[k]) ** 2).sum() for k in initial) ** 0.5
     apart = sum(((ours["weights"][k] - trl_run["weights"][k]) ** 2).sum() for k in initial) ** 0.5
     assert moved > 0 and apart <= 1e-2 * moved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_same_run_as_trls(runs, name):
+    check_the_same_run(runs, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TWO_PROCESS_CASES)
+def test_the_same_run_as_trls_on_two_processes(runs_on_two_processes, name):
+    check_the_same_run(runs_on_two_processes, name)
 
 
 def test_a_changed_value_is_a_difference():

@@ -70,7 +70,9 @@ class Script:
         self.calls, self.max_length = 0, max_length
 
     def completions(self, entries: int) -> list[list[int]]:
-        out = scripted_completions(self.calls, entries, self.max_length)
+        # each process its own completions (its rank's share of the batch): a process's entries are its rows
+        rank = int(os.environ.get("RANK", "0"))
+        out = scripted_completions(self.calls, entries * (rank + 1), self.max_length)[entries * rank:]
         self.calls += 1
         return out
 
@@ -135,7 +137,8 @@ def main(out: str, cases_file: str) -> None:
                 record[side.__name__] = run(side, case["trainer"], config, path, os.path.join(tmp, "out"))
         results["cases"][name] = record
         print(f"case {name}: done", flush=True)
-    torch.save(results, out)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: every process's logs are all-reduced, one writes
+        torch.save(results, out)
 
 
 if __name__ == "__main__":
