@@ -225,12 +225,6 @@ def row_statistics(stats: torch.Tensor, sides: list[torch.Tensor], real: torch.T
         stats[STAT["phi_sum"]] = vespo_weights(log_ratio, advantages, real, rows, real.shape[0], vespo_gamma)[:, 0].sum()
 
 
-def extreme_clip_fractions(stats: torch.Tensor) -> dict[str, float]:
-    """``extreme_clip_shares`` averaged over the micro-steps that have one (TRL's log of a generation batch)."""
-    low, high = extreme_clip_shares(stats)
-    return {"clip_ratio/low_min": _finite_mean(low), "clip_ratio/high_max": _finite_mean(high)}
-
-
 def _finite_mean(values: list[float]) -> float:
     kept = [v for v in values if math.isfinite(v)]
     return sum(kept) / len(kept) if kept else float("nan")
@@ -240,8 +234,8 @@ def optimizer_step_metrics(result: UpdateResult, by_slot: dict[str, list[float]]
                            extremes: tuple[list[float], list[float]], world_size: int,
                            terms: MetricTerms) -> list[dict]:
     """Each optimizer step's metrics as TRL GRPO records them: its ``loss`` (the mean over processes of the
-    step's loss as minimised; ``local_loss``, this process's), ``grad_norm`` and ``learning_rate`` (transformers' log row at that step), and the
-    per-micro-step values its ``compute_loss`` appends (``entropy``, ``kl``, ``clip_ratio/*``, ``policy_loss``,
+    step's loss as minimised; ``local_loss``, this process's), ``grad_norm`` and ``learning_rate`` (transformers'
+    log row at that step), and the per-micro-step values its ``compute_loss`` appends (``entropy``, ``kl``, ``clip_ratio/*``, ``policy_loss``,
     ``entropy_coef``), which a log row averages with every other value appended since the last row. Steps the
     update did not run (``max_steps`` ended inside the batch) are left out."""
     epochs, minibatches, micro = result.stats.shape[1:]
@@ -252,6 +246,7 @@ def optimizer_step_metrics(result: UpdateResult, by_slot: dict[str, list[float]]
     clip_names = {"cispo_clip_ratio": "clip_ratio/high_mean"}  # cispo's is its high side
     names = ["entropy", *(["kl"] if terms.kl_in_loss else []),
              *(n for n in CLIP_METRICS[terms.surrogate] if n in GLOBAL_MEANS or n in clip_names)]
+    local_losses = result.stats[STAT["loss"]].flatten().tolist()  # this process's (the slot sums are every one's)
     steps = []
     for index in range(epochs * minibatches):
         window = range(index * micro, (index + 1) * micro)
@@ -267,9 +262,8 @@ def optimizer_step_metrics(result: UpdateResult, by_slot: dict[str, list[float]]
             values["policy_loss"] = [by_slot["policy_loss"][i] / world_size for i in ran]
             coefficients = result.step_entropy_coefs
             values["entropy_coef"] = [coefficients[position] if position < len(coefficients) else terms.entropy_coef]
-        local = result.stats[STAT["loss"]].flatten()[ran]  # this process's own (the slot sums are every one's)
         steps.append({"loss": sum(by_slot["loss"][i] for i in ran) / len(ran) / world_size,
-                      "local_loss": local.mean().item(),
+                      "local_loss": sum(local_losses[i] for i in ran) / len(ran),
                       "grad_norm": float(result.step_norms[position]) if position < len(result.step_norms)
                       else float("nan"),
                       "learning_rate": result.step_lrs[position] if position < len(result.step_lrs)

@@ -211,7 +211,7 @@ def test_the_extreme_clip_fractions_are_trls():
     """TRL GRPO's clip_ratio/low_min and high_max: per micro-step, the smallest (largest) share of one sequence's
     tokens clipped below (above) the range (its masked_seq_mean, then nanmin/nanmax over the sequences: a sequence
     without a token is passed over), averaged over the micro-steps that had one."""
-    from fastppo.metrics import STAT_NAMES, extreme_clip_fractions, row_statistics
+    from fastppo.metrics import STAT_NAMES, extreme_clip_shares, row_statistics
 
     torch.manual_seed(3)
     stats = torch.full((len(STAT_NAMES), 1, 2, 2), float("nan"))
@@ -226,6 +226,8 @@ def test_the_extreme_clip_fractions_are_trls():
         shares = [((s & real).sum(1).float() / real.sum(1))[1:] for s in (low, high)]  # by hand, row by row
         expected_low.append(shares[0].min().item())
         expected_high.append(shares[1].max().item())
-    out = extreme_clip_fractions(stats)
-    assert out["clip_ratio/low_min"] == pytest.approx(sum(expected_low) / 3)
-    assert out["clip_ratio/high_max"] == pytest.approx(sum(expected_high) / 3)
+    low, high = extreme_clip_shares(stats)
+    assert low[:3] == pytest.approx(expected_low) and high[:3] == pytest.approx(expected_high)
+    assert math.isnan(low[3]) and math.isnan(high[3])  # the micro-step that did not run: passed over
+    # a generation batch's log averages the micro-steps that ran (TRL's mean of its appended values)
+    assert sum(low[:3]) / 3 == pytest.approx(sum(expected_low) / 3)
