@@ -6,6 +6,7 @@ output_dir's lock, stop signals and the process group's end; and transformers' `
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import threading
@@ -307,10 +308,14 @@ class TrainingLoop:
                     state.global_step = step - 1
                     control = self.callback_handler.on_step_begin(self.config, state, control)
                 state.global_step = step
+                epoch_before = state.epoch
                 if rows is not None:  # the epoch as transformers counts it: the share of the batch's steps done
                     state.epoch = self._epoch_at(step - before, epoch_end)
                 control = self.callback_handler.on_step_end(self.config, state, control)
                 if rows is not None:
+                    if self.config.logging_strategy == "epoch" and epoch_before is not None and \
+                            math.floor(state.epoch + 1e-9) > math.floor(epoch_before + 1e-9):
+                        control.should_log = True  # an epoch ended at this step (transformers' on_epoch_end flow)
                     self.control = control
                     self._log_step(rows, step - before - 1, after - before)
                     control = self.control

@@ -209,3 +209,15 @@ def test_a_resume_between_generation_batches_equals_the_whole_run(tmp_path, mode
         return [(r["step"], r["loss"], r.get("num_tokens"), r["learning_rate"], r["epoch"])
                 for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
     assert logged(resumed) == logged(whole) and not math.isnan(logged(whole)[-1][1])
+
+
+def test_logging_strategy_epoch_writes_a_row_at_each_epoch_end(tmp_path, model_dir):
+    """transformers' logging_strategy="epoch": a row where an epoch of the prompts ends (here every generation
+    batch of 4 steps: 4 prompts × 4 completions), none between."""
+    data = datasets.Dataset.from_dict({"prompt": ["the movie was", "i think the plot is", "overall the cast",
+                                                  "the ending felt"]})
+    args = grpo_args(tmp_path, max_steps=8, logging_strategy="epoch", logging_steps=500)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=data, args=args)
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert [r["step"] for r in rows] == [4, 8] and [r["epoch"] for r in rows] == pytest.approx([1.0, 2.0])
