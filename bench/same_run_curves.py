@@ -3,8 +3,7 @@ generated here (single-digit addition, a chat prompt, reward 1 when the first nu
 TRL GRPO's defaults except the sizes, learning rate, step count and β, each trainer sampling for itself, seeds
 0..S-1 per side, the runs interleaved, each in its own process (TRL's in TRL 1.16's environment, ``.trl1``).
 
-    python bench/same_run_curves.py --steps 60 --seeds 3 --out bench/same_run_curves.json \
-        --plot docs/same_run_curves.png
+    python bench/same_run_curves.py --steps 60 --seeds 3 --out RUNS.json --plot CURVES.png
 
 Records each run's ``log_history`` rows (reward, kl, entropy, completions/mean_length per optimizer step), its
 ``train()`` seconds and peak RSS; ``--plot`` draws each side's mean with its seeds' range, and the summary prints
