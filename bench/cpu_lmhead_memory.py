@@ -1,10 +1,9 @@
 """Time and peak memory of the LM-head log-probs + entropy on a CPU: fastppo's chunked PyTorch path beside TRL 1.x's
 ``_ChunkedLogProbFunction`` at its default vocabulary chunk (32,768) and at 4,096, each case in a fresh process.
 
-TRL 1.x cannot share the main environment (it holds TRL 0.26, the PPO peer), so this runs with TRL 1.x's
-directory first on the path (``.trl1``, see the README's test command):
+TRL 1.x is the environment's (the ``[trl]`` extra, part of ``[test]``; see the README's test command):
 
-    PYTHONPATH=.trl1 TRITON_INTERPRET=0 .venv/bin/python bench/cpu_lmhead_memory.py --rounds 3 [--json OUT]
+    TRITON_INTERPRET=0 .venv/bin/python bench/cpu_lmhead_memory.py --rounds 3 [--json OUT]
 
 Cases: two real heads over N tokens, Qwen2.5-0.5B's (N 1,024, H 896, V 151,936) and SmolLM2-135M's (N 2,048,
 H 576, V 49,152), random weights; fp32 and bf16 operands (no autocast); "fwd" (log-probs + entropy, inputs not
@@ -90,8 +89,8 @@ def _implementation(name: str):
     import trl
 
     if not trl.__version__.startswith("1."):
-        raise SystemExit(f"run with TRL 1.x first on PYTHONPATH (found TRL {trl.__version__}): "
-                         "PYTHONPATH=.trl1 python bench/cpu_lmhead_memory.py")
+        raise SystemExit(f"needs TRL 1.x (found TRL {trl.__version__} at {trl.__file__}): "
+                         ".venv/bin/pip install -e '.[trl]'")
     import trl.trainer.utils  # noqa: F401  (its backward imports this at its first call: not inside the timing)
     from trl.trainer.utils import _ChunkedLogProbFunction
 

@@ -27,9 +27,9 @@ script starts ``python bench/grpo_baseline.py --child SIDE --case JSON``, which 
   completions' mean length: recorded by the function itself, so both sides are read the same way.
 
 The side order alternates from round to round (fastppo first, then TRL first, ...) so that load drift and
-cache warmth hit both. TRL runs with ``PYTHONPATH=.trl1:REPO`` (``$FASTPPO_TRL1`` overrides ``.trl1``), fastppo
-with ``PYTHONPATH=REPO``, each followed by the caller's own PYTHONPATH (the main environment's TRL 0.26 is not
-imported by either child).
+cache warmth hit both. TRL runs with TRL 1.x's directory first (``trl_envs.trl1_dir``: the environment's, or
+``$FASTPPO_TRL1``) then ``REPO``, fastppo with ``PYTHONPATH=REPO``, each followed by the caller's own PYTHONPATH
+(so a TRL 0.26 that PYTHONPATH may hold is imported by neither child).
 
 Set equal on both sides: the model and its dtype (``--device``: on a CPU fp32 weights, no autocast, as TRL's
 ``bf16``, True by default even on a CPU, is set False; on a GPU fp32 weights under bf16 autocast, TRL's default
@@ -73,6 +73,7 @@ if HERE not in sys.path:
 
 from e2e_common import CHAT_PROMPTS, REPO, smollm2_dir  # noqa: E402
 from e2e_measure import PeakMemory, _preimport  # noqa: E402
+from trl_envs import trl1_dir, trl1_missing  # noqa: E402
 
 SIDES = ("fastppo", "fastppo-padfree", "fastppo-eager", "fastppo-inductor", "fastppo-noshare", "trl")
 # fastppo-eager and fastppo-inductor differ from fastppo on a GPU only
@@ -429,10 +430,6 @@ def child(side: str, case: GRPOCase) -> dict:
 # ============================================================================ the parent side
 
 
-def trl1_dir() -> str:
-    return os.environ.get("FASTPPO_TRL1", os.path.join(REPO, ".trl1"))
-
-
 def run_child(side: str, case: GRPOCase, timeout: float = 3600) -> dict:
     """One side in a fresh process: its summary, plus the process's wall time and peak RSS (``os.wait4``)."""
     env = dict(os.environ)
@@ -636,9 +633,8 @@ def main(argv=None) -> None:
     unknown = [s for s in sides if s not in SIDES]
     if unknown:
         raise SystemExit(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
-    if "trl" in sides and not os.path.isfile(os.path.join(trl1_dir(), "trl", "__init__.py")):
-        raise SystemExit(f"TRL 1.x is missing at {trl1_dir()}: "
-                         ".venv/bin/pip install --no-deps --target .trl1 trl==1.16.0")
+    if "trl" in sides and (why := trl1_missing()):
+        raise SystemExit(why)
     device = args.device
     if device == "auto":
         import torch

@@ -1,7 +1,7 @@
 """The same GRPO run on TRL 1.16 and fastppo, curve for curve: SmolLM2-135M-Instruct (the real weights) on a task
 generated here (single-digit addition, a chat prompt, reward 1 when the first number of the completion is the sum),
 TRL GRPO's defaults except the sizes, learning rate, step count and β, each trainer sampling for itself, seeds
-0..S-1 per side, the runs interleaved, each in its own process (TRL's in TRL 1.16's environment, ``.trl1``).
+0..S-1 per side, the runs interleaved, each in its own process (TRL's with TRL 1.16's directory first: ``trl_envs``).
 
     python bench/same_run_curves.py --steps 60 --seeds 3 --out RUNS.json --plot CURVES.png
 
@@ -24,6 +24,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
+from trl_envs import trl1_dir  # noqa: E402
 
 SETTINGS = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16, learning_rate=5e-6,
                 beta=0.04, logging_steps=1, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
@@ -77,7 +78,7 @@ def run(side: str, seed: int, steps: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        ([os.environ.get("FASTPPO_TRL1", os.path.join(REPO, ".trl1"))] if side == "trl" else []) + [REPO]),
+        ([trl1_dir()] if side == "trl" else []) + [REPO]),
         TRL_EXPERIMENTAL_SILENCE="1")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", side, str(seed), str(steps), out],
                           env=env, capture_output=True, text=True)

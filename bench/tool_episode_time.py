@@ -1,6 +1,6 @@
 """Time per tool-calling episode, fastppo beside TRL 1.16's GRPOTrainer, on the same scripted turns (CPU).
 
-    PYTHONPATH=.trl1:.:tests python bench/tool_episode_time.py [--rows 32] [--repeats 3] [--sleep 0.02]
+    PYTHONPATH=.:tests python bench/tool_episode_time.py [--rows 32] [--repeats 3] [--sleep 0.02]
 
 Every row plays the same episode: two rounds of calls, each turn one call of ``lookup`` (a tool that waits
 ``--sleep`` seconds, as a call to a service does, sync or ``async``) and then an answer. The model's turns are

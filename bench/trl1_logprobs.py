@@ -1,9 +1,8 @@
 """fastppo's fused log-prob(+entropy) beside TRL 1.x's ``_ChunkedLogProbFunction`` and Liger's, on the same shapes.
 
-TRL 1.x cannot share the main environment (it holds TRL 0.26, the PPO peer), so this runs in TRL 1.x's
-directory (``.trl1``, see the README's test command):
+TRL 1.x is the environment's (the ``[trl]`` extra, part of ``[test]``; see the README's test command):
 
-    PYTHONPATH=.trl1 .venv/bin/python bench/trl1_logprobs.py [--quick] [--json OUT]
+    .venv/bin/python bench/trl1_logprobs.py [--quick] [--json OUT]
 
 Cases: SmolLM2-135M's LM head (H = 576, V = 49,152) over N tokens, forward (log-probs + entropy, the GRPO
 policy call) and forward + backward, fp32 and bf16 operands. Implementations, run interleaved, each checked
@@ -39,8 +38,8 @@ def _trl_seam():
     from trl.trainer.utils import _ChunkedLogProbFunction
 
     if not trl.__version__.startswith("1."):
-        raise SystemExit(f"run with TRL 1.x first on PYTHONPATH (found TRL {trl.__version__}): "
-                         "PYTHONPATH=.trl1 python bench/trl1_logprobs.py")
+        raise SystemExit(f"needs TRL 1.x (found TRL {trl.__version__} at {trl.__file__}): "
+                         ".venv/bin/pip install -e '.[trl]'")
     return trl.__version__, _ChunkedLogProbFunction
 
 

@@ -3,7 +3,7 @@ the bench (``run_trl``), with the reward function wrapped as the reward *model* 
 (:class:`RewardFnModel`) and TRL's per-iteration phases timed (``TrlPhases``).
 
 TRL's ``PPOTrainer`` moved to ``trl.experimental.ppo`` in 0.26 (and is gone from TRL 1.x); this file
-needs ``trl==0.26.*`` and runs with transformers 5.x.
+needs ``trl==0.26.*`` (from its own directory, ``.trl026``: ``trl_envs``) and runs with transformers 5.x.
 """
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from e2e_common import (
     shared_settings,
     stamp_callback,
 )
+from trl_envs import use_trl026
+
+use_trl026()  # before anything imports trl: the environment's TRL is 1.x, which has no PPOTrainer
 
 TRL_IMPL_NAME = "reference: TRL 0.26 PPOTrainer"
 

@@ -10,16 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_trl1_integration import trl1_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
 def test_grpo_bench_smoke_runs_both_trainers(tmp_path):
-    trl1 = Path(os.environ.get("FASTPPO_TRL1", ROOT / ".trl1"))
-    if not (trl1 / "trl" / "__init__.py").is_file():
-        pytest.fail(f"TRL 1.x's environment is missing at {trl1}: run "
-                    f"`.venv/bin/pip install --no-deps --target {trl1} trl==1.16.0` (see the README's test command)")
+    trl1_dir()  # fails with the command that installs TRL 1.x when it is missing
     out = tmp_path / "grpo.json"
     env = dict(os.environ, FASTPPO_CACHE=os.environ.get("FASTPPO_CACHE", str(tmp_path / "cache")))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_baseline.py"), "--smoke", "--json", str(out)],

@@ -1,14 +1,15 @@
 """fastppo.integrations.trl against the real TRL 1.x, in TRL 1.x's own environment.
 
-The main environment holds TRL 0.26.2 (the PPO peer); TRL 1.16 lives in its own directory
-(``.trl1``, or ``$FASTPPO_TRL1``), which ``.ci/run`` and the README's test command fill with
-``pip install --no-deps --target .trl1 trl==1.16.0`` (its dependencies are the main environment's).
-The runs happen in subprocesses with that directory first on ``PYTHONPATH`` (``tests/trl1_grpo.py``).
-A missing directory fails with the command that makes it: this is not skipped.
+The environment holds TRL 1.16 (the ``[trl]`` extra, part of ``[test]``; ``$FASTPPO_TRL1`` names another directory
+instead) and the PPO peer's TRL 0.26.2 lives in ``.trl026`` (``bench/trl_envs.py``). The runs happen in subprocesses
+with TRL 1.x's directory first on ``PYTHONPATH`` (``tests/trl1_grpo.py``), whatever the parent put there.
+A missing TRL 1.x fails with the command that installs it: this is not skipped.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +22,19 @@ RUNNER = ROOT / "tests" / "trl1_grpo.py"
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
+def _trl_envs():
+    spec = importlib.util.spec_from_file_location("trl_envs", ROOT / "bench" / "trl_envs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def trl1_dir() -> Path:
-    path = Path(os.environ.get("FASTPPO_TRL1", ROOT / ".trl1"))
-    if not (path / "trl" / "__init__.py").is_file():
-        pytest.fail(f"TRL 1.x's environment is missing at {path}: run "
-                    f"`.venv/bin/pip install --no-deps --target {path} trl==1.16.0` (see the README's test command)")
-    return path
+    """The directory holding TRL 1.x (``bench/trl_envs.py``), or the test fails with the command that installs it."""
+    envs = _trl_envs()
+    if why := envs.trl1_missing():
+        pytest.fail(why)
+    return Path(envs.trl1_dir())
 
 
 def run_in_trl1(tmp_path, *args, interpret: bool, cache) -> dict:
@@ -113,11 +121,15 @@ def test_the_seam_equals_trls_and_is_exact_in_bf16(tmp_path, cache):
 
 
 def test_apply_checks_the_version_refuses_trl_0x_and_undoes(tmp_path):
-    """In the main environment (TRL 0.26): refused with the reason. In TRL 1.x's: patched, held twice, undone."""
-    from fastppo.integrations.trl import apply_fastppo_kernels_to_trl
-
-    with pytest.raises(RuntimeError, match=r"TRL 1.x's fused LM head .* the installed TRL is 0\.26"):
-        apply_fastppo_kernels_to_trl()
+    """With the PPO peer's TRL 0.26 first on the path: refused with the reason. With TRL 1.x: patched, held twice,
+    undone."""
+    trl026 = _trl_envs().trl026_dir()
+    refusal = ("from fastppo.integrations.trl import apply_fastppo_kernels_to_trl\n"
+               "try:\n    apply_fastppo_kernels_to_trl()\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    proc = subprocess.run([sys.executable, "-c", refusal], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([trl026, str(ROOT)]), TRITON_INTERPRET="0"))
+    assert re.search(r"refused: .*TRL 1.x.s fused LM head .* the installed TRL is 0\.26", proc.stdout), \
+        proc.stdout + proc.stderr[-3000:]
     script = (
         "import trl.trainer.utils as u, warnings\n"
         "from fastppo.integrations.trl import apply_fastppo_kernels_to_trl, FastppoChunkedLogProb\n"

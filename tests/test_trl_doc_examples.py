@@ -16,7 +16,7 @@ others:
   format reward of the environment's ``Rewards`` section, the multi-environment tools), filled with a line each;
 * ``trl.rewards.accuracy_reward`` (the quickstarts') needs ``math_verify``, not installed here: a stand-in with
   its signature (conversational ``completions``, the ``solution`` column, ``log_extra``) and its ``None`` for an
-  unparseable solution; ``trl.rewards.get_soft_overlong_punishment`` is TRL 1.16's own, read from ``.trl1``.
+  unparseable solution; ``trl.rewards.get_soft_overlong_punishment`` is TRL 1.16's own, read from TRL 1.x's directory.
 
 Tool calls by a random tiny model never happen, so the tool and environment examples replace the sampler with
 scripted turns (``tests/tool_script.py``'s ``Script``, as ``tests/test_tools.py`` does): the example's own tools

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("reference_path")
 
 
 def _in_trl1(script: str) -> str:
-    """``script`` in TRL 1.16's environment (a subprocess with .trl1 first on PYTHONPATH, as
+    """``script`` in TRL 1.16's environment (a subprocess with TRL 1.x's directory first on PYTHONPATH, as
     tests/test_trl1_integration.py runs it); its stdout."""
     from test_trl1_integration import ROOT, trl1_dir
 

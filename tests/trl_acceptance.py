@@ -7,7 +7,8 @@
 A target runs when its checkout is given (``--only`` narrows them further). TRL 1.16's
 ``tests/test_grpo_trainer.py`` runs with ``GRPOConfig``/``GRPOTrainer`` from fastppo while its
 other ``trl`` imports (``trl.import_utils``) stay TRL 1.16's, from ``--trl116-env`` (default
-``.trl1``, as tests/test_grpo_bench.py) put first on PYTHONPATH. ``trl116-test_grpo_trainer-baseline``
+the environment's, ``bench/trl_envs.py``) put first on PYTHONPATH; the PPO and legacy targets get the PPO peer's
+TRL 0.26.2 first instead (``--trl026-env``, default ``.trl026``). ``trl116-test_grpo_trainer-baseline``
 runs the same file unchanged against TRL 1.16's own GRPOTrainer, on the same stand-ins and
 exclusions, to tell a stand-in's limits from fastppo's; it runs only when ``--only`` names it.
 
@@ -43,6 +44,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from trl_envs import trl026_dir, trl1_dir  # noqa: E402
 STANDIN_VERSION = 4  # bump when a stand-in's contents change, so cached work dirs rebuild
 
 # --------------------------------------------------------------------------------------
@@ -1015,8 +1018,11 @@ def main(argv=None) -> int:
     p.add_argument("--trl026", help="a TRL v0.26.2 checkout")
     p.add_argument("--trl011", help="a TRL v0.11.4 checkout")
     p.add_argument("--trl116", help="a TRL v1.16.0 checkout (its tests/ is what is read)")
-    p.add_argument("--trl116-env", default=os.environ.get("FASTPPO_TRL1", os.path.join(ROOT, ".trl1")),
-                   help="where TRL 1.16 itself is installed (pip install --target; default $FASTPPO_TRL1 or .trl1)")
+    p.add_argument("--trl116-env", default=trl1_dir(),
+                   help="where TRL 1.16 itself is installed (default: $FASTPPO_TRL1 or this environment's)")
+    p.add_argument("--trl026-env", default=trl026_dir(),
+                   help="where TRL 0.26.2 is installed for the PPO and legacy targets (default: $FASTPPO_TRL026 or "
+                        ".trl026)")
     p.add_argument("--workdir", help="where stand-ins, copies, logs and outputs go (default: a fresh temp dir); "
                                      "reusing one reuses its stand-ins")
     p.add_argument("--only", action="append", choices=names, metavar="NAME",
@@ -1059,10 +1065,10 @@ def main(argv=None) -> int:
     for target in chosen:
         print(f"\n--- running {target.name} ({target.trl}/{target.src})", flush=True)
         tdir = prepare(target, trl_dirs, workdir)
-        # TRL 1.16 first: the target's remaining trl imports (and the baseline's trainer) are 1.16's, not the
-        # venv's TRL 0.26
-        target_env = {**env, "PYTHONPATH": os.pathsep.join([trl1_env, *filter(None, [env.get("PYTHONPATH")])])} \
-            if target.trl_env else env
+        # the target's remaining trl imports (and the baseline's trainer) come from its own TRL: 1.16 for the
+        # GRPO/RLOO targets, 0.26.2 for the PPO and legacy ones
+        first = trl1_env if target.trl_env else os.path.abspath(args.trl026_env)
+        target_env = {**env, "PYTHONPATH": os.pathsep.join([first, *filter(None, [env.get("PYTHONPATH")])])}
         if target.kind == "pytest":
             results[target.name] = run_pytest(target, tdir, target_env, workdir, args.timeout, args.keyword, tag)
         else:
