@@ -68,7 +68,8 @@ def start_runtime(config: PPOConfig, need_group: bool = False) -> Runtime:
     state = fdist.setup_distributed(config.ddp_timeout, config.use_cpu, need_group=need_group)
     library_log.new_run()  # fastppo's warnings, each shown once per trainer
     hf_logging.disable_progress_bar()
-    library_log.quiet_transformers()
+    library_log.quieting_transformers(hf_logging.get_verbosity())
+    hf_logging.set_verbosity_error()
     try:  # transformers 5 writes checkpoints with huggingface_hub's progress bars
         from huggingface_hub.utils import disable_progress_bars
 

@@ -30,6 +30,7 @@ from typing import ClassVar, Literal
 
 import torch
 from transformers import TrainingArguments
+from transformers.utils import logging as hf_logging
 
 from fastppo import library_log
 from fastppo.advantages import ESTIMATORS, estimators_help
@@ -531,7 +532,7 @@ class PPOConfig(TrainingArguments):
         cpu_bf16 = bool(self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.cuda.is_available()
         pin_memory = self.dataloader_pin_memory
         if self.disable_tqdm is None:  # TrainingArguments' default, from transformers' verbosity as the user set it
-            self.disable_tqdm = library_log.transformers_verbosity() > logging.WARN
+            self.disable_tqdm = library_log.user_verbosity(hf_logging.get_verbosity()) > logging.WARN
         try:
             self.use_cpu = self.use_cpu or cpu_bf16
             super().__post_init__()

@@ -9,8 +9,8 @@ since the last trainer was built (``new_run``), as transformers' ``logger.warnin
 prints it. A record the trainer's console already
 printed (``CONSOLE_SHOWN`` in its ``extra``) goes to the user's logging only.
 
-transformers' own logging is set to ERROR while fastppo runs (``quiet_transformers``); the level the user left is
-kept, since TrainingArguments decides its default ``disable_tqdm`` from it (``transformers_verbosity``).
+transformers' own logging is set to ERROR while fastppo runs; the level the user left is kept
+(``quieting_transformers``), since TrainingArguments decides its default ``disable_tqdm`` from it (``user_verbosity``).
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import logging
 import sys
 
 from tqdm.auto import tqdm
-from transformers.utils import logging as hf_logging
 
 LIBRARY = "fastppo"
 # a record's ``extra`` key: the trainer's console printed the same line, so the library's handler skips it
@@ -94,22 +93,20 @@ def install() -> None:
         logger.addHandler(LibraryHandler())
 
 
-# transformers' verbosity as the user left it, before a trainer set it to ERROR (``quiet_transformers``); None while
-# no trainer has
+# transformers' verbosity as the user left it, before a trainer set it to ERROR (``quieting_transformers``); empty
+# while no trainer has
 _USER_VERBOSITY: list[int] = []
 
 
-def quiet_transformers() -> None:
-    """transformers' logging at ERROR while fastppo runs (as each trainer starts), the user's level remembered for
-    ``transformers_verbosity``."""
-    if not (_USER_VERBOSITY and hf_logging.get_verbosity() == logging.ERROR):  # else: still fastppo's ERROR
-        _USER_VERBOSITY[:] = [hf_logging.get_verbosity()]
-    hf_logging.set_verbosity_error()
+def quieting_transformers(current: int) -> None:
+    """A trainer sets transformers' logging to ERROR while fastppo runs; ``current`` (its level until then) is the
+    user's, unless it is still the ERROR an earlier trainer set."""
+    if not (_USER_VERBOSITY and current == logging.ERROR):
+        _USER_VERBOSITY[:] = [current]
 
 
-def transformers_verbosity() -> int:
-    """transformers' verbosity as the user set it: the level before a trainer quieted it, while it stays quieted
-    (TrainingArguments decides its default disable_tqdm from it: a second config in the process would otherwise
-    read fastppo's ERROR and lose its progress bar)."""
-    current = hf_logging.get_verbosity()
+def user_verbosity(current: int) -> int:
+    """transformers' verbosity as the user set it, given the ``current`` one: the level before a trainer quieted it,
+    while it stays quieted (TrainingArguments decides its default disable_tqdm from it: a second config in the
+    process would otherwise read fastppo's ERROR and lose its progress bar)."""
     return _USER_VERBOSITY[0] if _USER_VERBOSITY and current == logging.ERROR else current

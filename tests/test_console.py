@@ -127,7 +127,8 @@ def test_a_config_made_after_a_trainer_started_keeps_transformers_default_bar(tm
     level = hf_logging.get_verbosity()
     try:
         hf_logging.set_verbosity_warning()
-        library_log.quiet_transformers()  # what each trainer's start does
+        library_log.quieting_transformers(hf_logging.get_verbosity())  # what each trainer's start does
+        hf_logging.set_verbosity_error()
         assert GRPOConfig(output_dir=str(tmp_path)).disable_tqdm is False
         hf_logging.set_verbosity(hf_logging.CRITICAL)  # the user's own choice after it: honoured
         assert GRPOConfig(output_dir=str(tmp_path)).disable_tqdm is True
