@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 from fastppo import dist as fdist
 from fastppo import library_log
 from fastppo.actor_critic import PolicyAndValue, Reference
+from fastppo.console import StdoutBesideBar
 from fastppo.config import PPOConfig
 from fastppo.loading import check_optimizer_covers
 from fastppo.rewards import RunningMoments
@@ -67,6 +68,7 @@ def start_runtime(config: PPOConfig, need_group: bool = False) -> Runtime:
     state = fdist.setup_distributed(config.ddp_timeout, config.use_cpu, need_group=need_group)
     library_log.new_run()  # fastppo's warnings, each shown once per trainer
     hf_logging.disable_progress_bar()
+    library_log.quieting_transformers(hf_logging.get_verbosity())
     hf_logging.set_verbosity_error()
     try:  # transformers 5 writes checkpoints with huggingface_hub's progress bars
         from huggingface_hub.utils import disable_progress_bars
@@ -78,7 +80,7 @@ def start_runtime(config: PPOConfig, need_group: bool = False) -> Runtime:
         torch.set_num_threads(config.num_threads)
     bf16 = config.bf16 if config.bf16 is not None else (
         state.device.type == "cuda" and torch.cuda.is_bf16_supported())
-    runtime = Runtime(state, Console(stderr=False), bf16)
+    runtime = Runtime(state, Console(file=StdoutBesideBar()), bf16)  # its lines kept off the progress bar
     if bf16 and state.device.type == "cpu":
         runtime.log("bf16 on a CPU: runs, but usually slower than fp32")
     return runtime

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,7 +30,9 @@ from typing import ClassVar, Literal
 
 import torch
 from transformers import TrainingArguments
+from transformers.utils import logging as hf_logging
 
+from fastppo import library_log
 from fastppo.advantages import ESTIMATORS, estimators_help
 from fastppo.aliases import Untouched, fill_aliases
 from fastppo.loss_types import loss_types_help
@@ -528,6 +531,8 @@ class PPOConfig(TrainingArguments):
         # refused by it)
         cpu_bf16 = bool(self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.cuda.is_available()
         pin_memory = self.dataloader_pin_memory
+        if self.disable_tqdm is None:  # TrainingArguments' default, from transformers' verbosity as the user set it
+            self.disable_tqdm = library_log.user_verbosity(hf_logging.get_verbosity()) > logging.WARN
         try:
             self.use_cpu = self.use_cpu or cpu_bf16
             super().__post_init__()

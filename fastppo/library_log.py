@@ -8,11 +8,16 @@ Each warning is shown once per trainer: a module's logger (``library_logger``) d
 since the last trainer was built (``new_run``), as transformers' ``logger.warning_once`` does, whichever handler
 prints it. A record the trainer's console already
 printed (``CONSOLE_SHOWN`` in its ``extra``) goes to the user's logging only.
+
+transformers' own logging is set to ERROR while fastppo runs; the level the user left is kept
+(``quieting_transformers``), since TrainingArguments decides its default ``disable_tqdm`` from it (``user_verbosity``).
 """
 from __future__ import annotations
 
 import logging
 import sys
+
+from tqdm.auto import tqdm
 
 LIBRARY = "fastppo"
 # a record's ``extra`` key: the trainer's console printed the same line, so the library's handler skips it
@@ -77,7 +82,8 @@ class LibraryHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.stream = sys.stderr  # the stderr of now (pytest's capsys, a redirect), as the last-resort handler does
-        super().emit(record)
+        with tqdm.external_write_mode(file=self.stream):  # the progress bar cleared around it, as tqdm.write does
+            super().emit(record)
 
 
 def install() -> None:
@@ -85,3 +91,22 @@ def install() -> None:
     logger = logging.getLogger(LIBRARY)
     if not any(isinstance(h, LibraryHandler) for h in logger.handlers):
         logger.addHandler(LibraryHandler())
+
+
+# transformers' verbosity as the user left it, before a trainer set it to ERROR (``quieting_transformers``); empty
+# while no trainer has
+_USER_VERBOSITY: list[int] = []
+
+
+def quieting_transformers(current: int) -> None:
+    """A trainer sets transformers' logging to ERROR while fastppo runs; ``current`` (its level until then) is the
+    user's, unless it is still the ERROR an earlier trainer set."""
+    if not (_USER_VERBOSITY and current == logging.ERROR):
+        _USER_VERBOSITY[:] = [current]
+
+
+def user_verbosity(current: int) -> int:
+    """transformers' verbosity as the user set it, given the ``current`` one: the level before a trainer quieted it,
+    while it stays quieted (TrainingArguments decides its default disable_tqdm from it: a second config in the
+    process would otherwise read fastppo's ERROR and lose its progress bar)."""
+    return _USER_VERBOSITY[0] if _USER_VERBOSITY and current == logging.ERROR else current

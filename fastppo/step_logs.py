@@ -81,10 +81,3 @@ class StepLogs:
         total = self.logged_total + sum(self.local_losses)
         return total / self.steps_run if self.steps_run else float("nan")
 
-
-def grpo_progress_line(row: dict) -> str:
-    """The console's line per logged row of a critic-free run, in TRL GRPO's names."""
-    shown = (("loss", ".4f"), ("reward", ".3f"), ("reward_std", ".3f"), ("entropy", ".3f"), ("kl", ".4f"),
-             ("grad_norm", ".3g"), ("learning_rate", ".3g"))
-    return " ".join(f"{name} {row[name]:{spec}}" for name, spec in shown
-                    if isinstance(row.get(name), (int, float)))

@@ -16,17 +16,17 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import TrainerCallback, TrainerState
 
 from fastppo import checkpoint as C
 from fastppo import dist as fdist
 from fastppo.config import PPOConfig
+from fastppo.console import step_bar, step_line
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.metrics import MetricsLogger, Samples, plot_curves, print_samples
 from fastppo.output_dir import RunLock, decide_resume, remove_run_files, replaces_earlier_run, run_files, said
 from fastppo.sizes import Sizes, every
-from fastppo.step_logs import StepLogs, grpo_progress_line
+from fastppo.step_logs import StepLogs
 from fastppo.train import IterationResult
 from fastppo.zero import zero_stage_of
 
@@ -130,7 +130,7 @@ class TrainingLoop:
         stack = contextlib.ExitStack()
         stack.callback(logger.close)
         stop = stack.enter_context(StopSignals(self.log))
-        advance = self._progress_bar(stack)
+        self._bar = self._progress_bar(stack)
         self.control = self.callback_handler.on_train_begin(config, state, self.control)
         if config.eval_on_start and first == 1:
             self._scheduled_evaluation()
@@ -146,8 +146,6 @@ class TrainingLoop:
                 logged_columns = self.reward_logs.take_extra(len(result.batch.scores))
                 # then what a run shows: metrics, samples, callbacks, checkpoints
                 metrics = self._iteration_metrics(result, before, started, clock)
-                if advance is not None:
-                    advance(state.episode)
                 if sizes.counts_optimizer_steps:  # TRL GRPO's rows: one per logging_steps optimizer steps
                     self._step_logs.add_generation(metrics, bool(config.beta))
                     self._sample_table(update, result, logged_columns)
@@ -174,19 +172,14 @@ class TrainingLoop:
         self._finish(preempted, clock[0])
         return state
 
-    def _progress_bar(self, stack: contextlib.ExitStack) -> Callable[[int], None] | None:
-        """The console's bar of episodes (main process, unless disable_tqdm), stopped with ``stack``; returns what
-        moves it to an episode count."""
+    def _progress_bar(self, stack: contextlib.ExitStack):
+        """transformers' ProgressCallback's bar over the global steps (``console.step_bar``; main process, unless
+        disable_tqdm), moved at each step's ``on_step_end`` and closed with ``stack``."""
         if not self.dist.is_main or self.config.disable_tqdm:
             return None
-        sizes = self.sizes
-        progress = Progress(TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                            console=self.console, transient=False)
-        task = progress.add_task("train", total=sizes.num_total_batches * sizes.batch_size,
-                                 completed=self.state.episode)
-        progress.start()
-        stack.callback(progress.stop)
-        return lambda episode: progress.update(task, completed=episode)
+        bar = step_bar(self.sizes.total_steps, self.state.global_step)
+        stack.callback(bar.close)
+        return bar
 
     def _iteration_metrics(self, result: IterationResult, before: int, started: float,
                            clock: tuple[float, int]) -> dict[str, float]:
@@ -220,7 +213,7 @@ class TrainingLoop:
             self._logger.log(metrics, state.global_step)
             self.log(f"iter {update}/{sizes.num_total_batches}"
                      + (f" step {state.global_step}/{sizes.total_steps}" if sizes.counts_optimizer_steps else "")
-                     + f" episode {state.episode}: " + progress_line(metrics))
+                     + f" episode {state.episode}: " + step_line(metrics, config.critic_free))
             self._log_completions(result, logged_columns)
         self._sample_table(update, result, logged_columns)
 
@@ -312,6 +305,8 @@ class TrainingLoop:
                 if rows is not None:  # the epoch as transformers counts it: the share of the batch's steps done
                     state.epoch = self._epoch_at(step - before, epoch_end)
                 control = self.callback_handler.on_step_end(self.config, state, control)
+                if self._bar is not None:  # as ProgressCallback moves it, before the step's row is written
+                    self._bar.update(step - self._bar.n)
                 if rows is not None:
                     if self.config.logging_strategy == "epoch" and epoch_before is not None and \
                             math.floor(state.epoch + 1e-9) > math.floor(epoch_before + 1e-9):
@@ -346,7 +341,7 @@ class TrainingLoop:
         self._log_state(row)
         self._logger.log(row, self.state.global_step)
         self.log(f"step {self.state.global_step}/{self.sizes.total_steps} episode {self.state.episode}: "
-                 + grpo_progress_line(row))
+                 + step_line(row, critic_free=True))
         self._log_completions(rows.result, rows.logged_columns)
 
     def _log_state(self, metrics: dict) -> None:
@@ -410,14 +405,6 @@ class StopSignals:
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         return False
-
-
-def progress_line(metrics: dict) -> str:
-    """The console's line per logged iteration: what this run computes (no KL without a reference, no value loss
-    without a critic)."""
-    shown = (("scores", "objective/scores", ".3f"), ("kl", "objective/kl", ".2f"), ("kl_loss", "kl", ".4f"),
-             ("entropy", "objective/entropy", ".1f"), ("vf_loss", "loss/value_avg", ".3f"))
-    return " ".join(f"{label} {metrics[key]:{spec}}" for label, key, spec in shown if key in metrics)
 
 
 def new_state(sizes: Sizes, num_prompts: int | None, is_main: bool, config: PPOConfig):
