@@ -116,10 +116,13 @@ def help_groups() -> tuple[tuple[type, str], ...]:
 def group_help(parser: HfArgumentParser) -> None:
     """Each flag under its section of ``--help`` (``help_groups``): a field of PPOConfig's own under the
     algorithm, one it inherits under TrainingArguments; parsing is unchanged."""
+    from transformers import TrainingArguments
+
+    from fastppo.config import PPOConfig
+
     sections = help_groups()
     fields = {cls: set(cls.__dataclass_fields__) for cls, _ in sections}
-    config, training = sections[1][0], sections[2][0]
-    fields[config] -= fields[training]
+    fields[PPOConfig] -= fields[TrainingArguments]
     groups = {cls: parser.add_argument_group(title) for cls, title in sections}
     for action in list(parser._optionals._group_actions):
         owner = next((cls for cls, names in fields.items() if action.dest in names), None)
