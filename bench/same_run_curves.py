@@ -1,9 +1,13 @@
 """The same GRPO run on TRL 1.16 and fastppo, curve for curve: SmolLM2-135M-Instruct (the real weights) on a task
-generated here (single-digit addition, a chat prompt, reward 1 when the first number of the completion is the sum),
-TRL GRPO's defaults except the sizes, learning rate, step count and β, each trainer sampling for itself, seeds
+generated here (single-digit addition, a chat prompt, reward 1 when the last number of the completion is the sum:
+the model restates the question, "7 + 1 = 8", about 3 times in 10 at the start), TRL GRPO's defaults except the
+sizes, learning rate, step count and β (0.04, for a KL curve: TRL logs none at its default 0), each trainer sampling for itself, seeds
 0..S-1 per side, the runs interleaved, each in its own process (TRL's with TRL 1.16's directory first: ``trl_envs``).
 
     python bench/same_run_curves.py --steps 60 --seeds 3 --out RUNS.json --plot CURVES.png
+
+``--out`` is rewritten after every run, and a run it already holds (side, seed, steps) is not run again, so a long
+measurement can go in pieces (``--seeds``/``--sides`` choose them).
 
 Records each run's ``log_history`` rows (reward, kl, entropy, completions/mean_length per optimizer step), its
 ``train()`` seconds and peak RSS; ``--plot`` draws each side's mean with its seeds' range, and the summary prints
@@ -26,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 from trl_envs import trl1_dir  # noqa: E402
 
-SETTINGS = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=16, learning_rate=5e-6,
+SETTINGS = dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=16, learning_rate=1e-5,
                 beta=0.04, logging_steps=1, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
                 dataloader_num_workers=0, use_cpu=True)
 CURVES = ("reward", "kl", "entropy", "completions/mean_length")
@@ -40,12 +44,12 @@ def addition_prompts(n: int = 200, seed: int = 1234) -> tuple[list, list]:
 
 
 def correct_sum(completions, answer, **kwargs) -> list[float]:
-    """1.0 when the completion's first number is the sum, else 0.0."""
+    """1.0 when the completion's last number is the sum, else 0.0."""
     out = []
     for completion, truth in zip(completions, answer):
         text = completion[0]["content"] if isinstance(completion, list) else completion
-        found = re.search(r"-?\d+", text)
-        out.append(1.0 if found and found.group(0) == truth else 0.0)
+        found = re.findall(r"-?\d+", text)
+        out.append(1.0 if found and found[-1] == truth else 0.0)
     return out
 
 
@@ -141,10 +145,16 @@ def main() -> None:
     p.add_argument("--sides", nargs="+", default=["trl", "fastppo"])
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--first-seed", type=int, default=0)
     a = p.parse_args()
     runs = []
-    for seed in range(a.seeds):
+    if a.out and os.path.exists(a.out):
+        with open(a.out) as f:
+            runs = json.load(f)["runs"]
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         for side in a.sides:  # interleaved: a slow stretch of the machine falls on both sides
+            if any((r["side"], r["seed"], r["steps"]) == (side, seed, a.steps) for r in runs):
+                continue
             runs.append(run(side, seed, a.steps))
             print(summary(runs[-1:])[0], flush=True)
             if a.out:

@@ -13,25 +13,29 @@ models and the dataset itself; so does this one, with fastppo's own ``ScriptArgu
 """
 from __future__ import annotations
 
+import argparse
 import decimal
 import difflib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
 import yaml
-from transformers import HfArgumentParser, TrainingArguments
 
+from fastppo import cli_help
 from fastppo.aliases import GRPO_NAMES
-from fastppo.config import PPOConfig, as_list, user_path
-from fastppo.data import load_prompt_dataset, split_names
-from fastppo.embedded import PROMPTS_PATH
 from fastppo.errors import CollectiveTimeout, SettingsError, settings_errors
 from fastppo.script_args import ModelConfig, ScriptArguments  # TRL's names: scripts import them from here
-from fastppo.trainer import PPOTrainer
+
+# torch, transformers, the config and the trainer are imported by the functions that use them, not here: `--help`,
+# printed from cli_help's saved copy, then imports none of them (seconds on a loaded machine: issue 63)
+if TYPE_CHECKING:
+    from transformers import HfArgumentParser
+
+    from fastppo.config import PPOConfig
 
 
 def get_peft_config(model_args) -> Any:
@@ -57,6 +61,8 @@ def get_quantization_config(model_args) -> None:
 
 def get_kbit_device_map() -> dict[str, int] | None:
     """TRL's function: this process's device for a k-bit load (None on a CPU)."""
+    import torch
+
     return {"": int(os.environ.get("LOCAL_RANK", "0"))} if torch.cuda.is_available() else None
 
 
@@ -71,6 +77,10 @@ MODEL_FLAGS = ("model_name_or_path", "sft_model_path")
 
 
 def build_parser() -> HfArgumentParser:
+    from transformers import HfArgumentParser
+
+    from fastppo.config import PPOConfig
+
     parser = HfArgumentParser(
         (ScriptArguments, PPOConfig, ModelConfig),
         prog="python -m fastppo.train",
@@ -78,6 +88,7 @@ def build_parser() -> HfArgumentParser:
         description="PPO (RLHF) for causal language models: TRL's ppo.py flags (ScriptArguments, PPOConfig, "
                     "ModelConfig) plus fastppo's own.",
         allow_abbrev=False,  # a typo must not silently set a longer flag (--learning_rat 3 was lr 3)
+        exit_on_error=False,  # a bad value raises; parse_args reports it (usage_error), for torchrun's summary too
     )
     # PPOConfig keeps TRL's pythia-160m for scripts that load these themselves; fastppo's command line names
     # no Hub model unless told (unset, the embedded default runs, or reward_fn scores)
@@ -86,23 +97,33 @@ def build_parser() -> HfArgumentParser:
     return parser
 
 
-# --help's sections, in this order (transformers adds every dataclass's flags to one list; the three classes and
-# TrainingArguments' own fields are grouped here)
-HELP_GROUPS = (
-    (ScriptArguments, "the dataset (TRL's ScriptArguments)"),
-    (PPOConfig, "the algorithm (PPOConfig: TRL 0.26's PPO settings, TRL GRPO's names, fastppo's own)"),
-    (TrainingArguments, "training (transformers' TrainingArguments: optimizer, schedule, precision, logging, "
-                        "saving)"),
-    (ModelConfig, "the models (TRL's ModelConfig: loading, LoRA, quantization)"),
-)
+def help_groups() -> tuple[tuple[type, str], ...]:
+    """--help's sections, in this order (transformers adds every dataclass's flags to one list; the three
+    classes and TrainingArguments' own fields are grouped here)."""
+    from transformers import TrainingArguments
+
+    from fastppo.config import PPOConfig
+
+    return (
+        (ScriptArguments, "the dataset (TRL's ScriptArguments)"),
+        (PPOConfig, "the algorithm (PPOConfig: TRL 0.26's PPO settings, TRL GRPO's names, fastppo's own)"),
+        (TrainingArguments, "training (transformers' TrainingArguments: optimizer, schedule, precision, logging, "
+                            "saving)"),
+        (ModelConfig, "the models (TRL's ModelConfig: loading, LoRA, quantization)"),
+    )
 
 
 def group_help(parser: HfArgumentParser) -> None:
-    """Each flag under its section of ``--help`` (``HELP_GROUPS``): a field of PPOConfig's own under the
+    """Each flag under its section of ``--help`` (``help_groups``): a field of PPOConfig's own under the
     algorithm, one it inherits under TrainingArguments; parsing is unchanged."""
-    fields = {cls: set(cls.__dataclass_fields__) for cls, _ in HELP_GROUPS}
+    from transformers import TrainingArguments
+
+    from fastppo.config import PPOConfig
+
+    sections = help_groups()
+    fields = {cls: set(cls.__dataclass_fields__) for cls, _ in sections}
     fields[PPOConfig] -= fields[TrainingArguments]
-    groups = {cls: parser.add_argument_group(title) for cls, title in HELP_GROUPS}
+    groups = {cls: parser.add_argument_group(title) for cls, title in sections}
     for action in list(parser._optionals._group_actions):
         owner = next((cls for cls, names in fields.items() if action.dest in names), None)
         if owner is not None:
@@ -122,8 +143,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOC
             with open(argv[0]) as f:
                 named = (json.load if argv[0].endswith(".json") else yaml.safe_load)(f) or {}
         return script_args, training_args, model_args, frozenset(named)
-    with settings_errors("flags"):
-        *dataclasses_, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    try:
+        with settings_errors("flags"):
+            *dataclasses_, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    except argparse.ArgumentError as e:  # a bad value (exit_on_error=False): argparse's message, as it words it
+        usage_error(parser, str(e))
     if unknown:
         flags = sorted({a.lstrip("-").replace("-", "_") for a in parser._option_string_actions})
         problems = []
@@ -133,7 +157,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOC
             name = token.split("=", 1)[0]
             close = difflib.get_close_matches(name.lstrip("-"), flags, n=3, cutoff=0.6) if name.startswith("--") else []
             problems.append(f"{name} (did you mean {', '.join('--' + c for c in close)}?)" if close else name)
-        parser.error(f"unrecognized arguments: {'; '.join(problems)}")
+        usage_error(parser, f"unrecognized arguments: {'; '.join(problems)}")
     given = set()
     for token in argv:
         if token.startswith("--"):
@@ -177,6 +201,8 @@ def is_number(token: str) -> bool:
 def cli_settings(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PPOConfig, ModelConfig, bool]:
     """What ``python -m fastppo.train`` runs: the parsed flags and, with no model named, the embedded preset
     for every flag left unset. The last item says whether the embedded default runs."""
+    from fastppo.config import PPOConfig
+
     script_args, training_args, model_args, given = parse_args(argv)
     embedded = not ({"model_name_or_path", "sft_model_path"} & given)
     if embedded:
@@ -191,6 +217,8 @@ def cli_settings(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, PP
 
 def training_args_kwargs(training_args: PPOConfig, given: frozenset[str]) -> dict:
     """The constructor keywords that rebuild ``training_args`` from the fields named on the command line."""
+    from fastppo.config import PPOConfig
+
     return {name: getattr(training_args, name) for name in given if name in PPOConfig.__dataclass_fields__}
 
 
@@ -199,6 +227,11 @@ def build_trainer(script_args, training_args: PPOConfig, model_args, embedded: b
     policy from ``sft_model_path`` (or ``model_name_or_path``), the reward and value models from
     ``reward_model_path`` (or ``reward_fn``; ``value_model_path`` for another value model), the dataset's train
     split and, when it has one, its test split as the eval set."""
+    from fastppo.config import as_list, user_path
+    from fastppo.data import load_prompt_dataset, split_names
+    from fastppo.embedded import PROMPTS_PATH
+    from fastppo.trainer import PPOTrainer
+
     get_quantization_config(model_args)
     require_supported_model_args(model_args, script_args)
     if embedded:
@@ -245,22 +278,53 @@ def main_guard(run: Callable, config: Callable[[], PPOConfig | None] = lambda: N
     (``CollectiveTimeout``, from ``fastppo.dist``'s collectives: a frozen or dead process) a line naming this
     rank, the collective and --ddp_timeout, and exit 1. Everything else, a user's reward function raising
     included (its message names the function), keeps its traceback: it is a bug to report or a failure to
-    read, not bad input."""
+    read, not bad input. Under torchrun the line is also torchrun's summary of the failure (``leave_for_launcher``)."""
     try:
         return run()
     except SettingsError as e:
-        print(f"fastppo.train: error: {e}", file=sys.stderr)
+        refuse(f"fastppo.train: error: {e}")
         raise SystemExit(2) from e
     except CollectiveTimeout as e:
         rank = os.environ.get("RANK", "0")
         timeout = config().ddp_timeout if config() is not None else "?"
-        print(f"fastppo.train: error: rank {rank}: a collective did not complete within --ddp_timeout {timeout} s; "
-              f"another process is frozen or dead ({e.collective}: {e.detail})", file=sys.stderr)
+        refuse(f"fastppo.train: error: rank {rank}: a collective did not complete within --ddp_timeout {timeout} s; "
+               f"another process is frozen or dead ({e.collective}: {e.detail})")
         raise SystemExit(1) from e
 
 
+def refuse(line: str) -> None:
+    print(line, file=sys.stderr)
+    leave_for_launcher(line)
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """argparse's usage error (the usage line, the message, exit 2), left for torchrun's summary too."""
+    leave_for_launcher(f"{parser.prog}: error: {message}")
+    parser.error(message)
+
+
+def leave_for_launcher(line: str) -> None:
+    """Under torchrun: ``line`` in this worker's error file (``TORCHELASTIC_ERROR_FILE``, which torchrun sets for
+    each worker), in torch.distributed.elastic's format. torchrun prints the first failed worker's as the last
+    lines of its report, below its own ~30-line traceback, where the line printed on stderr is easily missed
+    (issue 63). Without torchrun, nothing."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # torchrun shows a record's py_callstack: a usage error's is its one line (no traceback: not a bug)
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass  # the line is on stderr already; an unwritable error file must not turn a refusal into a traceback
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m fastppo.train``: flags to a PPOTrainer, train, save. Bad input: one line, exit 2."""
+    """``python -m fastppo.train``: flags to a PPOTrainer, train, save. Bad input: one line, exit 2. ``--help``
+    from the saved copy when it was saved under the installed transformers (``cli_help``), else the parser's."""
+    if cli_help.asks_for_help(list(sys.argv[1:] if argv is None else argv)) and cli_help.print_saved_help():
+        return
     settings = {}
 
     def run():

@@ -31,6 +31,11 @@ settings and what they make of each token), ``update_steps`` (the update's mecha
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m fastppo.train: the command line (the algorithm does not import it), run
+    import runpy            # before this file's imports, so that --help waits for no torch (issue 63)
+    runpy.run_module("fastppo.cli", run_name="__main__", alter_sys=True)
+    raise SystemExit
+
 import contextlib
 import copy
 import math
@@ -593,8 +598,3 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     return IterationResult(batch, experience, targets, update, scores, metrics, kl_coef, lr, seconds,
                            tuple(step_metrics))
 
-
-if __name__ == "__main__":  # python -m fastppo.train: the command line, run as a program (not imported: the
-    import runpy            # algorithm does not depend on its command line)
-
-    runpy.run_module("fastppo.cli", run_name="__main__", alter_sys=True)

@@ -18,10 +18,12 @@ if "TRITON_INTERPRET" not in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import process_tree  # noqa: E402
 from fastppo.kernels import _interpreter  # noqa: E402
 from helpers import triton_device_or_skip  # noqa: E402
 
 _interpreter.install()
+process_tree.install()  # Ctrl-C stops the processes the tests started too, not only pytest (issue 63)
 
 
 @pytest.fixture

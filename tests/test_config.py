@@ -73,7 +73,7 @@ def test_cli_applies_the_embedded_preset_only_without_a_model_and_only_to_unset_
 
 
 def test_help_lists_every_flag_once_under_its_section():
-    """--help in the sections of cli.HELP_GROUPS: the dataset, the algorithm (PPOConfig's own fields), training
+    """--help in the sections of cli.help_groups(): the dataset, the algorithm (PPOConfig's own fields), training
     (the TrainingArguments fields it inherits), the models; every flag once."""
     import contextlib
     import dataclasses
@@ -81,16 +81,17 @@ def test_help_lists_every_flag_once_under_its_section():
 
     from transformers import TrainingArguments
 
-    from fastppo.cli import HELP_GROUPS, ModelConfig, ScriptArguments, build_parser
+    from fastppo.cli import ModelConfig, ScriptArguments, build_parser, help_groups
 
+    sections = help_groups()
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     text = out.getvalue()
-    starts = [text.index(f"\n{title}:\n") for _, title in HELP_GROUPS]
+    starts = [text.index(f"\n{title}:\n") for _, title in sections]
     assert starts == sorted(starts)
-    section = {title: text[a:b] for (_, title), a, b in zip(HELP_GROUPS, starts, starts[1:] + [len(text)])}
-    titles = dict((cls, title) for cls, title in HELP_GROUPS)
+    section = {title: text[a:b] for (_, title), a, b in zip(sections, starts, starts[1:] + [len(text)])}
+    titles = dict((cls, title) for cls, title in sections)
     own = {f.name for f in dataclasses.fields(PPOConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
     for flag, cls in (("dataset_name", ScriptArguments), ("num_ppo_epochs", PPOConfig), ("loss_type", PPOConfig),
                       ("learning_rate", TrainingArguments), ("seed", TrainingArguments), ("lora_r", ModelConfig)):
