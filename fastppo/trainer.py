@@ -581,7 +581,16 @@ class PPOTrainer(TrainingLoop):
         return push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """Policy (+ value head on its trunk), tokenizer and a separate value model (``value_model/``)."""
+        """transformers' ``Trainer.save_model``: the model, loadable with ``from_pretrained``, into ``output_dir``
+        (default: the config's): the policy's weights and config (+ the value head on its trunk), the tokenizer,
+        a separate value model (``value_model/``) and fastppo's settings. ``train()`` does not call it (as TRL's,
+        it writes save_strategy's checkpoints); a script saves after training, as TRL's scripts do."""
+        if self.zero is not None and self.zero.stage == 3 and not torch.distributed.is_initialized():
+            raise SettingsError(
+                "save_model() under DeepSpeed ZeRO-3 gathers the weights from every process, and train() has ended "
+                "the process group it started; the last step's weights are in its checkpoint "
+                f"({os.path.join(self.config.output_dir, f'checkpoint-{self.state.global_step}')}, with "
+                "save_strategy='steps'), or call trainer.save_model() from a TrainerCallback's on_train_end")
         states = (None, None) if self.zero is None else \
             self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)  # ZeRO-3: every rank calls
         if self.dist.is_main:
