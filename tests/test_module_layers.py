@@ -85,3 +85,23 @@ def test_the_floors_in_the_design_doc_are_the_imports():
     floor = floors(graph())
     assert written == {name: floor[name] for name in written}
     assert set(written) >= set(floor) - {"integrations"}, set(floor) - set(written)
+
+
+CLASS_LINES = 450  # the house's bound: a class a reader can hold (issue 63 item 8)
+
+
+def test_every_class_is_one_a_reader_can_hold():
+    """Every class of fastppo is at most ``CLASS_LINES`` lines, its docstring included; a dataclass (a table of
+    fields, each with its help: ``PPOConfig``) aside. ``PPOTrainer`` stays TRL 0.26's PPO trainer: what TRL 1.16's
+    GRPOTrainer added lives in its adapters and named parts (``grpo_rollouts``), not in its class."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            if any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            if lines > CLASS_LINES:
+                long.append(f"{path.relative_to(PACKAGE.parent)}: {node.name} ({lines} lines)")
+    assert not long, long
