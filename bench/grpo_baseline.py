@@ -377,15 +377,14 @@ def child(side: str, case: GRPOCase) -> dict:
     clock = Clock()
     extra_s: dict = {}
     with tempfile.TemporaryDirectory(prefix=f"grpo-{side}-") as out:
-        if kind == "fastppo":  # the final save and curve plot fastppo's train() always does, timed apart
+        if kind == "fastppo":  # the curve plot fastppo's train() does at its end, timed apart (through the API,
+            # as TRL's, train() saves no final model)
             import fastppo.training_loop as fastppo_loop  # where train()'s loop calls plot_curves
 
             _timed(fastppo_loop, "plot_curves", extra_s, "curve plot")
         t0 = time.perf_counter()
         trainer, settings = BUILDERS[side](case, out, side, clock)
         t1 = time.perf_counter()
-        if kind == "fastppo":
-            _timed(trainer, "save_model", extra_s, "final save")
         trainer.train()
         t2 = time.perf_counter()
         decoder = getattr(trainer, "_static_decoder", None)  # the decode step's compile or capture, per bucket
@@ -531,7 +530,7 @@ def format_report(results: dict[str, dict[str, list[dict]]], case: GRPOCase) -> 
         lines += [f"### {key} ({n} round{'s' if n > 1 else ''}, medians)", "",
                   "| side | process wall s | vs TRL | start + imports s | build s | train() s | loop s | vs TRL "
                   "| launch to 1st iteration s | 1st iteration s "
-                  "| s/iteration (after the 1st) | fastppo final save+plot s | process peak RSS MiB | vs TRL "
+                  "| s/iteration (after the 1st) | fastppo curve plot s | process peak RSS MiB | vs TRL "
                   "| peak RSS above imports MiB | peak CUDA MiB | vs TRL | reward first -> last "
                   "| mean completion tokens |", "|" + " --- |" * 19]
         trl = by_side.get("trl") or []

@@ -11,9 +11,9 @@ Names are verl's (``algorithm.adv_estimator``); docs/usage.md maps OpenRLHF's an
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -22,9 +22,20 @@ from fastppo.kernels import gae, masked_whiten
 from fastppo.kernels.stats import WHITEN_EPS
 from fastppo.metrics import nan_std
 
-if TYPE_CHECKING:
-    from fastppo.config import PPOConfig
-    from fastppo.rollout import ScoredRollout
+
+class AdvantageSettings(Protocol):
+    """The config's settings the estimators read (``PPOConfig`` has them all). A protocol, not ``PPOConfig``: the
+    config imports this module for its table, and importing the config here, even for annotations, would close an
+    import circle (issue 63 item 8)."""
+
+    gamma: float
+    lam: float
+    whiten_rewards: bool
+    num_generations: int
+    normalize_advantages: bool
+    scale_rewards: str
+    multi_objective_aggregation: str
+    reward_weights: Sequence[float] | None
 
 
 def gae_advantages(rewards, values, response_mask, gamma: float, lam: float, whiten_rewards: bool,
@@ -152,19 +163,19 @@ class Estimator:
     summary: str = ""  # what it does and whose it is: the config's help lists it
 
 
-def _gae(rewards, values, response_mask, config: PPOConfig, skip_masked=False, reward_columns=None,
+def _gae(rewards, values, response_mask, config: AdvantageSettings, skip_masked=False, reward_columns=None,
          reward_weights=None):
     return gae_advantages(rewards, values, response_mask, config.gamma, config.lam, config.whiten_rewards,
                           skip_masked)
 
 
-def _reinforce_plus_plus(rewards, values, response_mask, config: PPOConfig, skip_masked=False, reward_columns=None,
-                         reward_weights=None):
+def _reinforce_plus_plus(rewards, values, response_mask, config: AdvantageSettings, skip_masked=False,
+                         reward_columns=None, reward_weights=None):
     advantages, _ = reinforce_plus_plus_advantages(rewards, response_mask, config.gamma)
     return advantages, None
 
 
-def _rloo(rewards, values, response_mask, config: PPOConfig, skip_masked=False, reward_columns=None,
+def _rloo(rewards, values, response_mask, config: AdvantageSettings, skip_masked=False, reward_columns=None,
           reward_weights=None):
     advantage = rloo_advantages(rewards.sum(1), config.num_generations)
     if config.normalize_advantages:  # TRL RLOO's: over the whole batch of every process, judged ones only
@@ -173,7 +184,7 @@ def _rloo(rewards, values, response_mask, config: PPOConfig, skip_masked=False, 
     return _per_token(advantage, response_mask)
 
 
-def _grpo(rewards, values, response_mask, config: PPOConfig, skip_masked=False, reward_columns=None,
+def _grpo(rewards, values, response_mask, config: AdvantageSettings, skip_masked=False, reward_columns=None,
           reward_weights=None):
     if config.multi_objective_aggregation == "normalize_then_sum":
         if reward_columns is None:
@@ -216,17 +227,18 @@ def estimators_help() -> str:
     return "; ".join(f"{name} ({row.summary})" for name, row in ESTIMATORS.items())
 
 
-def reward_columns_of(batch: ScoredRollout, config: PPOConfig, dtype: torch.dtype):
-    """GDPO's inputs (``multi_objective_aggregation="normalize_then_sum"``): [B, F] each reward's scores and their
-    [F] weights; (None, None) otherwise."""
+def reward_columns_of(reward_columns: Mapping[str, torch.Tensor], config: AdvantageSettings, dtype: torch.dtype):
+    """GDPO's inputs (``multi_objective_aggregation="normalize_then_sum"``) from each reward's [B] scores (a
+    ``ScoredRollout``'s ``reward_columns``): [B, F] the scores and their [F] weights; (None, None) otherwise."""
     if config.multi_objective_aggregation != "normalize_then_sum":
         return None, None
-    columns = torch.stack(list(batch.reward_columns.values()), 1).to(dtype)
+    columns = torch.stack(list(reward_columns.values()), 1).to(dtype)
     return columns, torch.tensor(config.reward_weights or [1.0] * columns.shape[1], device=columns.device)
 
 
-def estimate_advantages(estimator: str, rewards, values, response_mask, config: PPOConfig, skip_masked: bool = False,
-                        reward_columns: torch.Tensor | None = None, reward_weights: torch.Tensor | None = None):
+def estimate_advantages(estimator: str, rewards, values, response_mask, config: AdvantageSettings,
+                        skip_masked: bool = False, reward_columns: torch.Tensor | None = None,
+                        reward_weights: torch.Tensor | None = None):
     """Step 4 by ``advantage_estimator``: (advantages [B, T], returns [B, T] or None without a critic).
     ``reward_columns`` [B, F] and ``reward_weights`` [F]: each reward's scores and weight, which grpo's
     ``multi_objective_aggregation="normalize_then_sum"`` reads instead of ``rewards``."""

@@ -233,7 +233,7 @@ class GRPOTrainer(PPOTrainer):
     its path, or a list mixing them, called and weighted as TRL does (``reward_weights``); ``train_dataset``: a
     ``prompt`` column, text or conversational, plus any columns the reward functions read. ``args`` unset:
     ``GRPOConfig("<model name>-GRPO")``, as TRL names it. ``tools`` (``fastppo.tools``), ``environment_factory``
-    (``fastppo.environments``) and ``rollout_func`` (``PPOTrainer._custom_rollout``): TRL's multi-turn rollouts."""
+    (``fastppo.environments``) and ``rollout_func``: TRL's multi-turn rollouts (``fastppo.grpo_rollouts``)."""
 
     config_class = GRPOConfig
     run_suffix = "GRPO"  # TRL names an unset args' output_dir "<model>-GRPO"

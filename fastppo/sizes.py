@@ -5,12 +5,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import ClassVar, Protocol
 
 from fastppo.errors import SettingsError
 
-if TYPE_CHECKING:
-    from fastppo.config import PPOConfig
+
+class SizeSettings(Protocol):
+    """The config's settings the sizes are derived from (``PPOConfig`` has them all). A protocol, not
+    ``PPOConfig``: ``Sizes`` is read on floors below the config's (the micro-batch cuts), and a type-only import
+    of the config would lift it, and them, above it (issue 63 item 8)."""
+
+    ROLLOUT_STEPS: ClassVar[str]  # the field that multiplies a process's rollout (TRL PPO's or TRL GRPO's name)
+    COUNTS_OPTIMIZER_STEPS: ClassVar[bool]  # global_step counts optimizer steps (TRL GRPO's), not iterations
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    num_mini_batches: int
+    num_ppo_epochs: int
+    num_generations: int
+    total_episodes: int | None
+    num_train_epochs: float
+    max_steps: int
+    num_sample_generations: int
 
 
 @dataclass(frozen=True)
@@ -42,7 +57,7 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
-def derive_sizes(config: PPOConfig, world_size: int, num_prompts: int) -> Sizes:
+def derive_sizes(config: SizeSettings, world_size: int, num_prompts: int) -> Sizes:
     """All sizes from the flags (TRL 0.17-0.26's formulas; a GRPOConfig's rollout is TRL GRPO's generation
     batch, ``per_device_train_batch_size × steps_per_generation``, of ``num_mini_batches`` =
     ``steps_per_generation / gradient_accumulation_steps`` optimizer steps); raises ValueError on any inexact

@@ -22,9 +22,10 @@ One iteration (numbers match the step comments below):
 The per-token math of steps 2-5 (log-probs, entropy, KL, GAE, masking, the surrogates, the masked statistics)
 is ``fastppo.kernels`` calls; REINFORCE++'s whitening over the batch and ``top_entropy_quantile``'s quantile
 are PyTorch in ``advantages`` and ``policy_terms``. The plumbing lives beside this file: ``config`` (flags),
-``sizes`` (the batch sizes), ``rollout`` (step 1's records), ``advantages`` (step 4: each estimator a function and
-a row of its table), ``loss_types`` (TRL GRPO's ``loss_type``, a row each), ``policy_terms`` (the loss's
-settings and what they make of each token), ``update_steps`` (the update's mechanics), ``controllers`` (β and the entropy coefficient),
+``sizes`` (the batch sizes), ``rollout`` (step 1's records), ``experience`` (steps 2-4's), ``advantages`` (step 4:
+each estimator a function and a row of its table), ``loss_types`` (TRL GRPO's ``loss_type``, a row each),
+``policy_terms`` (the loss's settings and what they make of each token), ``update_steps`` (the update's mechanics),
+``controllers`` (β and the entropy coefficient),
 ``sharing`` (which forwards run each group's prompt once), ``layout`` and ``actor_critic`` (the forwards),
 ``batching`` (micro-batch cuts), ``data``, ``rewards`` and ``reward_scores``, ``generation``, ``metrics``,
 ``dist``; ``build`` makes a ``Learner``.
@@ -52,6 +53,7 @@ from fastppo.advantages import estimate_advantages, reward_columns_of
 from fastppo.batching import micro_batches
 from fastppo.config import PPOConfig
 from fastppo.controllers import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
+from fastppo.experience import Experience, Targets  # steps 2 and 3-4's records (the update reads them too)
 from fastppo.kernels import clip_sides, clipped_surrogate, fused_full_kl, kl_penalty, masked_mean, masked_var
 from fastppo.layout import gathered, head_input, head_precision, lm_head_of
 from fastppo.metrics import (STAT, STAT_NAMES, MetricTerms, UpdateResult, completion_metrics, gather_metrics,
@@ -65,16 +67,6 @@ from fastppo.update_steps import (LossInputs, MicroBatchInputs, OptimizerSteps, 
                                   kl_past_target, shuffled_rows)
 
 # ============================================================================ 1. rollout: fastppo.rollout; 2. scoring
-
-
-@dataclass(frozen=True)
-class Experience:
-    """The rollout as π_θ_old, π_ref and V saw it: [B, T] each, 0 on untrained positions (KL, V)."""
-
-    logprobs: torch.Tensor  # log π_θ_old(y_t)
-    ref_logprobs: torch.Tensor | None  # log π_ref(y_t); None when no KL is computed (no reference is held)
-    values: torch.Tensor | None  # V(s_t); None for the critic-free estimators
-    kl: torch.Tensor  # per-token KL estimate (0 without a reference)
 
 
 @dataclass(frozen=True)
@@ -152,16 +144,6 @@ def compute_experience(actor_critic, reference, rollout: Rollout, scoring: Scori
 
 # ============================================================================ 3. rewards (4, advantages: advantages.py)
 # (β's controllers: controllers.py)
-
-
-@dataclass(frozen=True)
-class Targets:
-    """What the update regresses to: [B, T] each, 0 on untrained positions."""
-
-    rewards: torch.Tensor
-    non_score_reward: torch.Tensor
-    advantages: torch.Tensor  # GAE's whitened over trained tokens; a critic-free one per the estimator
-    returns: torch.Tensor | None  # the value model's regression target; None without a critic
 
 
 def per_token_rewards(kl, scores, response_mask, score_index, kl_coef: float):
@@ -552,7 +534,7 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     # 4. advantages (and GAE's returns) by the advantage_estimator (GDPO: from each reward's own scores)
     advantages, returns = estimate_advantages(config.advantage_estimator, rewards, experience.values,
                                               rollout.response_mask, config, skip_masked,
-                                              *reward_columns_of(batch, config, scores.dtype))
+                                              *reward_columns_of(batch.reward_columns, config, scores.dtype))
     targets = Targets(rewards, non_score_reward, advantages, returns)
     t1 = time.perf_counter()
     # 5. PPO update, at this iteration's learning rate

@@ -245,17 +245,20 @@ class TrainingLoop:
         self.control.should_save = False
 
     def _finish(self, preempted: bool, start: float) -> None:
-        """The run's end: the final model saved (not after a signal: its checkpoint is the run's state), the curves
-        plotted, on_train_end, and the process group ended."""
+        """The run's end: the curves plotted, on_train_end, and the process group ended. The command line's job
+        (``command_line``) also saves the final model, as TRL's scripts call ``save_model()`` after ``train()``
+        (not after a signal: its checkpoint is the run's state); through the API ``train()`` writes only
+        save_strategy's checkpoints, as transformers' Trainer (issue 63 item 7), and the caller saves."""
         config, state = self.config, self.state
-        if not preempted:
+        saved = self.command_line and not preempted
+        if saved:
             self.save_model(config.output_dir)  # every rank: a collective under ZeRO-3; rank 0 writes
             if self.dist.is_main:  # which iteration the final model is (a later resume must not replace it)
                 state.save_to_json(os.path.join(config.output_dir, C.FINAL_STATE_FILE))
         if self.dist.is_main and not preempted:
             plot_curves(state.log_history, os.path.join(config.output_dir, "curves.png"), self.log)
-            self.log(f"done: {state.episode} episodes in {time.perf_counter() - start:.1f}s; model saved to "
-                     f"{config.output_dir}")
+            self.log(f"done: {state.episode} episodes in {time.perf_counter() - start:.1f}s; "
+                     + (f"model saved to {config.output_dir}" if saved else f"output in {config.output_dir}"))
         self.control = self.callback_handler.on_train_end(config, state, self.control)
         self._end_processes()
 

@@ -8,21 +8,19 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from fastppo import dist as fdist
 from fastppo.batching import token_budget_batches
 from fastppo.config import PPOConfig
+from fastppo.experience import Experience, Targets
 from fastppo.loss_types import divides_by_rollout_tokens, policy_loss_weights
 from fastppo.metrics import STAT
 from fastppo.policy_terms import LossSettings, reads_whole_sequences
 from fastppo.rollout import Rollout, trained_mask
 from fastppo.sizes import Sizes
-
-if TYPE_CHECKING:
-    from fastppo.train import Experience, Targets
 
 
 class LossInputs(NamedTuple):

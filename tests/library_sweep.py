@@ -342,7 +342,10 @@ def killed_run(ctx, at: int = 2, total: int = 3) -> str:
 
 
 def finished_run(ctx, iterations: int = 2, **overrides) -> str:
-    ctx.trainer(ctx.cfg(total_episodes=4 * iterations, **overrides), callbacks=[SaveEach()]).train()
+    """A run as a TRL script leaves it: train() (a checkpoint each iteration), then save_model()."""
+    t = ctx.trainer(ctx.cfg(total_episodes=4 * iterations, **overrides), callbacks=[SaveEach()])
+    t.train()
+    t.save_model()
     return ctx.path("out")
 
 
@@ -791,13 +794,13 @@ def _(ctx):
         problems.append(f"global_step {t.state.global_step}")
     if len(metrics(os.path.join(out, "metrics.jsonl"))) != 1:
         problems.append("metrics rows != 1")
-    if not os.path.isfile(os.path.join(out, "model.safetensors")):
-        problems.append("no final model")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        problems.append("train() wrote a final model (TRL's writes save_strategy's checkpoints only)")
     if not os.path.isdir(os.path.join(out, "checkpoint-1")):
         problems.append("no checkpoint-1 to continue from")
     if problems:
         raise Wrong("; ".join(problems))
-    return "stopped at 1, final model + checkpoint-1"
+    return "stopped at 1, checkpoint-1 to continue from"
 
 
 @case("callbacks: should_save at iteration 1", "ok", ["callback"])

@@ -3,11 +3,11 @@
     torchrun --nproc_per_node 2 tests/ppo_worker.py SETTINGS_JSON OUTPUT_DIR STOP_AT fresh|resume
 
 ``STOP_AT`` > 0: a callback stops training after that iteration (0: run to the end); ``resume`` continues
-from ``latest``. Test-only keys in the settings: ``_nan_iteration`` N makes rank 1's first loss of
-iteration N non-finite (the step must be skipped on every rank); ``_save_final`` writes each rank's final
-weights (``actor_critic``, ``policy``, ``value``) and ``log_history`` to ``final<RANK>.pt`` in the output
-directory; ``_log_sharing`` writes each iteration's ``update_sharing`` and ``reference_sharing`` group size (None:
-unshared) to ``sharing<RANK>.json``.
+from ``latest``. The final model is saved to OUTPUT_DIR at the end of ``train()`` (``save_model()``). Test-only
+keys in the settings: ``_nan_iteration`` N makes rank 1's first loss of iteration N non-finite (the step must be
+skipped on every rank); ``_save_final`` writes each rank's final weights (``actor_critic``, ``policy``,
+``value``) and ``log_history`` to ``final<RANK>.pt`` in the output directory; ``_log_sharing`` writes each
+iteration's ``update_sharing`` and ``reference_sharing`` group size (None: unshared) to ``sharing<RANK>.json``.
 """
 import faulthandler
 import json
@@ -34,8 +34,16 @@ def main() -> None:
             control.should_training_stop = 0 < stop_at <= state.global_step
             return control
 
+    class SaveModel(TrainerCallback):
+        """The final model, as a TRL script saves it after train() (train() writes only checkpoints), here at
+        train's end: under ZeRO-3 save_model() gathers from every process, and train() then ends the group."""
+
+        def on_train_end(self, args, state, control, **kwargs):
+            trainer.save_model()
+
     trainer = PPOTrainer(args=PPOConfig(**settings, output_dir=out,
-                                        resume_from_checkpoint="latest" if resume else None), callbacks=[Stop()])
+                                        resume_from_checkpoint="latest" if resume else None),
+                         callbacks=[Stop(), SaveModel()])
     if nan_iteration:
         losses, fired = T.ppo_losses, []
 

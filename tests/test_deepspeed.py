@@ -253,6 +253,37 @@ def test_zero_stage_flag_in_one_process_without_a_launcher(tmp_path):
     assert (out / "model.safetensors").exists()
 
 
+SAVE_AFTER_TRAIN = """
+import sys
+from fastppo import PPOConfig, PPOTrainer
+from fastppo.cli import EMBEDDED_PRESET
+from fastppo.errors import SettingsError
+trainer = PPOTrainer(args=PPOConfig(**{**EMBEDDED_PRESET, **dict(
+    output_dir=sys.argv[1], per_device_train_batch_size=2, gradient_accumulation_steps=2, num_ppo_epochs=1,
+    response_length=4, total_episodes=8, num_sample_generations=0, disable_tqdm=True, zero_stage=3)}))
+trainer.train()
+try:
+    trainer.save_model()
+except SettingsError as e:
+    print("REFUSED", e)
+"""
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_save_model_after_train_under_zero3_says_where_the_weights_are(tmp_path):
+    """Through the API train() saves no final model (as TRL's) and ends the process group it started; under ZeRO-3
+    a save_model() after it cannot gather the weights: a usage error naming the last checkpoint (it was a torch
+    error about an uninitialized process group)."""
+    out = tmp_path / "run"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", SAVE_AFTER_TRAIN, str(out)], capture_output=True, text=True,
+                          env={**env(), "PYTHONPATH": root}, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "REFUSED save_model() under DeepSpeed ZeRO-3" in proc.stdout and str(out / "checkpoint-2") in proc.stdout
+    assert not (out / "model.safetensors").exists() and (out / "checkpoint-2" / "model.safetensors").exists()
+
+
 # ---------------------------------------------------------------------------- settings, checked before loading
 
 

@@ -76,14 +76,19 @@ def test_no_deprecation_warning_from_fastppos_calls(tmp_path, model_dir, fastppo
     from fastppo.layout import cache_keyword
     from fastppo.static_decode import StaticDecoder
 
-    PPOTrainer(args=config(tmp_path, save_steps=1), reward_model=length_reward).train()
+    def train_and_save(trainer):  # as a TRL script: train(), then save_model()
+        trainer.train()
+        trainer.save_model()
+
+    train_and_save(PPOTrainer(args=config(tmp_path, save_steps=1), reward_model=length_reward))
     # gradient checkpointing (TRL's default), LoRA, the value head on the policy's trunk, packed rows
     from peft import LoraConfig
 
-    PPOTrainer(args=config(tmp_path, name="lora", gradient_checkpointing=True, padding_free=True),
-               peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), reward_model=length_reward).train()
-    PPOTrainer(args=config(tmp_path, name="shared", gradient_checkpointing=True, shared_value_head=True),
-               reward_model=length_reward).train()
+    train_and_save(PPOTrainer(args=config(tmp_path, name="lora", gradient_checkpointing=True, padding_free=True),
+                              peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+                              reward_model=length_reward))
+    train_and_save(PPOTrainer(args=config(tmp_path, name="shared", gradient_checkpointing=True,
+                                          shared_value_head=True), reward_model=length_reward))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLMWithValueHead.from_pretrained(model_dir)
     legacy = LegacyTrainer(LegacyConfig(model_name=model_dir, batch_size=4, mini_batch_size=2,

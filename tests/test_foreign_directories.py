@@ -174,8 +174,8 @@ def test_directories_fastppo_wrote_are_still_its_own(tmp_path, model_dir):
     """What fastppo writes is recognised by its own files, in every shape a run leaves: a finished run, one
     stopped after a checkpoint, one that crashed before its first checkpoint (metrics lines only), a save that a
     crash interrupted (.tmp-checkpoint-N holding RNG files). Every version wrote fastppo_config.json into each
-    checkpoint and beside each final model."""
-    PPOTrainer(args=config(tmp_path, name="done"), reward_model=length_reward).train()
+    checkpoint and beside each final model (the command line's job writes one)."""
+    PPOTrainer(args=config(tmp_path, name="done"), reward_model=length_reward, command_line=True).train()
     assert fastppo_marker(str(tmp_path / "done")) == C.CONFIG_FILE
     PPOTrainer(args=config(tmp_path, name="stopped", total_episodes=24),
                callbacks=[_StopAfter(1)], reward_model=length_reward).train()
@@ -195,7 +195,8 @@ def test_directories_fastppo_wrote_are_still_its_own(tmp_path, model_dir):
                          reward_model=length_reward)
     assert resumed._resume_path.endswith("checkpoint-1")
     (crashed / "notes.txt").write_text("the user's own file")
-    PPOTrainer(args=config(tmp_path, name="crashed", overwrite_output_dir=True), reward_model=length_reward).train()
+    PPOTrainer(args=config(tmp_path, name="crashed", overwrite_output_dir=True), reward_model=length_reward,
+               command_line=True).train()
     assert (crashed / "notes.txt").read_text() == "the user's own file" and (crashed / C.CONFIG_FILE).is_file()
     assert len((crashed / "metrics.jsonl").read_text().splitlines()) == 1  # the new run's only
     # a fastppo checkpoint whose final model's config is missing (written last by earlier versions): the top-level

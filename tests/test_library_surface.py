@@ -146,6 +146,7 @@ def test_two_trainers_on_one_output_dir_cannot_both_write_it(tmp_path, model_dir
     # another replaces it, as TRL's: test_output_dir_api.py)
     second = PPOTrainer(args=config(tmp_path, total_episodes=8), command_line=True)
     first.train()
+    first.save_model()  # as a TRL script saves after train()
     model = (tmp_path / "out" / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match="already holds a run"):  # decided again when writing starts
         second.train()
@@ -166,26 +167,30 @@ def test_an_output_dir_being_written_is_locked(tmp_path, model_dir):
 
 
 def test_resuming_a_finished_run_never_replaces_its_final_model(tmp_path, model_dir):
+    """The command line's job ends with a final model (the API's train() writes none): a resume never replaces it."""
     class SaveEach(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             control.should_save = True
 
-    PPOTrainer(args=config(tmp_path, total_episodes=24), callbacks=[SaveEach()]).train()  # 3 iterations
+    PPOTrainer(args=config(tmp_path, total_episodes=24), callbacks=[SaveEach()], command_line=True).train()  # 3
     out = tmp_path / "out"
     final, metrics = (out / "model.safetensors").read_bytes(), (out / "metrics.jsonl").read_text()
     assert C.finished_step(str(out)) == 3 and [s for s, _ in C.checkpoints(str(out))] == [1, 2, 3]
     with pytest.raises(ValueError, match="after iteration 3, and this run has 2 iteration"):  # smaller max_steps
-        PPOTrainer(args=config(tmp_path, total_episodes=24, max_steps=2, resume_from_checkpoint="latest"))
+        PPOTrainer(args=config(tmp_path, total_episodes=24, max_steps=2, resume_from_checkpoint="latest"),
+                   command_line=True)
     with pytest.raises(ValueError, match=r"final model \(iteration 3\), newer than checkpoint-1"):
-        PPOTrainer(args=config(tmp_path, total_episodes=24, resume_from_checkpoint=str(out / "checkpoint-1")))
+        PPOTrainer(args=config(tmp_path, total_episodes=24, resume_from_checkpoint=str(out / "checkpoint-1")),
+                   command_line=True)
     assert (out / "model.safetensors").read_bytes() == final and (out / "metrics.jsonl").read_text() == metrics
     # a larger max_steps continues from the last iteration's checkpoint
-    more = PPOTrainer(args=config(tmp_path, total_episodes=24, max_steps=4, resume_from_checkpoint="latest"))
+    more = PPOTrainer(args=config(tmp_path, total_episodes=24, max_steps=4, resume_from_checkpoint="latest"),
+                      command_line=True)
     more.train()
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     # redoing from an old checkpoint goes into another directory, leaving this run whole
     PPOTrainer(args=config(tmp_path, name="redo", total_episodes=24,
-                           resume_from_checkpoint=str(out / "checkpoint-1"))).train()
+                           resume_from_checkpoint=str(out / "checkpoint-1")), command_line=True).train()
     assert C.finished_step(str(tmp_path / "redo")) == 3 and C.finished_step(str(out)) == 4
 
 

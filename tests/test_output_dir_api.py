@@ -106,3 +106,32 @@ def test_messages_speak_the_callers_words(tmp_path, model_dir):
     with pytest.raises(SettingsError, match=r"^--output_dir '.*' holds a model .*--overwrite_output_dir included: "
                                             r"use another --output_dir$"):
         PPOTrainer(args=quick_config(tmp_path), command_line=True)
+
+
+def weight_files(out) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors"))
+
+
+def test_train_saves_per_save_strategy_as_trl_and_save_model_saves_the_model(tmp_path, model_dir):
+    """Through the TRL API ``train()`` writes what transformers' Trainer writes (issue 63 item 7): under
+    save_strategy="no" no weights at all; under "steps" a checkpoint every save_steps optimizer steps and one at
+    the last step (transformers' DefaultFlowCallback), and no final model beside them. ``save_model()`` then saves
+    the model as ``Trainer.save_model``: weights, config and tokenizer into output_dir (or the path given), loadable
+    with ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    none = tmp_path / "none"
+    grpo(model_dir, none, save_strategy="no", max_steps=2).train()
+    assert weight_files(none) == [] and checkpoints(str(none)) == []
+    out = tmp_path / "steps"
+    trainer = grpo(model_dir, out, max_steps=3)  # save_steps=2: step 2, and the last step
+    trainer.train()
+    assert [s for s, _ in checkpoints(str(out))] == [2, 3]
+    assert weight_files(out) == ["checkpoint-2/model.safetensors", "checkpoint-3/model.safetensors"]
+    trained = digest(trainer.policy.state_dict())
+    for path in (None, tmp_path / "elsewhere"):
+        trainer.save_model(None if path is None else str(path))
+        path = path or out
+        assert digest(AutoModelForCausalLM.from_pretrained(path).state_dict()) == trained
+        assert AutoTokenizer.from_pretrained(path).pad_token_id == trainer.processing_class.pad_token_id
+    assert digest(AutoModelForCausalLM.from_pretrained(out / "checkpoint-3").state_dict()) == trained

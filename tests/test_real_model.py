@@ -135,7 +135,9 @@ def test_ppo_with_a_rule_reward_on_chat_prompts(tmp_path, smollm2):
     # its first two and last two); after the first update its mean is checked against the starting expectation.
     assert after > before + 0.2, (before, after, scores)
     assert sum(scores[1:]) / len(scores[1:]) > before, (before, scores)
-    # checkpoint: a plain transformers checkpoint with the trained weights, that generates text
+    # the saved model (save_model(), as TRL's scripts save after train()): a plain transformers checkpoint with the
+    # trained weights, that generates text
+    trainer.save_model()
     out = tmp_path / "out"
     model = AutoModelForCausalLM.from_pretrained(out)
     trained = dict(trainer.policy.named_parameters())
@@ -206,6 +208,7 @@ def test_ppo_with_reward_and_value_models_from_smollm2s_body(tmp_path, smollm2):
     for m in history:
         assert all(math.isfinite(v) for v in m.values()), m
     assert not torch.equal(value_head, trainer.value_model.score.weight)  # the value model is trained
+    trainer.save_model()
     out = tmp_path / "out"
     AutoModelForSequenceClassification.from_pretrained(out / "value_model")
     model = AutoModelForCausalLM.from_pretrained(out)

@@ -236,10 +236,12 @@ def test_every_metric_present_finite_and_outputs_written(tmp_path):
     assert (out / "curves.png").stat().st_size > 0
     assert (out / "samples.jsonl").exists()
     assert any((out / "runs").rglob("events.out.tfevents.*"))
-    # checkpoints: every save_steps and at the end, loadable by transformers
+    # checkpoints: every save_steps and at the end, loadable by transformers; no final model beside them (as TRL's
+    # train(): a script saves it with save_model())
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    for path in (out / "checkpoint-2", out):
+    assert not (out / "model.safetensors").exists() and not (out / "value_model").exists()
+    for path in (out / "checkpoint-2", out / "checkpoint-3"):
         policy = AutoModelForCausalLM.from_pretrained(path)
         AutoModelForSequenceClassification.from_pretrained(path / "value_model")
         AutoTokenizer.from_pretrained(path)
@@ -273,6 +275,7 @@ def test_peft_run_trains_adapters_and_uses_the_base_as_reference(tmp_path, model
     result = train(config)
     kls = [m["objective/kl"] for m in history(result)]
     assert kls[0] == 0.0 and kls[-1] > 0  # the reference is the base model, adapter off
+    result.save_model()
     out = tmp_path / "out"
     assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
     base = AutoModelForCausalLM.from_pretrained(model_dir)

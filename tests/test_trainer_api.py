@@ -304,6 +304,7 @@ def test_shared_value_head_trains_saves_and_reloads(tmp_path, model_dir):
     head_before = trainer.policy.v_head.summary.weight.detach().clone()
     trainer.train()
     assert not torch.equal(head_before, trainer.policy.v_head.summary.weight)  # the head is trained
+    trainer.save_model()
     out = tmp_path / "out"
     assert not (out / "value_model").exists()
     reloaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(out))
