@@ -444,10 +444,10 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
         it writes save_strategy's checkpoints); a script saves after training, as TRL's scripts do."""
         if self.zero is not None and self.zero.stage == 3 and not torch.distributed.is_initialized():
             raise SettingsError(
-                "save_model() under DeepSpeed ZeRO-3 gathers the weights from every process, and train() has ended "
-                "the process group it started; the last step's weights are in its checkpoint "
-                f"({os.path.join(self.config.output_dir, f'checkpoint-{self.state.global_step}')}, with "
-                "save_strategy='steps'), or call trainer.save_model() from a TrainerCallback's on_train_end")
+                "save_model() under DeepSpeed ZeRO-3 gathers the weights from every process, and end() has ended "
+                "the process group: call save_model() before end(); the last step's weights are also in its "
+                f"checkpoint ({os.path.join(self.config.output_dir, f'checkpoint-{self.state.global_step}')}, with "
+                "save_strategy='steps')")
         states = (None, None) if self.zero is None else \
             self.zero.full_state_dicts(self.dist.rank, self.value_model is not None)  # ZeRO-3: every rank calls
         if self.dist.is_main:

@@ -5,6 +5,7 @@ output_dir's lock, stop signals and the process group's end; and transformers' `
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -34,6 +35,9 @@ from fastppo.zero import zero_stage_of
 class TrainingLoop:
     """``train()`` and the run's events, on a ``PPOTrainer`` (whose attributes and methods they read: ``iteration``,
     ``save_checkpoint``, ``save_model``, ``generate_completions``, the callback handler and its state)."""
+
+    _ends_at_exit = False  # train() through the API left the process group to end() or the interpreter's exit
+    _processes_ended = False
 
     def train(self):
         """``num_total_batches`` iterations of rollout → update; metrics, samples, callbacks, checkpoints.
@@ -260,15 +264,28 @@ class TrainingLoop:
             self.log(f"done: {state.episode} episodes in {time.perf_counter() - start:.1f}s; "
                      + (f"model saved to {config.output_dir}" if saved else f"output in {config.output_dir}"))
         self.control = self.callback_handler.on_train_end(config, state, self.control)
-        self._end_processes()
+        self._release_wrappers()
+        if self.command_line:
+            self._end_processes()
+        elif self.dist.initialized_here and not self._ends_at_exit:  # as transformers' Trainer: the process group outlives train(), so that
+            # save_model() (a collective under ZeRO-3), evaluate() and push_to_hub() work after it; end() (TRL's
+            # scripts call it) or the interpreter's exit ends it
+            self._ends_at_exit = True
+            atexit.register(self._end_processes)
 
-    def _end_processes(self) -> None:
-        """Destroys the process group this trainer started, once. DDP's reducer (and DeepSpeed's hooks and buffers)
-        hold it: they are released first, while every rank is alive, rather than when the trainer is collected
-        after destroy_process_group, where a rank hung in the reducer's teardown (evaluate() then end() on 2 ranks:
-        2 runs of 16)."""
+    def _release_wrappers(self) -> None:
+        """DDP's reducer holds the process group: it is released while every rank is alive, rather than when the
+        trainer is collected after destroy_process_group, where a rank hung in the reducer's teardown (evaluate()
+        then end() on 2 ranks: 2 runs of 16). ``trainer.model`` is then the trained module itself."""
         self._trained = self.actor_critic
         self.model = self._public_model()
+
+    def _end_processes(self) -> None:
+        """Destroys the process group this trainer started (and DeepSpeed's engine on it), once."""
+        self._release_wrappers()
+        if self._processes_ended:
+            return
+        self._processes_ended = True
         fdist.barrier()  # every rank past its last save and collective (a caller's own process group included)
         if self.dist.initialized_here and dist.is_initialized():
             if self.zero is not None:

@@ -262,8 +262,10 @@ trainer = PPOTrainer(args=PPOConfig(**{**EMBEDDED_PRESET, **dict(
     output_dir=sys.argv[1], per_device_train_batch_size=2, gradient_accumulation_steps=2, num_ppo_epochs=1,
     response_length=4, total_episodes=8, num_sample_generations=0, disable_tqdm=True, zero_stage=3)}))
 trainer.train()
+trainer.save_model(sys.argv[1] + "/final")  # as TRL's scripts: train(), then save_model()
+trainer.end()
 try:
-    trainer.save_model()
+    trainer.save_model(sys.argv[1] + "/after-end")
 except SettingsError as e:
     print("REFUSED", e)
 """
@@ -271,17 +273,23 @@ except SettingsError as e:
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_save_model_after_train_under_zero3_says_where_the_weights_are(tmp_path):
-    """Through the API train() saves no final model (as TRL's) and ends the process group it started; under ZeRO-3
-    a save_model() after it cannot gather the weights: a usage error naming the last checkpoint (it was a torch
-    error about an uninitialized process group)."""
+def test_save_model_after_train_under_zero3(tmp_path):
+    """Through the API train() saves no final model (as TRL's) and leaves the process group to end(), as
+    transformers' Trainer: save_model() after train() gathers ZeRO-3's partitioned weights (it was a torch error
+    about an uninitialized process group), the final step's weights, equal to its checkpoint's; after end() it is
+    a usage error naming the checkpoint."""
+    from safetensors.torch import load_file
+
     out = tmp_path / "run"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", SAVE_AFTER_TRAIN, str(out)], capture_output=True, text=True,
                           env={**env(), "PYTHONPATH": root}, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "REFUSED save_model() under DeepSpeed ZeRO-3" in proc.stdout and str(out / "checkpoint-2") in proc.stdout
-    assert not (out / "model.safetensors").exists() and (out / "checkpoint-2" / "model.safetensors").exists()
+    assert not (out / "model.safetensors").exists()
+    final, checkpoint = load_file(out / "final" / "model.safetensors"), load_file(out / "checkpoint-2" / "model.safetensors")
+    assert final.keys() == checkpoint.keys() and all(torch.equal(final[k], checkpoint[k]) for k in final)
+    assert "REFUSED save_model() under DeepSpeed ZeRO-3" in proc.stdout and "before end()" in proc.stdout
+    assert not (out / "after-end").exists()
 
 
 # ---------------------------------------------------------------------------- settings, checked before loading
