@@ -165,16 +165,26 @@ def fill_batch(trainer) -> ScoredRollout:
     """Step 1 of a ``PPOTrainer`` with ``dynamic_sampling`` (its ``dynamic_sampling``): rounds of its ``rollout()``
     (each the next prompts), filled (``DynamicSampling.fill``); the trainer's ``environments`` and the reward
     functions' logged columns are then the kept rows', and ``dynamic_sampling/prompts_consumed`` (every process's
-    prompts drawn so far) joins the metrics."""
+    prompts drawn so far) joins the metrics. This is the trainer's own step 1, kept here for its size: it holds the
+    trainer's pool of environments (``environments.Environments.held``) while the batch fills, so that a later round
+    takes fresh instances and a kept rollout's environment is the one its round reset and its reward read."""
+    pool = trainer._environments
+
     def sample_round() -> Round:
         batch = trainer.rollout()
         rows = {EXTRA + name: values for name, values in trainer.reward_logs.take_extra(len(batch.scores)).items()}
         if trainer.environments and len(trainer.environments) == len(batch.scores):
             rows[ENVIRONMENTS] = list(trainer.environments)
+            pool.held.update(map(id, trainer.environments))
         return Round(batch, rows)
 
     sampling, tokenizer, sizes = trainer.dynamic_sampling, trainer.tokenizer, trainer.sizes
-    filled = sampling.fill(sample_round, trainer.device, tokenizer.pad_token_id, tokenizer.eos_token_id, trainer.log)
+    try:
+        filled = sampling.fill(sample_round, trainer.device, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                               trainer.log)
+    finally:
+        if pool is not None:
+            pool.held.clear()
     for name, values in filled.rows.items():
         if name == ENVIRONMENTS:
             trainer.environments = values

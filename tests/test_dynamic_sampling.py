@@ -285,3 +285,75 @@ def test_two_processes_fill_their_own_groups_in_step(tmp_path, model_dir):
              r["dynamic_sampling/prompts_consumed"], r["epoch"]) for r in ranks[0]["rows"]] == \
         [(2.0, 0.25, 4.0, 0.5), (1.0, 0.0, 6.0, 0.75)]
     assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+def byte_model_and_tokenizer():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tool_script import byte_tokenizer
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    return model, tok
+
+
+class Judge:
+    """An environment whose reward is its row's: 0 for a flat prompt, else alternating by the order of resets (a
+    group's two rollouts differ)."""
+
+    resets = 0
+
+    def reset(self, **row):
+        Judge.resets += 1
+        self.prompt, self.order = row["prompt"][-1]["content"], Judge.resets
+
+    def get_reward(self) -> float:
+        return 0.0 if self.prompt.endswith("flat") else float(self.order % 2)
+
+
+def test_environments_and_logged_columns_follow_the_kept_rows(tmp_path, monkeypatch):
+    """environment_factory: each round resets its own instances (a later round takes fresh ones from the pool), the
+    trainer's environments after a step are the kept rollouts', and a reward function's log_extra column is the
+    kept rows' values."""
+    model, tok = byte_model_and_tokenizer()
+
+    def tagged(prompts, completions, log_extra, **kwargs):
+        log_extra("prompt_text", [p[-1]["content"] for p in prompts])
+        return [0.0] * len(prompts)
+
+    data = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    trainer = GRPOTrainer(model=model, processing_class=tok, train_dataset=data, environment_factory=Judge,
+                          reward_funcs=tagged, args=args_for(tmp_path, max_steps=1, max_completion_length=4))
+    tables = []
+    monkeypatch.setattr(trainer, "_log_completions", lambda result, columns: tables.append(columns))
+    trainer.train()
+    kept = [PROMPTS[0]] * 2 + [PROMPTS[3]] * 2
+    assert [e.prompt for e in trainer.environments] == kept
+    assert tables == [{"prompt_text": kept}]
+    assert rows(trainer)[0]["dynamic_sampling/generation_rounds"] == 2.0
+
+
+def test_a_rollout_func_is_called_for_each_round(tmp_path, monkeypatch):
+    """rollout_func: called with each round's prompts; its extra fields reach the rewards of that round; the kept
+    groups' completions are trained."""
+    model, tok = byte_model_and_tokenizer()
+    given = []
+
+    def rollout(prompts, trainer):
+        given.append(list(prompts))
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        return {"prompt_ids": ids, "completion_ids": [tok(f" {i}<|im_end|>")["input_ids"] for i in range(len(ids))],
+                "logprobs": None, "flat": [p.endswith("flat") for p in prompts]}
+
+    def reward(completions, flat, **kwargs):
+        return [0.0 if f else float(i % 2) for i, f in enumerate(flat)]
+
+    seen = trained_prompts(monkeypatch, lambda: trainer)
+    trainer = GRPOTrainer(model=model, processing_class=tok, train_dataset=data(), rollout_func=rollout,
+                          reward_funcs=reward, args=args_for(tmp_path, max_steps=1))
+    trainer.train()
+    assert given == [[PROMPTS[0]] * 2 + [PROMPTS[1]] * 2, [PROMPTS[2]] * 2 + [PROMPTS[3]] * 2]
+    assert seen == [[PROMPTS[0], PROMPTS[3]]]
