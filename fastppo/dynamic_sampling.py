@@ -142,18 +142,23 @@ class DynamicSampling:
     def _measure(self, rounds: list[Round], batch: ScoredRollout, dropped: int, filled: int,
                  device: torch.device) -> None:
         """The batch's metrics, every process's (one all-reduce): the rounds, the share of the sampled groups
-        dropped for having no spread, the groups without one trained at the bound, and the completion tokens
-        sampled per completion token trained (the model's own tokens, the rollouts' trained mask)."""
+        dropped for having no spread, the groups without one trained at the bound, the completion tokens sampled
+        per completion token trained (the model's own tokens, the rollouts' trained mask), and the mean summed
+        reward of every completion sampled (the policy's, where ``reward`` is the kept groups')."""
         sampled_tokens = sum(int(r.batch.rollout.response_mask.sum()) for r in rounds)
+        scores = torch.cat([r.batch.scores.double().cpu() for r in rounds])
+        judged = ~torch.isnan(scores)
         totals = fdist.all_reduce(torch.tensor([len(rounds) * self.groups, dropped, filled, sampled_tokens,
-                                                int(batch.rollout.response_mask.sum())],
-                                               dtype=torch.float64, device=device)).tolist()
-        groups, dropped_all, filled_all, sampled, trained = totals
+                                                int(batch.rollout.response_mask.sum()), float(scores[judged].sum()),
+                                                int(judged.sum())], dtype=torch.float64, device=device)).tolist()
+        groups, dropped_all, filled_all, sampled, trained, reward_sum, reward_count = totals
         self.last_rounds = len(rounds)
         self.metrics = {"dynamic_sampling/generation_rounds": float(len(rounds)),
                         "dynamic_sampling/frac_groups_dropped": dropped_all / groups,
                         "dynamic_sampling/groups_without_spread_trained": filled_all,
-                        "dynamic_sampling/sampled_per_trained_token": sampled / max(trained, 1.0)}
+                        "dynamic_sampling/sampled_per_trained_token": sampled / max(trained, 1.0),
+                        "dynamic_sampling/sampled_reward_mean": reward_sum / reward_count if reward_count
+                        else float("nan")}
 
     def take_metrics(self) -> dict[str, float]:
         """The last filled batch's metrics, once."""

@@ -424,7 +424,8 @@ def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> N
               (("objective/entropy",), "entropy (nats / sequence)", "episode")]
     if "dynamic_sampling/generation_rounds" in history[0]:
         panels += [(DYNAMIC_SAMPLING_CURVES, "dynamic sampling, per batch", "episode"),
-                   (("objective/scores",), "reward against prompts drawn", "dynamic_sampling/prompts_consumed")]
+                   (("objective/scores", "dynamic_sampling/sampled_reward_mean"), "reward against prompts drawn",
+                    "dynamic_sampling/prompts_consumed")]
     fig, axes = plt.subplots(1, len(panels), figsize=(13 * len(panels) / 3, 3.6))
     for ax, (keys, title, x) in zip(axes, panels):
         shown = [key for key in keys if key in history[0]]  # no objective/kl where no reference ran

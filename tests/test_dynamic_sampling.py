@@ -97,6 +97,8 @@ def test_groups_without_spread_never_reach_the_update_and_the_batch_refills_in_d
     assert seen == [[PROMPTS[0], PROMPTS[3]], [PROMPTS[5], PROMPTS[6]]]
     assert [[r[c] for c in COLUMNS] for r in rows(trainer)] == [[2.0, 0.5, 0.0, 4.0], [2.0, 0.5, 0.0, 8.0]]
     assert all(r["dynamic_sampling/sampled_per_trained_token"] >= 1.0 for r in rows(trainer))
+    if metric == "reward":  # every sampled completion's: a kept group's 0 and 1, a flat one's 0s
+        assert [r["dynamic_sampling/sampled_reward_mean"] for r in rows(trainer)] == [0.25, 0.25]
     # the epoch counts every prompt drawn (16 prompts: 8 drawn), the episodes the completions trained
     assert (trainer.state.epoch, trainer.state.episode, trainer.prompt_batches_drawn) == (0.5, 8, 4)
 
