@@ -142,10 +142,11 @@ class TrainingParts:
     entropy_ctl: Any = None
 
 
-def training_state(parts: TrainingParts, tag: str, prompt_batches_drawn: int) -> dict:
+def training_state(parts: TrainingParts, tag: str, prompt_batches_drawn: int, iterations_done: int) -> dict:
     """``trainer_state.pt``'s contents: everything but the weights and RNG states a run needs to continue.
     Under DeepSpeed its engine checkpoint (``deepspeed/<tag>``) holds each rank's optimizer partition.
-    ``prompt_batches_drawn``: the iterations run (global_step counts TRL GRPO's optimizer steps)."""
+    ``prompt_batches_drawn``: the batches drawn from the prompt order (more than ``iterations_done``, the
+    iterations run, under dynamic sampling; global_step counts TRL GRPO's optimizer steps)."""
     zero, state = parts.zero, parts.state
     return {
         "optimizer": parts.optimizer.state_dict() if zero is None else None,
@@ -154,16 +155,17 @@ def training_state(parts: TrainingParts, tag: str, prompt_batches_drawn: int) ->
         "kl_coef": parts.kl_ctl.value,
         "moments": parts.moments.state_dict() if parts.moments is not None else None,
         "global_step": state.global_step, "episode": state.episode, "log_history": state.log_history,
-        "prompt_batches_drawn": prompt_batches_drawn,
+        "prompt_batches_drawn": prompt_batches_drawn, "iterations_done": iterations_done,
         "num_input_tokens_seen": getattr(state, "num_input_tokens_seen", 0),  # TRL GRPO's logged num_tokens
         "entropy_ctl": None if parts.entropy_ctl is None else parts.entropy_ctl.state_dict(),
     }
 
 
-def restore_training_state(path: str, parts: TrainingParts, rank: int) -> int:
+def restore_training_state(path: str, parts: TrainingParts, rank: int) -> tuple[int, int]:
     """A checkpoint back into a built trainer's parts (weights, optimizer, schedule, β, score moments, counters,
     this rank's RNG states), exactly. Returns how many prompt batches the run had drawn (the caller replays
-    its sampler that far)."""
+    its sampler that far) and how many iterations it had run (the same in a checkpoint from before dynamic
+    sampling, which saved one count)."""
     policy, value_model, state, zero = parts.policy, parts.value_model, parts.state, parts.zero
     saved = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=False)
     lm = lm_of(policy)
@@ -197,7 +199,8 @@ def restore_training_state(path: str, parts: TrainingParts, rank: int) -> int:
     state.log_history = list(saved["log_history"])
     set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pt"), map_location="cpu", weights_only=False),
                   parts.shuffle)
-    return saved["prompt_batches_drawn"]
+    drawn = saved["prompt_batches_drawn"]
+    return drawn, saved.get("iterations_done", drawn)
 
 
 @dataclass(frozen=True)

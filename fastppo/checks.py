@@ -343,6 +343,37 @@ def _check_rewards_and_kl(c: PPOConfig) -> None:
             f"reward_weights must be finite numbers, got {c.reward_weights!r}")
 
 
+def _check_dapo(c: PPOConfig) -> None:
+    """DAPO's dynamic sampling (a grouped estimator, a bound of at least one round, what to do at it) and overlong
+    shaping (a buffer within the completion's length, a finite factor). The metric's name is checked against the
+    rewards' names where they are known (``dynamic_sampling.check_metric``), still before any model loads."""
+    if c.dynamic_sampling:
+        require(ESTIMATORS[c.advantage_estimator].grouped, f"dynamic_sampling drops the groups whose completions all "
+                f"score the same, and advantage_estimator {c.advantage_estimator!r} has no groups (one completion "
+                "per prompt); use grpo or rloo, or drop dynamic_sampling")
+    bound = c.dynamic_sampling_max_rounds
+    require(isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1, f"dynamic_sampling_max_rounds "
+            f"must be a whole number of generation rounds >= 1 (the first included), got {bound!r}")
+    require(c.dynamic_sampling_at_bound in ("train", "raise"), f"dynamic_sampling_at_bound must be 'train' or "
+            f"'raise', got {c.dynamic_sampling_at_bound!r}")
+    require(isinstance(c.dynamic_sampling_metric, str) and c.dynamic_sampling_metric, f"dynamic_sampling_metric "
+            f"must be 'reward' or a reward function's name, got {c.dynamic_sampling_metric!r}")
+    buffer, length = c.overlong_buffer_len, given_name(c, "response_length")
+    require(isinstance(buffer, int) and not isinstance(buffer, bool) and 0 <= buffer <= c.response_length,
+            f"overlong_buffer_len must be a number of tokens from 0 (off) to {length} ({c.response_length}), got "
+            f"{buffer!r}")
+    require(_is_finite(c.overlong_penalty_factor) and c.overlong_penalty_factor >= 0,
+            f"overlong_penalty_factor must be >= 0, got {c.overlong_penalty_factor}")
+
+
+def _dapo_notes(c: PPOConfig, defaults: PPOConfig) -> list[str]:
+    """DAPO's settings given that this run does not read: each needs its switch on."""
+    switches = {"dynamic_sampling_metric": "dynamic_sampling", "dynamic_sampling_max_rounds": "dynamic_sampling",
+                "dynamic_sampling_at_bound": "dynamic_sampling", "overlong_penalty_factor": "overlong_buffer_len"}
+    return [f"--{name} has no effect without --{switch}" for name, switch in switches.items()
+            if not getattr(c, switch) and getattr(c, name) != getattr(defaults, name)]
+
+
 def _check_loss(c: PPOConfig) -> None:
     """The loss: the clip ranges and coefficients, the policy loss's settings (``_check_policy_loss``), the token
     budget of a micro-batch, the entropy bonus, the ratio threshold."""
@@ -421,6 +452,7 @@ def _unused_notes(c: PPOConfig, defaults: PPOConfig, peft: bool) -> list[str]:
     notes += unread_settings(c, defaults)
     notes += check_deepspeed(c, peft)
     notes += _policy_loss_notes(c, defaults)
+    notes += _dapo_notes(c, defaults)
     if c.target_kl != PPOConfig.__dataclass_fields__["target_kl"].default and not c.early_stopping:
         notes.append("target_kl is the early-stopping threshold (legacy TRL); without --early_stopping it has no "
                      "effect (the adaptive controller's target is --kl_target)")
@@ -439,6 +471,7 @@ def check_settings(c: PPOConfig, model_args, check_output: bool = True, peft: bo
     _check_generation(c)
     _check_rewards_and_kl(c)
     _check_estimator(c)
+    _check_dapo(c)
     _check_loss(c)
     _check_model_settings(model_args)
     notes = _reporter_notes(c)

@@ -482,6 +482,25 @@ class PPOConfig(TrainingArguments):
         metadata={"help": "Completions that reached response_length without a stop token leave the loss (DAPO; "
                   "TRL GRPO's name). Needs a stop token (stop_token or stop_token_id)."},
     )
+    # ------------------------------------------------------------ DAPO's dynamic sampling and overlong shaping
+    dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO's dynamic sampling (verl's "
+        "filter_groups.enable, OpenRLHF's dynamic_filtering), for grouped estimators (grpo, rloo): groups whose "
+        "dynamic_sampling_metric is the same for every completion are dropped and the batch refilled from the next "
+        "prompts of the data order (fastppo.dynamic_sampling)."})
+    dynamic_sampling_metric: str = field(default="reward", metadata={"help": "What a group must differ in to be "
+        "kept: 'reward' (the summed, weighted reward; verl's seq_reward) or a reward function's name (its own "
+        "column, e.g. an accuracy reward: verl's acc)."})
+    dynamic_sampling_max_rounds: int = field(default=10, metadata={"help": "At most this many generation rounds "
+        "per batch, the first included (verl's max_num_gen_batches, DAPO's recipe's 10; >= 1)."})
+    dynamic_sampling_at_bound: Literal["train", "raise"] = field(default="train", metadata={"help": "When the "
+        "bound is reached with too few groups: 'train' on them, the batch completed with the earliest dropped "
+        "groups (said in the log), or 'raise' (verl's)."})
+    overlong_buffer_len: int = field(default=0, metadata={"help": "DAPO's soft overlong punishment (verl's "
+        "overlong_buffer.len; 0: off): a completion longer than response_length (max_completion_length) minus this gets "
+        "-(length - (response_length - overlong_buffer_len)) / overlong_buffer_len × overlong_penalty_factor added "
+        "to its reward."})
+    overlong_penalty_factor: float = field(default=1.0, metadata={"help": "The overlong punishment at "
+        "response_length (verl's overlong_buffer.penalty_factor)."})
 
     # ------------------------------------------------------------ fastppo: DeepSpeed
     zero_stage: int | None = field(

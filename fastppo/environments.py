@@ -5,7 +5,8 @@
   ``reset`` it must have, an optional ``get_reward``, and its other public methods, which become the tools of the
   rows it serves (beside the run's own ``tools``), each bound to the row's own instance;
 * every rollout gets an instance of its own (each of a prompt's ``num_generations`` completions too), taken from a
-  pool reused from batch to batch and grown when a batch needs more;
+  pool reused from batch to batch and grown when a batch needs more (the instances in ``held`` are skipped: dynamic
+  sampling holds a batch's earlier rounds', so that each kept rollout keeps its environment as its round left it);
 * before sampling, ``reset(**row)`` (without the ``environment`` field of a dict of factories) runs for each rollout,
   and a string it returns is appended to the prompt's last message;
 * a class's ``get_reward()`` is a reward source of its own, named after the class, weighted 1, after the
@@ -34,6 +35,7 @@ class Environments:
             raise SettingsError("environment_factory must be a callable that returns an environment, or a dict of "
                                 "them by name")
         self.pool: dict = {}
+        self.held: set[int] = set()  # the ids of instances assign() does not hand out (dynamic sampling's)
         self.tools: dict = {}  # name -> the probe's public methods (with the run's tools): the schemas shown
         self.reward_fns: list[Callable] = []
         classes = []
@@ -70,6 +72,8 @@ class Environments:
         instances = []
         for name in names:
             index = used.get(name, 0)
+            while index < len(self.pool[name]) and id(self.pool[name][index]) in self.held:
+                index += 1
             if index == len(self.pool[name]):
                 self.pool[name].append(self.factories[name]())
             used[name] = index + 1

@@ -399,8 +399,14 @@ class MetricsLogger:
             self.file = self.tb = self.wandb = None
 
 
+# dynamic sampling's metrics of a batch, in curves.png (fastppo.dynamic_sampling)
+DYNAMIC_SAMPLING_CURVES = ("dynamic_sampling/generation_rounds", "dynamic_sampling/frac_groups_dropped",
+                           "dynamic_sampling/sampled_per_trained_token")
+
+
 def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> None:
-    """PNG of scores / RLHF reward, KL and entropy against episodes."""
+    """PNG of scores / RLHF reward, KL and entropy against episodes; under dynamic sampling also its rounds, dropped
+    groups and sampled tokens per trained token against episodes, and the reward against the prompts drawn."""
     try:
         import matplotlib
 
@@ -413,17 +419,20 @@ def plot_curves(history: list[dict], path: str, log: Callable[[str], None]) -> N
     if not history:
         return
     episodes = [m["episode"] for m in history]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, keys, title in (
-        (axes[0], ("objective/scores", "objective/rlhf_reward"), "reward"),
-        (axes[1], ("objective/kl",), "KL to reference (nats / sequence)"),
-        (axes[2], ("objective/entropy",), "entropy (nats / sequence)"),
-    ):
+    panels = [(("objective/scores", "objective/rlhf_reward"), "reward", "episode"),
+              (("objective/kl",), "KL to reference (nats / sequence)", "episode"),
+              (("objective/entropy",), "entropy (nats / sequence)", "episode")]
+    if "dynamic_sampling/generation_rounds" in history[0]:
+        panels += [(DYNAMIC_SAMPLING_CURVES, "dynamic sampling, per batch", "episode"),
+                   (("objective/scores", "dynamic_sampling/sampled_reward_mean"), "reward against prompts drawn",
+                    "dynamic_sampling/prompts_consumed")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(13 * len(panels) / 3, 3.6))
+    for ax, (keys, title, x) in zip(axes, panels):
         shown = [key for key in keys if key in history[0]]  # no objective/kl where no reference ran
         for key in shown:
-            ax.plot(episodes, [m[key] for m in history], label=key)
+            ax.plot([m[x] for m in history], [m[key] for m in history], label=key)
         ax.set_title(title if shown else f"{title}: not computed in this run")
-        ax.set_xlabel("episode")
+        ax.set_xlabel(x.split("/")[-1].replace("_", " "))
         if shown:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)

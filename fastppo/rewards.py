@@ -74,6 +74,60 @@ def completion_length(prompts: list[str], completions: list[str], **kwargs) -> l
     return [float(len(completion_text(c).split())) for c in completions]
 
 
+def soft_overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (its Eq. 13; verl's ``overlong_buffer``, TRL's
+    ``get_soft_overlong_punishment``) of completions of ``lengths`` tokens, in float64::
+
+        L <= L_max − B:          0
+        L_max − B < L <= L_max:  −(L − (L_max − B)) / B · factor
+        L > L_max:               −factor
+
+    Past ``max_length`` verl's line goes on falling and TRL's stops at −1; a trainer's completions never pass
+    ``response_length``, so the two agree on them. ``buffer`` 0: −factor past ``max_length`` only (TRL's)."""
+    lengths = lengths.double()
+    if buffer == 0:
+        return torch.where(lengths > max_length, -float(factor), 0.0).double()
+    exceed = lengths - (max_length - buffer)
+    return torch.clamp(-exceed / buffer * factor, min=-float(factor), max=0.0)
+
+
+def overlong_shaped(scores: torch.Tensor, lengths: torch.Tensor, max_length: int, buffer: int,
+                    factor: float) -> torch.Tensor:
+    """``scores`` with ``soft_overlong_penalty`` added (the setting ``overlong_buffer_len``; 0: ``scores`` as given)."""
+    if not buffer:
+        return scores
+    return scores + soft_overlong_penalty(lengths, max_length, buffer, factor).to(scores.device, scores.dtype)
+
+
+class SoftOverlongPunishment:
+    """DAPO's soft overlong punishment as a reward function (``soft_overlong_punishment``): each completion's
+    ``soft_overlong_penalty``, from its ``completion_ids`` (its tokens up to and including the stop token, as TRL
+    counts them). A class, not a closure, so that it pickles, as TRL's does; its ``__name__`` is TRL's, so its
+    metrics are logged under the same name."""
+
+    __name__ = "soft_overlong_punishment_reward"
+
+    def __init__(self, max_completion_len: int, soft_punish_cache: int, penalty_factor: float = 1.0):
+        if not 0 <= soft_punish_cache <= max_completion_len:
+            raise SettingsError(f"soft_punish_cache must be from 0 to max_completion_len ({max_completion_len}), got "
+                                f"{soft_punish_cache}")
+        self.max_completion_len, self.soft_punish_cache = max_completion_len, soft_punish_cache
+        self.penalty_factor = penalty_factor
+
+    def __call__(self, completion_ids: list[list[int]], **kwargs) -> list[float]:
+        lengths = torch.tensor([len(ids) for ids in completion_ids])
+        return soft_overlong_penalty(lengths, self.max_completion_len, self.soft_punish_cache,
+                                     self.penalty_factor).tolist()
+
+
+def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int,
+                             penalty_factor: float = 1.0) -> SoftOverlongPunishment:
+    """TRL's ``get_soft_overlong_punishment(max_completion_len, soft_punish_cache)`` (the same values) with verl's
+    ``penalty_factor``: a reward function for ``reward_funcs``. The setting ``overlong_buffer_len`` adds the same
+    penalty to the summed reward without a reward column of its own."""
+    return SoftOverlongPunishment(max_completion_len, soft_punish_cache, penalty_factor)
+
+
 # ============================================================================ scoring completions
 
 

@@ -155,3 +155,52 @@ class ScoredRollout:
     reward_columns: dict[str, torch.Tensor] = field(default_factory=dict)  # each reward's [B] (NaN: not judged)
     # [B, T] the log-probs a caller's sampler reported (TRL GRPO's rollout_func), NaN where it reported none
     sampling_logprobs: torch.Tensor | None = None
+
+
+def take_rows(parts: Sequence[ScoredRollout], picks: Sequence[tuple[int, int]], pad_id: int,
+              eos_id: int | None) -> ScoredRollout:
+    """One scored rollout of the rows ``picks`` ((part, row) pairs, in their order) of ``parts``, which may differ
+    in their widths: each row's prompt left-padded to the widest context of the parts it draws on, its response
+    right-padded to the longest response picked (``assemble``); one part whole, in order, is that part itself. The
+    phases' seconds are every part's sums; the sampler's log-probs, where a part has them, NaN-padded."""
+    first = picks[0][0]
+    if len(parts) == 1 and [r for _, r in picks] == list(range(len(parts[0].scores))):
+        return parts[0]
+    used = sorted({p for p, _ in picks})
+    model = parts[first].rollout.query_responses
+    n, c = len(picks), max(parts[p].rollout.context_length for p in used)
+    t = max(1, max(parts[p].rollout.response_lengths[r] for p, r in picks))
+    queries = torch.full((n, c), pad_id, dtype=model.dtype, device=model.device)
+    query_mask = torch.zeros((n, c), dtype=torch.long, device=model.device)
+    responses = torch.full((n, t), pad_id, dtype=model.dtype, device=model.device)
+    real = torch.zeros((n, t), dtype=torch.bool, device=model.device)
+    train = torch.zeros((n, t), dtype=torch.bool, device=model.device)
+    has_stop = torch.zeros(n, dtype=torch.bool, device=model.device)
+    logged = [parts[p].sampling_logprobs is not None for p in used]
+    sampled = torch.full((n, t), float("nan"), device=model.device) if any(logged) else None
+    for p in used:
+        part = parts[p].rollout
+        into = torch.tensor([i for i, (q, _) in enumerate(picks) if q == p], device=model.device)
+        rows = torch.tensor([r for q, r in picks if q == p], device=model.device)
+        cp, tp = part.context_length, min(part.response_mask.shape[1], t)
+        queries[into, c - cp:] = part.query_responses[rows, :cp]
+        query_mask[into, c - cp:] = part.attention_mask[rows, :cp].long()
+        responses[into, :tp] = part.query_responses[rows, cp:cp + tp]
+        real[into, :tp] = part.attention_mask[rows, cp:cp + tp].bool()
+        train[into, :tp] = part.response_mask[rows, :tp]
+        has_stop[into] = part.has_stop[rows]
+        if sampled is not None and parts[p].sampling_logprobs is not None:
+            sampled[into, :tp] = parts[p].sampling_logprobs[rows, :tp].to(sampled.dtype)
+    rollout = assemble(queries, query_mask, responses, real, has_stop, train)
+    texts = [parts[p].prompts is not None for p in used]
+    seconds: dict[str, float] = {}
+    for p in range(len(parts)):
+        for phase, value in parts[p].seconds.items():
+            seconds[phase] = seconds.get(phase, 0.0) + value
+    return ScoredRollout(
+        rollout, torch.stack([parts[p].scores[r] for p, r in picks]), eos_count(rollout, eos_id),
+        [parts[p].prompts[r] for p, r in picks] if all(texts) else None,
+        [parts[p].completions[r] for p, r in picks] if all(texts) else None, seconds,
+        {name: torch.stack([parts[p].reward_columns[name][r] for p, r in picks])
+         for name in parts[first].reward_columns},
+        None if sampled is None else sampled[:, :rollout.response_mask.shape[1]])

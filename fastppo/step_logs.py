@@ -20,8 +20,8 @@ import math
 STEP_METRICS = frozenset({"loss", "grad_norm", "learning_rate", "step_time", "entropy", "policy_loss", "entropy_coef",
                           "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                           "clip_ratio/low_min", "clip_ratio/high_max"})
-# set, not appended: TRL keeps the newest count of tokens seen
-REPLACED = frozenset({"num_tokens"})
+# set, not appended: TRL keeps the newest count of tokens seen (and a row the newest count of prompts drawn)
+REPLACED = frozenset({"num_tokens", "dynamic_sampling/prompts_consumed"})
 
 
 class StepLogs:

@@ -29,6 +29,7 @@ from fastppo.build import DeepSpeedSetup, build_learner, default_scheduler, star
 from fastppo.checks import check_settings
 from fastppo.config import PPOConfig, user_path
 from fastppo.data import left_pad, load_prompts, prompt_batches
+from fastppo.dynamic_sampling import DynamicSampling, check_metric, fill_batch
 from fastppo.embedded import embedded_model_path
 from fastppo.errors import SettingsError, SettingsTypeError
 from fastppo.generation import Sampling, sample_responses, stop_ids_of
@@ -38,7 +39,7 @@ from fastppo.layout import lm_of
 from fastppo.library_log import CONSOLE_SHOWN, library_logger
 from fastppo.metrics import RewardLogs, Samples, print_samples
 from fastppo.reward_scores import RewardScoring, processing_classes_by_name, resolve_rewards, score_rewards
-from fastppo.rewards import check_reward_fn_columns, reward_fn_name
+from fastppo.rewards import check_reward_fn_columns, reward_fn_name, overlong_shaped
 from fastppo.script_args import ModelConfig
 from fastppo.sizes import derive_sizes
 from fastppo.static_decode import StaticDecoder, compiled_decode_enabled
@@ -99,6 +100,7 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
         # --- reward, tokenizer and data first: bad input fails here, before any model is loaded
         # the rewards: one or a list of functions, models and paths (TRL GRPO's reward_funcs), weighted
         self.rewards = resolve_rewards(reward_model, config)
+        check_metric(config, [r.name for r in self.rewards])
         functions = [r for r in self.rewards if r.fn is not None]
         self.reward_fn = functions[0].fn if functions else None  # the first function (TRL 0.26 has one reward)
         self.reward_fn_name = reward_fn_name(self.reward_fn) if functions else None
@@ -134,6 +136,8 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
         self._static_decoder: StaticDecoder | None = None
         self._batches = prompt_batches(len(self.prompts), self.sizes.local_prompts, self.dist.rank,
                                        self.dist.world_size, config.seed, config.shuffle_dataset)
+        self.prompt_batches_drawn = 0  # every batch drawn from the prompt order: a checkpoint replays them
+        self.dynamic_sampling = DynamicSampling.of(config, self.sizes)  # DAPO's (fastppo.dynamic_sampling), or None
         self._start_events(callbacks)
 
     def _start_runtime(self, need_group: bool, notes: list[str], data_collator) -> None:
@@ -251,6 +255,7 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
         t0 = time.perf_counter()
         if prompt_ids is None:  # each drawn prompt num_generations times, side by side: one group per prompt
             drawn = [i for i in next(self._batches) for _ in range(self.sizes.num_generations)]
+            self.prompt_batches_drawn += 1
             prompt_ids, rows = [self.prompts[i] for i in drawn], self.prompt_rows.select(drawn)
         instances = row_tools = messages = None
         if self._environments is not None:  # each rollout's own environment, reset: the prompts it makes
@@ -305,6 +310,8 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
         has_stop = contains_stop(rollout, self.stop_ids, tok.eos_token_id)
         scores = apply_eos_penalties(scores, has_stop, config.missing_eos_penalty, config.non_eos_penalty,
                                      config.penalty_reward_value)
+        scores = overlong_shaped(scores, rollout.lengths, config.response_length, config.overlong_buffer_len,
+                                 config.overlong_penalty_factor)  # DAPO's, on the summed reward as verl adds it
         seconds = {"generation": t1 - t0, "reward": time.perf_counter() - t1}
         return ScoredRollout(rollout, scores, eos_count(rollout, tok.eos_token_id), prompts, completions, seconds,
                              columns, sampling_logprobs)
@@ -381,11 +388,12 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
     def iteration(self, collect: Callable[[], ScoredRollout] | None = None, skip_masked: bool = False
                   ) -> IterationResult:
         """Steps 1-6 (``fastppo.train.ppo_iteration``), then the counters. Step 1 is ``collect``: by default
-        ``rollout()`` (the next prompts), or a caller's own samples."""
+        ``rollout()`` (the next prompts; its rounds under ``dynamic_sampling``), or a caller's own samples."""
         sizes = self.sizes
         steps = min(sizes.steps_per_iteration, sizes.total_steps - self.state.global_step) \
             if sizes.counts_optimizer_steps else 1
-        result = ppo_iteration(self.learner, self.config, sizes, collect or self.rollout, skip_masked,
+        collect = collect or (self.rollout if self.dynamic_sampling is None else lambda: fill_batch(self))
+        result = ppo_iteration(self.learner, self.config, sizes, collect, skip_masked,
                                max_steps=steps if sizes.counts_optimizer_steps else None)
         self.state.global_step += steps
         self.state.episode += sizes.batch_size
@@ -398,7 +406,8 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
         """``checkpoint-<iteration>`` with everything needed to continue exactly (see ``fastppo.checkpoint``)."""
         config, state = self.config, self.state
         tag = f"global_step{state.global_step}"
-        trainer_state = C.training_state(self._training_parts(), tag, self.iterations_done)
+        parts = self._training_parts()
+        trainer_state = C.training_state(parts, tag, self.prompt_batches_drawn, self.iterations_done)
         states = [None, None]  # whole weights gathered under ZeRO-3 (rank 0)
 
         def every_rank(tmp):
@@ -418,10 +427,10 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
         return path
 
     def _load_checkpoint(self, path: str) -> None:
-        drawn = C.restore_training_state(path, self._training_parts(), self.dist.rank)
+        drawn, self.iterations_done = C.restore_training_state(path, self._training_parts(), self.dist.rank)
         for _ in range(drawn):  # the prompt order is a function of the seed: replay it
             next(self._batches)
-        self.iterations_done = drawn
+        self.prompt_batches_drawn = drawn
         self.log(f"resumed from {path} (iteration {self.state.global_step}, episode {self.state.episode})")
 
     def _training_parts(self) -> C.TrainingParts:

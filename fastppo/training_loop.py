@@ -190,11 +190,14 @@ class TrainingLoop:
         """What an iteration logs: the algorithm's metrics, the reward functions' own, the run's pace, timing and
         epoch (and TRL GRPO's counters, the adaptive β)."""
         config, sizes, state = self.config, self.sizes, self.state
-        # an episode is one completion: a pass over the prompts is num_generations episodes of each
-        state.epoch = state.episode / max(len(self.prompts) * sizes.num_generations, 1)
+        # an episode is one completion: a pass over the prompts is num_generations episodes of each (under dynamic
+        # sampling the epoch counts every prompt drawn, those of the dropped groups too: verl's pass over its data)
+        drawn = state.episode if self.dynamic_sampling is None else self.prompt_batches_drawn * sizes.batch_size
+        state.epoch = drawn / max(len(self.prompts) * sizes.num_generations, 1)
         metrics = {
             **result.metrics,
             **self.reward_logs.take_metrics(self.device),  # the reward functions' own (log_metric)
+            **(self.dynamic_sampling.take_metrics() if self.dynamic_sampling is not None else {}),
             "eps": (state.episode - clock[1]) / (time.perf_counter() - clock[0]),
             "lr": result.lr,
             "episode": state.episode,
@@ -344,8 +347,10 @@ class TrainingLoop:
 
     def _epoch_at(self, steps_done: int, epoch_end: float) -> float:
         """``state.epoch`` after ``steps_done`` optimizer steps of this generation batch (``epoch_end``: after all
-        of its steps): the batch's share of an epoch, in proportion to its steps, as Trainer counts it."""
-        per_batch = self.sizes.batch_size / max(len(self.prompts) * self.sizes.num_generations, 1)
+        of its steps): the batch's share of an epoch (every generation round's under dynamic sampling), in
+        proportion to its steps, as Trainer counts it."""
+        rounds = 1 if self.dynamic_sampling is None else self.dynamic_sampling.last_rounds
+        per_batch = self.sizes.batch_size * rounds / max(len(self.prompts) * self.sizes.num_generations, 1)
         return epoch_end - per_batch + per_batch * steps_done / self.sizes.steps_per_iteration
 
     def _log_step(self, rows: _StepRows, index: int, steps: int) -> None:

@@ -3,9 +3,11 @@
     torchrun --nproc_per_node 2 tests/grpo_worker.py MODEL_DIR OUTPUT_DIR
     torchrun --nproc_per_node 2 tests/grpo_worker.py tools OUTPUT_DIR
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/grpo_worker.py tools_zero3 OUTPUT_DIR
+    torchrun --nproc_per_node 2 tests/grpo_worker.py dynamic OUTPUT_DIR MODEL_DIR
 
 Evaluates 5 prompts (4 completions each, 8 per process per batch: a short last batch) and writes this rank's
-metrics to ``eval<RANK>.json`` in the output directory; ``tools``, ``tools_zero3``: ``tools_run``.
+metrics to ``eval<RANK>.json`` in the output directory; ``tools``, ``tools_zero3``: ``tools_run``; ``dynamic``:
+``dynamic_run``.
 """
 import faulthandler
 import json
@@ -73,7 +75,43 @@ def tools_run(out: str, zero3: bool = False) -> None:
                    "failure_frequency": row["tools/failure_frequency"], "loss": row["loss"]}, f)
 
 
+def dynamic_run(out: str, model: str) -> None:
+    """``dynamic``: two optimizer steps with dynamic sampling, one group per process per batch, the prompts in the
+    dataset's order (rank 0 takes the even ones, rank 1 the odd ones). Rank 0's first prompt gives every completion
+    the same reward: it samples a second round, and rank 1 samples one with it (its surplus group dropped); the
+    second batch takes one round. Writes each update's prompts, the logged rows and a digest of the weights."""
+    import hashlib
+
+    import fastppo.train as T
+
+    prompts = ["the movie was flat", "the film was good", "the story was good", "the acting was good",
+               "the music was good", "the ending was good", "the plot was good", "the cast was good"]
+    args = GRPOConfig(output_dir=out, num_generations=2, per_device_train_batch_size=2, max_completion_length=5,
+                      max_steps=2, logging_steps=1, bf16=False, gradient_checkpointing=False, disable_tqdm=True,
+                      save_strategy="no", report_to="none", learning_rate=1e-3, shuffle_dataset=False,
+                      dynamic_sampling=True)
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+                          reward_funcs=lambda prompts, completions, **k: [
+                              0.0 if p.endswith("flat") else float(i % 2) for i, p in enumerate(prompts)])
+    seen, update = [], T.ppo_update
+
+    def spy(trained, batch, *a, **k):
+        seen.append(trainer.tokenizer.batch_decode(batch.rollout.token_ids()[0], skip_special_tokens=True))
+        return update(trained, batch, *a, **k)
+
+    T.ppo_update = spy
+    trainer.train()
+    weights = hashlib.sha256(b"".join(v.detach().numpy().tobytes() for _, v in
+                                      sorted(trainer.policy.state_dict().items()))).hexdigest()
+    rows = [{k: v for k, v in r.items() if k.startswith("dynamic_sampling/") or k == "epoch"}
+            for r in trainer.state.log_history if "dynamic_sampling/generation_rounds" in r]
+    with open(os.path.join(out, f"dynamic{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump({"seen": seen, "rows": rows, "weights": weights}, f)
+
+
 def main() -> None:
+    if sys.argv[1] == "dynamic":
+        return dynamic_run(sys.argv[2], sys.argv[3])
     if sys.argv[1] in ("tools", "tools_zero3"):
         return tools_run(sys.argv[2], zero3=sys.argv[1] == "tools_zero3")
     model, out = sys.argv[1], sys.argv[2]
