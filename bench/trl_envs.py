@@ -27,7 +27,8 @@ def trl1_dir() -> str:
 def trl1_missing() -> str | None:
     """Why TRL 1.x cannot be imported from :func:`trl1_dir` (with the command that installs it), or None."""
     path = trl1_dir()
-    versions = [os.path.basename(p)[len("trl-"):].split("-")[0] for p in glob.glob(os.path.join(path, "trl-*.dist-info"))]
+    versions = [os.path.basename(p)[len("trl-"):-len(".dist-info")]
+                for p in glob.glob(os.path.join(path, "trl-*.dist-info"))]
     if not os.path.isfile(os.path.join(path, "trl", "__init__.py")) or not versions:
         return f"TRL 1.x is missing at {path}: run `{TRL1_INSTALL}` (see the README's test command)"
     if not any(v.startswith("1.") for v in versions):
