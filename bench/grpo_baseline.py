@@ -357,8 +357,10 @@ def _timed(obj, name: str, seconds: dict, key: str):
     setattr(obj, name, wrapper)
 
 
-def child(side: str, case: GRPOCase) -> dict:
-    """Build and train one side in this process; the summary the parent prints."""
+def child(side: str, case: GRPOCase, builders: dict | None = None) -> dict:
+    """Build and train one side in this process; the summary the parent prints. ``builders``: side -> the function
+    that builds its trainer and reads its settings (``BUILDERS`` by default; another bench passes its own, with a
+    case that has ``iterations``, ``threads`` and ``device``)."""
     import resource
 
     t_enter = time.time()
@@ -368,7 +370,7 @@ def child(side: str, case: GRPOCase) -> dict:
         torch.set_num_threads(case.threads)
     import transformers  # noqa: F401
 
-    kind = "trl" if side == "trl" else "fastppo"
+    kind = side_kind(side)
     _preimport(PREIMPORTS[kind])
     t_imported = time.time()
     memory = PeakMemory()
@@ -382,7 +384,7 @@ def child(side: str, case: GRPOCase) -> dict:
 
             _timed(fastppo_loop, "plot_curves", extra_s, "curve plot")
         t0 = time.perf_counter()
-        trainer, settings = BUILDERS[side](case, out, side, clock)
+        trainer, settings = (builders or BUILDERS)[side](case, out, side, clock)
         t1 = time.perf_counter()
         if kind == "fastppo":
             _timed(trainer, "save_model", extra_s, "final save")
@@ -430,22 +432,49 @@ def child(side: str, case: GRPOCase) -> dict:
 # ============================================================================ the parent side
 
 
-def run_child(side: str, case: GRPOCase, timeout: float = 3600) -> dict:
-    """One side in a fresh process: its summary, plus the process's wall time and peak RSS (``os.wait4``)."""
+def side_kind(side: str) -> str:
+    """Which trainer a side runs: "trl" for TRL's sides (``trl``, and ``trl-liger`` in bench/long_completions.py),
+    else "fastppo"."""
+    return "trl" if side.split("-")[0] == "trl" else "fastppo"
+
+
+class ChildFailed(RuntimeError):
+    """A side's child process that failed, or ran past its limit and was killed; ``out_of_memory`` tells a run
+    that did not fit (CUDA's out-of-memory error, or a SIGKILL that was not the limit's: the kernel's OOM killer)."""
+
+    def __init__(self, side: str, returncode: int, timed_out: bool, limit: float, wall_s: float, out: str, err: str):
+        why = f"killed at its {limit:g} s limit" if timed_out else f"exit {returncode}"
+        super().__init__(f"{side} run failed ({why}):\n{out[-3000:]}\n{err[-5000:]}")
+        self.returncode, self.timed_out, self.wall_s, self.stderr = returncode, timed_out, wall_s, err
+        self.out_of_memory = not timed_out and ("OutOfMemoryError" in err or "CUDA out of memory" in err
+                                                or returncode == -9)
+
+
+def run_child(side: str, case, timeout: float = 3600, script: str | None = None) -> dict:
+    """One side in a fresh process: its summary, plus the process's wall time and peak RSS (``os.wait4``).
+    ``script``: the bench whose ``--child SIDE --case JSON`` runs it (this one by default); it prints its summary
+    as ``GRPO_RESULT <json>``, with the fields :func:`child` returns."""
     env = dict(os.environ)
     # The caller's own entries stay behind the repository (a GPU machine's carried wheels live there); TRL 1.x
     # goes first for its side, so the TRL 0.26 such an entry may hold is never the one imported.
     inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    paths = ([trl1_dir()] if side == "trl" else []) + [REPO] + inherited
+    paths = ([trl1_dir()] if side_kind(side) == "trl" else []) + [REPO] + inherited
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["TRITON_INTERPRET"] = "0"
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--case", json.dumps(dataclasses.asdict(case))]
+    cmd = [sys.executable, os.path.abspath(script or __file__), "--child", side,
+           "--case", json.dumps(dataclasses.asdict(case))]
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         t0_unix = time.time()
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, text=True)
-        killer = threading.Timer(timeout, proc.kill)
+        killed = threading.Event()
+
+        def kill():
+            killed.set()
+            proc.kill()
+
+        killer = threading.Timer(timeout, kill)
         killer.start()
         try:
             _, status, usage = os.wait4(proc.pid, 0)
@@ -459,7 +488,7 @@ def run_child(side: str, case: GRPOCase, timeout: float = 3600) -> dict:
     marker = "GRPO_RESULT "
     lines = [line for line in out.splitlines() if line.startswith(marker)]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{side} run failed (exit {proc.returncode}):\n{out[-3000:]}\n{err[-5000:]}")
+        raise ChildFailed(side, proc.returncode, killed.is_set(), timeout, wall, out, err)
     result = json.loads(lines[-1][len(marker):])
     result["process_wall_s"] = wall
     result["process_maxrss_bytes"] = usage.ru_maxrss * 1024
