@@ -21,9 +21,9 @@
 # TRL 1.16: $FASTPPO_TRL1 when set, else .trl1 when it holds trl (a directory, not a link), else the wheel in
 # .whl/trl1 installed into /tmp/trl1. The models are written on the device (configs in bench/long_completions.py,
 # random weights, no download), so nothing else needs carrying. Knobs (environment): BUDGET, STAGES ("tests long
-# lmhead decode bisect"), TEST_FILES, TEST_SECONDS (90), LONG_CELLS ("qwen2.5-0.5b:1024 qwen2.5-1.5b:1024
-# qwen2.5-0.5b:4096 qwen2.5-1.5b:4096 qwen2.5-0.5b:8192 qwen2.5-1.5b:8192"; a cell may name its sides:
-# "qwen2.5-0.5b:4096:fastppo,trl,trl-liger"), LONG_SIDES (fastppo,trl), LONG_SIDE_SECONDS (150), LONG_SECONDS (260),
+# lmhead decode bisect"), TEST_FILES, TEST_SECONDS (90), LONG_CELLS ("qwen2.5-0.5b:1024 qwen2.5-0.5b:4096
+# qwen2.5-1.5b:1024 qwen2.5-1.5b:4096 qwen2.5-0.5b:8192 qwen2.5-1.5b:8192"; a cell may name its sides:
+# "qwen2.5-0.5b:4096:fastppo,trl,trl-liger"), LONG_SIDES (fastppo,trl), LONG_SIDE_SECONDS (180), LONG_SECONDS (330),
 # LONG_STEPS (1), BENCH_SECONDS (60), DECODE_SECONDS (45), BISECT_SHAPE (qwen2.5-0.5b), BISECT_SIDES (fastppo,trl),
 # BISECT_START (8192), BISECT_RESOLUTION (2048).
 set -uo pipefail
@@ -55,8 +55,8 @@ trl1() {  # where TRL 1.16 is found (bench/trl_envs.py reads FASTPPO_TRL1)
 }
 
 long() {  # one cell after another while the stage's time lasts; the table rewritten after every side's run
-  local end=$((SECONDS + $(cap "${LONG_SECONDS:-260}" "$1"))) cell shape length sides t
-  for cell in ${LONG_CELLS:-qwen2.5-0.5b:1024 qwen2.5-1.5b:1024 qwen2.5-0.5b:4096 qwen2.5-1.5b:4096 \
+  local end=$((SECONDS + $(cap "${LONG_SECONDS:-330}" "$1"))) cell shape length sides t
+  for cell in ${LONG_CELLS:-qwen2.5-0.5b:1024 qwen2.5-0.5b:4096 qwen2.5-1.5b:1024 qwen2.5-1.5b:4096 \
       qwen2.5-0.5b:8192 qwen2.5-1.5b:8192}; do
     IFS=: read -r shape length sides <<<"$cell"
     t=$((end - SECONDS))
@@ -65,13 +65,13 @@ long() {  # one cell after another while the stage's time lasts; the table rewri
     stage "$t" "long-$shape-$length" python3 bench/long_completions.py --device cuda --shape "$shape" \
       --lengths "$length" --prompts 8 --completions 8 --steps "${LONG_STEPS:-1}" \
       --sides "${sides:-${LONG_SIDES:-fastppo,trl}}" \
-      --side_seconds "$(( t - 10 < ${LONG_SIDE_SECONDS:-150} ? t - 10 : ${LONG_SIDE_SECONDS:-150} ))" \
+      --side_seconds "$(( t - 10 < ${LONG_SIDE_SECONDS:-180} ? t - 10 : ${LONG_SIDE_SECONDS:-180} ))" \
       --append --json "$OUT/long.json" --markdown "$OUT/long.md" --plot "$OUT/long.png"
   done
 }
 
 main() {
-  setup 100 400  # gpu_stages.sh: the wheels, the build, the device
+  setup 120 60  # gpu_stages.sh: the wheels, the build (whatever else is asked for), the device
   trl1
   local xdist=()
   python3 -c "import xdist" 2>/dev/null && xdist=(-n 16)
@@ -82,7 +82,7 @@ main() {
       -k "not smollm2" -q -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml="$WORK/tests.xml"
     table junit "$WORK/tests.xml" "$OUT/tests.md"
   fi
-  wants long && long 100
+  wants long && long 60
   if wants lmhead; then
     stage "$(cap "${BENCH_SECONDS:-60}" 50)" lmhead-loss python3 -m pytest bench/bench_logprobs.py \
       bench/bench_ppo_loss.py --quick -k "fused and gpu and not compile" -q -rs -p no:cacheprovider \

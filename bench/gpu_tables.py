@@ -15,13 +15,21 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 
 
+def _file(classname: str | None) -> str:
+    """The test file of a junit classname (``tests.test_x`` or ``tests.test_x.TestCase``)."""
+    parts = (classname or "?").split(".")
+    while len(parts) > 1 and parts[-1][:1].isupper():
+        parts.pop()
+    return "/".join(parts) + ".py"
+
+
 def junit(path: str) -> str:
     """Passed, failed, errors and skipped per test file, then each failure's or error's first line."""
     root = ET.parse(path).getroot()
     counts: dict[str, Counter] = {}
     problems = []
     for case in root.iter("testcase"):
-        where = (case.get("classname") or "?").rsplit(".", 1)[0].replace(".", "/") + ".py"
+        where = _file(case.get("classname"))
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
         counts.setdefault(where, Counter())[outcome] += 1
         if outcome in ("failure", "error"):
@@ -30,8 +38,7 @@ def junit(path: str) -> str:
     lines = ["| file | passed | failed | errors | skipped | seconds |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     seconds: Counter = Counter()
     for case in root.iter("testcase"):
-        seconds[(case.get("classname") or "?").rsplit(".", 1)[0].replace(".", "/") + ".py"] += float(
-            case.get("time") or 0)
+        seconds[_file(case.get("classname"))] += float(case.get("time") or 0)
     for where, c in sorted(counts.items()):
         lines.append(f"| {where} | {c['passed']} | {c['failure']} | {c['error']} | {c['skipped']} "
                      f"| {seconds[where]:.1f} |")

@@ -60,10 +60,8 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 
@@ -72,8 +70,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from e2e_common import CHAT_PROMPTS, REPO, smollm2_dir  # noqa: E402
-from e2e_measure import PeakMemory, _preimport  # noqa: E402
-from trl_envs import trl1_dir, trl1_missing  # noqa: E402
+from e2e_measure import PeakMemory, _preimport, run_child, side_kind  # noqa: E402
+from trl_envs import trl1_missing  # noqa: E402
 
 SIDES = ("fastppo", "fastppo-padfree", "fastppo-eager", "fastppo-inductor", "fastppo-noshare", "trl")
 # fastppo-eager and fastppo-inductor differ from fastppo on a GPU only
@@ -432,72 +430,6 @@ def child(side: str, case: GRPOCase, builders: dict | None = None) -> dict:
 # ============================================================================ the parent side
 
 
-def side_kind(side: str) -> str:
-    """Which trainer a side runs: "trl" for TRL's sides (``trl``, and ``trl-liger`` in bench/long_completions.py),
-    else "fastppo"."""
-    return "trl" if side.split("-")[0] == "trl" else "fastppo"
-
-
-class ChildFailed(RuntimeError):
-    """A side's child process that failed, or ran past its limit and was killed; ``out_of_memory`` tells a run
-    that did not fit (CUDA's out-of-memory error, or a SIGKILL that was not the limit's: the kernel's OOM killer)."""
-
-    def __init__(self, side: str, returncode: int, timed_out: bool, limit: float, wall_s: float, out: str, err: str):
-        why = f"killed at its {limit:g} s limit" if timed_out else f"exit {returncode}"
-        super().__init__(f"{side} run failed ({why}):\n{out[-3000:]}\n{err[-5000:]}")
-        self.returncode, self.timed_out, self.wall_s, self.stderr = returncode, timed_out, wall_s, err
-        self.out_of_memory = not timed_out and ("OutOfMemoryError" in err or "CUDA out of memory" in err
-                                                or returncode == -9)
-
-
-def run_child(side: str, case, timeout: float = 3600, script: str | None = None) -> dict:
-    """One side in a fresh process: its summary, plus the process's wall time and peak RSS (``os.wait4``).
-    ``script``: the bench whose ``--child SIDE --case JSON`` runs it (this one by default); it prints its summary
-    as ``GRPO_RESULT <json>``, with the fields :func:`child` returns."""
-    env = dict(os.environ)
-    # The caller's own entries stay behind the repository (a GPU machine's carried wheels live there); TRL 1.x
-    # goes first for its side, so the TRL 0.26 such an entry may hold is never the one imported.
-    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    paths = ([trl1_dir()] if side_kind(side) == "trl" else []) + [REPO] + inherited
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["TRITON_INTERPRET"] = "0"
-    cmd = [sys.executable, os.path.abspath(script or __file__), "--child", side,
-           "--case", json.dumps(dataclasses.asdict(case))]
-    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        t0_unix = time.time()
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, text=True)
-        killed = threading.Event()
-
-        def kill():
-            killed.set()
-            proc.kill()
-
-        killer = threading.Timer(timeout, kill)
-        killer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            killer.cancel()
-        wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        stdout.seek(0)
-        stderr.seek(0)
-        out, err = stdout.read(), stderr.read()
-    marker = "GRPO_RESULT "
-    lines = [line for line in out.splitlines() if line.startswith(marker)]
-    if proc.returncode != 0 or not lines:
-        raise ChildFailed(side, proc.returncode, killed.is_set(), timeout, wall, out, err)
-    result = json.loads(lines[-1][len(marker):])
-    result["process_wall_s"] = wall
-    result["process_maxrss_bytes"] = usage.ru_maxrss * 1024
-    result["process_cpu_s"] = usage.ru_utime + usage.ru_stime  # CPU time of the child: user + system
-    result["startup_to_imports_s"] = result["child_start_unix"] - t0_unix + result["imports_s"]
-    result["launch_to_first_iteration_s"] = result["first_iteration_end_unix"] - t0_unix  # what a user waits for
-    return result
-
-
 def compare(cases: list[GRPOCase], rounds: int, sides=DEFAULT_SIDES, log=print,
             side_seconds: float = 3600) -> dict[str, dict[str, list[dict]]]:
     """``rounds`` x each case x each side, interleaved; the side order flips every round. Each side's run has its
@@ -509,7 +441,7 @@ def compare(cases: list[GRPOCase], rounds: int, sides=DEFAULT_SIDES, log=print,
         for case in cases:
             for side in order:
                 try:
-                    res = run_child(side, case, timeout=side_seconds)
+                    res = run_child(side, case, __file__, timeout=side_seconds)
                 except RuntimeError as e:
                     lines = str(e).splitlines()
                     log(f"round {r + 1}/{rounds} beta {case.beta:g} {side:<16} FAILED or past its {side_seconds:g} s: "

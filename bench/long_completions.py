@@ -2,7 +2,7 @@
 ``from fastppo import GRPOConfig, GRPOTrainer``), GRPOConfig's defaults except the sizes, at a model's shape with
 random weights, from a few hundred to thousands of completion tokens: ``train()``'s time, seconds per iteration,
 completion tokens per second and the peak memory (the process's resident set on a CPU, ``max_memory_allocated`` on
-CUDA), each side in its own fresh process (``grpo_baseline.run_child``), the side order alternating from one
+CUDA), each side in its own fresh process (``e2e_measure.run_child``), the side order alternating from one
 length to the next; ``--bisect``: the longest completion each side fits (issue 61, items 4 and 5).
 
     python bench/long_completions.py --device cpu --shape smollm2-135m --lengths 256,512,1024,2048 \\
@@ -49,6 +49,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import grpo_baseline as gb  # noqa: E402
+from e2e_measure import ChildFailed, run_child  # noqa: E402
 from trl_envs import trl1_missing  # noqa: E402
 
 SHAPE_VERSION = 1  # bump when a shape's config, the tokenizer or the eos channel changes
@@ -260,8 +261,8 @@ def run(side: str, case: LongCase, limit: float) -> dict:
     """One side's run, in its own process: a record with the outcome (ok, out of memory, past the limit, failed)."""
     record = {"shape": case.shape, "length": case.max_completion_length, "side": side, "case": dataclasses.asdict(case)}
     try:
-        result = gb.run_child(side, case, timeout=limit, script=__file__)
-    except gb.ChildFailed as e:
+        result = run_child(side, case, __file__, timeout=limit)
+    except ChildFailed as e:
         outcome = ("past the limit" if e.timed_out else "out of memory" if e.out_of_memory else "failed")
         return {**record, "outcome": outcome, "wall_s": e.wall_s, "limit_s": limit,
                 "error": "\n".join(e.stderr.strip().splitlines()[-12:])}

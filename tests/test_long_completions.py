@@ -77,6 +77,26 @@ def test_bisection_brackets_the_longest_length_that_fits():
     assert (timed["longest_fit"], len(timed["tried"]), timed["complete"]) == (2048, 2, False)
 
 
+CHILDREN = {  # stand-ins for a side's child process: what each does, and the outcome a run of it records
+    "sleep": ("import time; time.sleep(60)", "past the limit"),
+    "oom": ("import sys; sys.stderr.write('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9 GiB')\n"
+            "sys.exit(1)", "out of memory"),
+    "crash": ("raise ValueError('a bug')", "failed"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHILDREN))
+def test_a_run_tells_out_of_memory_from_its_limit_and_from_a_failure(kind, tmp_path, monkeypatch):
+    script = tmp_path / "child.py"
+    script.write_text(CHILDREN[kind][0])
+    monkeypatch.setattr(lc, "__file__", str(script))  # run() starts its own file as the child
+    record = lc.run("fastppo", lc.LongCase(shape="tiny"), limit=3)
+    assert record["outcome"] == CHILDREN[kind][1]
+    assert record["wall_s"] < 30 and "result" not in record
+    if kind == "crash":
+        assert "ValueError: a bug" in record["error"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "llama-7b"], "--shape: unknown"),
     (["--lengths", "1k"], "--lengths must be comma-separated integers"),
