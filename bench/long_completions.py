@@ -389,13 +389,15 @@ def format_tables(data: dict) -> str:
     if data.get("bisect"):
         lines += ["### The longest completion that fits", "",
                   "| shape | completions | side | longest that fit | shortest that did not | tries (tokens: outcome, "
-                  "process s) |", "| --- | ---: | --- | ---: | ---: | --- |"]
+                  "process s, peak MiB) |", "| --- | ---: | --- | ---: | ---: | --- |"]
         for b in data["bisect"]:
-            tries = "; ".join(f"{t['length']:,}: {t['outcome']}, {t['wall_s']:.0f} s" for t in b["tries"])
+            tries = "; ".join(f"{t['length']:,}: {t['outcome']}, {t['wall_s']:.0f} s"
+                              + (f", {_mib(peak_bytes(t['result']))} MiB" if t.get("result") else "")
+                              for t in b["tries"])
             fit = "none tried" if b["longest_fit"] is None else f"{b['longest_fit']:,}"
             lines.append(f"| {b['shape']} | {b['completions']} | {b['side']} | {fit}"
                          f"{'' if b['complete'] else ' (stopped early)'} | "
-                         f"{'–' if b['first_no_fit'] is None else format(b['first_no_fit'], ',')} | {tries} |")
+                         f"{'none tried' if b['first_no_fit'] is None else format(b['first_no_fit'], ',')} | {tries} |")
         lines.append("")
     settings: dict[str, dict] = {}
     for r in data["runs"]:
