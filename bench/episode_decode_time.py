@@ -10,6 +10,9 @@ CUDA graphs, so a way that uses a new bucket each round compiles again each roun
 step runs uncaptured (no compile), which times the forwards alone; ``--device cuda`` captures it:
 
     python bench/episode_decode_time.py [--batches 3 --rows 8 --rounds 3 --budget 96 --device cpu]
+
+With ``FASTPPO_SMOLLM2_SHAPE`` (random weights at SmolLM2's shape, ``e2e_common.smollm2_shaped_dir``) the model
+samples almost uniformly: ``--stops 1024`` makes its turns end (bench/gpu_issue64.sh).
 """
 from __future__ import annotations
 
@@ -64,7 +67,8 @@ def setup(args):
         batches.append([torch.randint(50, vocab - 100, (int(n),), generator=gen).tolist() for n in lengths])
     with torch.no_grad():  # stop ids: the tokens the model samples most after these prompts, so turns end early
         ids, mask = (t.to(device) for t in left_pad(batches[0], 0))
-        stops = lm(input_ids=ids, attention_mask=mask).logits[:, -1].softmax(-1).mean(0).topk(24).indices.tolist()
+        probs = lm(input_ids=ids, attention_mask=mask).logits[:, -1].softmax(-1).mean(0)
+        stops = probs.topk(args.stops).indices.tolist()
     forward = lm.forward
     prefilled = {"tokens": 0}
 
@@ -125,6 +129,10 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=96)
     parser.add_argument("--prompt_tokens", type=int, default=120)
     parser.add_argument("--device", default="cpu", help="cuda: the graph backend's step captured (CUDA graphs)")
+    parser.add_argument("--stops", type=int, default=24,
+                        help="how many of the model's likeliest tokens after the prompts end a turn; a model with "
+                             "random weights (a GPU lease's SmolLM2 shape) samples almost uniformly, so 24 of its "
+                             "49,152 tokens end almost no turn: 1,024 ends about one token in 48")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     lm, batches, stops, prefilled = setup(args)

@@ -60,10 +60,8 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 
@@ -72,8 +70,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from e2e_common import CHAT_PROMPTS, REPO, smollm2_dir  # noqa: E402
-from e2e_measure import PeakMemory, _preimport  # noqa: E402
-from trl_envs import trl1_dir, trl1_missing  # noqa: E402
+from e2e_measure import PeakMemory, _preimport, run_child, side_kind  # noqa: E402
+from trl_envs import trl1_missing  # noqa: E402
 
 SIDES = ("fastppo", "fastppo-padfree", "fastppo-eager", "fastppo-inductor", "fastppo-noshare", "trl")
 # fastppo-eager and fastppo-inductor differ from fastppo on a GPU only
@@ -357,8 +355,10 @@ def _timed(obj, name: str, seconds: dict, key: str):
     setattr(obj, name, wrapper)
 
 
-def child(side: str, case: GRPOCase) -> dict:
-    """Build and train one side in this process; the summary the parent prints."""
+def child(side: str, case: GRPOCase, builders: dict | None = None) -> dict:
+    """Build and train one side in this process; the summary the parent prints. ``builders``: side -> the function
+    that builds its trainer and reads its settings (``BUILDERS`` by default; another bench passes its own, with a
+    case that has ``iterations``, ``threads`` and ``device``)."""
     import resource
 
     t_enter = time.time()
@@ -368,7 +368,7 @@ def child(side: str, case: GRPOCase) -> dict:
         torch.set_num_threads(case.threads)
     import transformers  # noqa: F401
 
-    kind = "trl" if side == "trl" else "fastppo"
+    kind = side_kind(side)
     _preimport(PREIMPORTS[kind])
     t_imported = time.time()
     memory = PeakMemory()
@@ -383,7 +383,7 @@ def child(side: str, case: GRPOCase) -> dict:
 
             _timed(fastppo_loop, "plot_curves", extra_s, "curve plot")
         t0 = time.perf_counter()
-        trainer, settings = BUILDERS[side](case, out, side, clock)
+        trainer, settings = (builders or BUILDERS)[side](case, out, side, clock)
         t1 = time.perf_counter()
         trainer.train()
         t2 = time.perf_counter()
@@ -429,45 +429,6 @@ def child(side: str, case: GRPOCase) -> dict:
 # ============================================================================ the parent side
 
 
-def run_child(side: str, case: GRPOCase, timeout: float = 3600) -> dict:
-    """One side in a fresh process: its summary, plus the process's wall time and peak RSS (``os.wait4``)."""
-    env = dict(os.environ)
-    # The caller's own entries stay behind the repository (a GPU machine's carried wheels live there); TRL 1.x
-    # goes first for its side, so the TRL 0.26 such an entry may hold is never the one imported.
-    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    paths = ([trl1_dir()] if side == "trl" else []) + [REPO] + inherited
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["TRITON_INTERPRET"] = "0"
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--case", json.dumps(dataclasses.asdict(case))]
-    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        t0_unix = time.time()
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, text=True)
-        killer = threading.Timer(timeout, proc.kill)
-        killer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            killer.cancel()
-        wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        stdout.seek(0)
-        stderr.seek(0)
-        out, err = stdout.read(), stderr.read()
-    marker = "GRPO_RESULT "
-    lines = [line for line in out.splitlines() if line.startswith(marker)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{side} run failed (exit {proc.returncode}):\n{out[-3000:]}\n{err[-5000:]}")
-    result = json.loads(lines[-1][len(marker):])
-    result["process_wall_s"] = wall
-    result["process_maxrss_bytes"] = usage.ru_maxrss * 1024
-    result["process_cpu_s"] = usage.ru_utime + usage.ru_stime  # CPU time of the child: user + system
-    result["startup_to_imports_s"] = result["child_start_unix"] - t0_unix + result["imports_s"]
-    result["launch_to_first_iteration_s"] = result["first_iteration_end_unix"] - t0_unix  # what a user waits for
-    return result
-
-
 def compare(cases: list[GRPOCase], rounds: int, sides=DEFAULT_SIDES, log=print,
             side_seconds: float = 3600) -> dict[str, dict[str, list[dict]]]:
     """``rounds`` x each case x each side, interleaved; the side order flips every round. Each side's run has its
@@ -479,7 +440,7 @@ def compare(cases: list[GRPOCase], rounds: int, sides=DEFAULT_SIDES, log=print,
         for case in cases:
             for side in order:
                 try:
-                    res = run_child(side, case, timeout=side_seconds)
+                    res = run_child(side, case, __file__, timeout=side_seconds)
                 except RuntimeError as e:
                     lines = str(e).splitlines()
                     log(f"round {r + 1}/{rounds} beta {case.beta:g} {side:<16} FAILED or past its {side_seconds:g} s: "
