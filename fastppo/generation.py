@@ -18,16 +18,16 @@ sampling, so with the same random state the two draw the same tokens.
 from __future__ import annotations
 
 import contextlib
-import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn as nn
-from transformers import DynamicCache, GenerationConfig
+from transformers import GenerationConfig
 
 from fastppo.dist import all_reduce_min
 from fastppo.errors import SettingsError
+from fastppo.kv_cache import describe, new_dynamic_cache
 from fastppo.layout import cache_keyword
 from fastppo.sampling import Truncation, process_logits, seen_tokens
 from fastppo.static_decode import StaticDecoder, accepts_logits_to_keep
@@ -54,7 +54,8 @@ class Sampling:
 
 @torch.no_grad()
 def sample_responses(lm, queries, query_mask, response_length: int, sampling: Sampling, chunk: int,
-                     decoder: StaticDecoder | None = None, group_size: int = 1) -> torch.Tensor:
+                     decoder: StaticDecoder | None = None, group_size: int = 1,
+                     log: Callable[[str], None] | None = None) -> torch.Tensor:
     """[B, T] sampled tokens (T = ``response_length``), ``chunk`` rows at a time, drawn as ``sampling`` says.
 
     ``decoder``: a ``static_decode.StaticDecoder`` of ``lm``; each token's forward then runs compiled over its
@@ -65,11 +66,16 @@ def sample_responses(lm, queries, query_mask, response_length: int, sampling: Sa
     token's logits are the unshared prefill's up to rounding (measured: 1.2e-7 on the embedded model, in fp32), the
     later ones the same, so a draw moves only where the uniform lands within rounding of a boundary. The compiled
     decode does the same: the group's prompt prefilled once, its keys and values written to the group's rows of the
-    static cache (``StaticDecoder.fill_shared``)."""
+    static cache (``StaticDecoder.fill_shared``).
+
+    The KV cache is kept in the model's compute dtype (``fastppo.kv_cache``); ``log``: told what the eager loop's
+    first chunk's cache held at its end (the decoder says what its static caches hold itself)."""
     with evaluating(lm):
-        sample = _sample_chunk if decoder is None else partial(_sample_chunk_static, decoder)
-        out = [sample(lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, sampling, group_size)
-               for i in range(0, queries.shape[0], chunk)]
+        out = []
+        for i in range(0, queries.shape[0], chunk):
+            rows = (lm, queries[i : i + chunk], query_mask[i : i + chunk], response_length, sampling, group_size)
+            out.append(_sample_chunk(*rows, log=log if i == 0 else None) if decoder is None
+                       else _sample_chunk_static(decoder, *rows))
     return torch.cat(out)
 
 
@@ -139,15 +145,11 @@ def prompt_groups(queries, query_mask, group_size: int) -> int:
     return group_size if bool((ids == ids[:, :1]).all() and (mask == mask[:, :1]).all()) else 1
 
 
-def _new_dynamic_cache(lm) -> DynamicCache:
-    return DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
-
-
 def _sample_chunk(lm, queries, query_mask, response_length: int, sampling: Sampling,
-                  group_size: int = 1) -> torch.Tensor:
+                  group_size: int = 1, log: Callable[[str], None] | None = None) -> torch.Tensor:
     b = queries.shape[0]
     keep = {"logits_to_keep": 1} if accepts_logits_to_keep(lm) else {}
-    cache = _new_dynamic_cache(lm)
+    cache = new_dynamic_cache(lm)
     keyword = cache_keyword(lm)  # cache (transformers 5.2x on) or past_key_values (earlier)
     mask = query_mask
     positions = (query_mask.cumsum(1) - 1).clamp(min=0)  # a left-padded prompt starts at position 0
@@ -176,6 +178,8 @@ def _sample_chunk(lm, queries, query_mask, response_length: int, sampling: Sampl
         positions = positions[:, -1:] + 1
         logits = lm(input_ids=inputs, attention_mask=mask, position_ids=positions, **{keyword: cache},
                     use_cache=True, **keep).logits[:, -1]
+    if log is not None:
+        log(f"eager decode: {describe(cache)} (grown one position per token, freed after the chunk)")
     return tokens
 
 
@@ -202,7 +206,7 @@ def prefill_static(decoder: StaticDecoder, lm, inputs, mask, positions, cache, r
     width = inputs.shape[1]
     g = prompt_groups(inputs[:rows], mask[:rows, :width], group_size) if decoder.can_fill_shared(cache) else 1
     if g > 1:
-        prefill = _new_dynamic_cache(lm)
+        prefill = new_dynamic_cache(lm)
         logits = lm(input_ids=inputs[:rows:g], attention_mask=mask[:rows:g, :width], position_ids=positions[:rows:g],
                     **{cache_keyword(lm): prefill}, use_cache=True, logits_to_keep=1).logits[:, -1]
         return logits[decoder.fill_shared(cache, prefill, rows, inputs.shape[0], g)]

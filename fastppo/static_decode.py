@@ -25,10 +25,16 @@ to the next, hence:
   stays finite; their samples are dropped) and the cache length to a multiple of ``cache_bucket``. A
   rollout whose chunk and prompt width fall in the buckets already seen reuses the compiled step: no
   recompilation in a steady run (``tests/test_static_decode.py`` sets dynamo's ``error_on_recompile``);
-* one ``StaticCache`` per bucket, kept and ``reset()`` between chunks: fresh buffers would be fresh
-  static addresses, hence a re-recorded CUDA graph each time. A captured graph also reads the weights at the
+* one ``StaticCache`` per bucket, ``reset()`` between chunks. Where a captured CUDA graph reads it (the
+  ``cuda_graph`` backend captured, or inductor's CUDA graphs on CUDA) it is kept between rollouts: fresh buffers
+  would be fresh static addresses, hence a re-recorded graph each time. Everywhere else (a CPU, an uncaptured
+  step) nothing holds its addresses, and ``release()`` frees it after each rollout, so the update runs without
+  it; within a rollout a new bucket frees the last one's. A captured graph also reads the weights at the
   addresses they had: the optimizer updates them in place, and a weight moved elsewhere (a checkpoint loaded
-  with ``assign``, a re-wrapped model) drops every graph, to be captured again.
+  with ``assign``, a re-wrapped model) drops every graph, to be captured again;
+* the cache in the model's compute dtype (``fastppo.kv_cache``: bf16 under bf16 autocast, where the keys would
+  otherwise be kept in fp32), sized to the chunk: its rows' bucket × (prompt width + this rollout's new tokens,
+  rounded up to ``cache_bucket``). What it holds is said once per bucket (dtype, rows × positions × layers, MiB).
 
 What stays eager, on purpose: the prompt's forward (the prefill: one call per chunk, its width changes
 with every batch) and the token choice. The choice is ``generation.draw_tokens``, the eager sampler's own
@@ -61,6 +67,7 @@ except ImportError:  # pragma: no cover
     pass
 
 from fastppo.errors import SettingsError
+from fastppo.kv_cache import compute_dtype_layers, describe
 from fastppo.layout import cache_keyword, causal_lm_of, four_d_mask, shared_mask_kind
 from fastppo.library_log import library_logger
 
@@ -76,23 +83,6 @@ def _round_up(n: int, multiple: int) -> int:
 def batch_bucket(rows: int) -> int:
     """The batch a chunk of ``rows`` is padded to: the next power of two (1, 2, 4, 8, ...)."""
     return 1 << max(rows - 1, 0).bit_length()
-
-
-_PROMOTING_LAYERS: dict[type, type] = {}
-
-
-def _promoting_layer_class(base: type) -> type:
-    """``base`` (a static cache layer) storing keys and values in their promoted dtype. Under bf16 autocast a Llama
-    layer's keys come out of the rotary embedding in fp32 while its values are bf16; ``StaticLayer`` allocates both
-    in the keys' dtype and then refuses the values. Upcasting the values is exact, and attention casts both back to
-    what the eager loop's ``DynamicCache`` (which keeps each as it comes) gives it: the same logits, the same tokens."""
-    if base not in _PROMOTING_LAYERS:
-        def update(self, key_states, value_states, *args, **kwargs):
-            dtype = torch.promote_types(key_states.dtype, value_states.dtype)
-            return base.update(self, key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
-
-        _PROMOTING_LAYERS[base] = type(f"Promoting{base.__name__}", (base,), {"update": update})
-    return _PROMOTING_LAYERS[base]
 
 
 def _decode_step(lm, input_ids, attention_mask, position_ids, cache, keyword: str):
@@ -241,6 +231,8 @@ class StaticDecoder:
         self._capture = capture
         self._step = None
         self._caches: dict[tuple[int, int], StaticCache] = {}
+        self._cache_dtypes: dict[tuple[int, int], torch.dtype | None] = {}  # the autocast dtype each was made under
+        self._described: set[tuple[int, int]] = set()
         self._graphed: dict[tuple[int, int], GraphedStep] = {}
         self._addresses: tuple[int, ...] | None = None
         self.compile_seconds: dict[tuple[int, int], float] = {}
@@ -263,16 +255,55 @@ class StaticDecoder:
             self._step = torch.compile(step, mode=mode, dynamic=False)
         return self._step
 
-    def _cache(self, rows: int, cache_len: int) -> StaticCache:
+    def _cache(self, rows: int, cache_len: int, device: torch.device) -> StaticCache:
         key = (rows, cache_len)
+        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        if key in self._caches and self._cache_dtypes[key] != autocast:  # its dtype, and its graph's casts, differ
+            self._drop(key)
         cache = self._caches.get(key)
         if cache is None:
-            cache = self._caches[key] = StaticCache(config=self.lm.config, max_cache_len=cache_len)
-            for layer in cache.layers:
-                layer.__class__ = _promoting_layer_class(type(layer))
+            for other in [k for k in self._caches if not self._holds_addresses(k, device)]:
+                self._drop(other)  # one bucket's cache at a time where nothing captured reads it
+            cache = self._caches[key] = compute_dtype_layers(
+                StaticCache(config=self.lm.config, max_cache_len=cache_len), self.lm)
+            self._cache_dtypes[key] = autocast
         else:
             cache.reset()
         return cache
+
+    def _holds_addresses(self, key: tuple[int, int], device: torch.device) -> bool:
+        """Whether a captured graph reads the bucket's cache at its addresses: a captured CUDA graph, or inductor on
+        CUDA (its modes that record CUDA graphs re-record for a new address)."""
+        if self.backend_on(device) == "inductor":
+            return device.type == "cuda"
+        step = self._graphed.get(key)
+        return step is not None and step.graph is not None
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        self._caches.pop(key, None)
+        self._cache_dtypes.pop(key, None)
+        step = self._graphed.get(key)
+        if step is not None and step.graph is not None:  # a graph of another autocast state
+            del self._graphed[key]
+            self.compile_seconds.pop(key, None)
+
+    def release(self) -> None:
+        """Frees the static caches no captured graph reads (``_holds_addresses``): called between rollouts, so the
+        update runs without them. The kept ones stay for the next rollout's replays."""
+        for key, cache in list(self._caches.items()):
+            device = next((layer.keys.device for layer in cache.layers if getattr(layer, "keys", None) is not None),
+                          None)
+            if device is None or not self._holds_addresses(key, device):
+                self._drop(key)
+
+    def _describe(self, key: tuple[int, int], cache: StaticCache, device: torch.device) -> None:
+        """Says what the bucket's cache holds, once per bucket (after its prefill, when its layers exist)."""
+        if key in self._described:
+            return
+        self._described.add(key)
+        kept = "kept between rollouts: a captured graph reads it" if self._holds_addresses(key, device) else \
+            "freed after each rollout"
+        self.log(f"compiled decode: {describe(cache)} ({kept})")
 
     def keeps_every_column(self) -> bool:
         """Whether the model's static cache holds every column it is given (no sliding-window or indexed layer, whose
@@ -323,6 +354,8 @@ class StaticDecoder:
                 step = self._graphed[key] = GraphedStep(
                     self.lm, cache, cache_keyword(self.lm), input_ids, attention_mask, log=self.log,
                     capture=device.type == "cuda" if self._capture is None else self._capture)
+            if step.graph is None:
+                step.cache = cache  # uncaptured: the bucket's cache of this rollout (``release`` freed the last one)
             logits = step(input_ids, attention_mask, position_ids, cache_position)
         else:
             step = self._compiled_step(device)
@@ -337,6 +370,7 @@ class StaticDecoder:
                 verb = "captured" if self.backend_on(device) == "cuda_graph" else "compiled"
                 self.log(f"{verb} the decode step (batch {key[0]}, cache {key[1]} positions) in "
                          f"{self.compile_seconds[key]:.1f} s; later rollouts reuse it")
+        self._describe(key, cache, device)
         return logits
 
     def _check_weights(self) -> None:
@@ -364,7 +398,7 @@ class StaticDecoder:
         mask = query_mask.new_zeros(rows, cache_len)
         mask[:, :width] = query_mask
         positions = (query_mask.cumsum(1) - 1).clamp(min=0)
-        return queries * query_mask, mask, positions, self._cache(rows, cache_len), (rows, cache_len)
+        return queries * query_mask, mask, positions, self._cache(rows, cache_len, queries.device), (rows, cache_len)
 
 
 def takes_cache_position(lm) -> bool:

@@ -21,14 +21,13 @@ One iteration (numbers match the step comments below):
 
 The per-token math of steps 2-5 (log-probs, entropy, KL, GAE, masking, the surrogates, the masked statistics)
 is ``fastppo.kernels`` calls; REINFORCE++'s whitening over the batch and ``top_entropy_quantile``'s quantile
-are PyTorch in ``advantages`` and ``policy_terms``. The plumbing lives beside this file: ``config`` (flags),
-``sizes`` (the batch sizes), ``rollout`` (step 1's records), ``experience`` (steps 2-4's), ``advantages`` (step 4:
-each estimator a function and a row of its table), ``loss_types`` (TRL GRPO's ``loss_type``, a row each),
-``policy_terms`` (the loss's settings and what they make of each token), ``update_steps`` (the update's mechanics),
-``controllers`` (β and the entropy coefficient),
-``sharing`` (which forwards run each group's prompt once), ``layout`` and ``actor_critic`` (the forwards),
-``batching`` (micro-batch cuts), ``data``, ``rewards`` and ``reward_scores``, ``generation``, ``metrics``,
-``dist``; ``build`` makes a ``Learner``.
+are PyTorch in ``advantages`` and ``policy_terms``. The plumbing lives beside this file: ``config`` (flags), ``sizes``
+(the batch sizes), ``rollout`` (step 1's records), ``experience`` (steps 2-4's), ``advantages`` (step 4: each
+estimator a function and a row of its table), ``loss_types`` (TRL GRPO's ``loss_type``, a row each), ``policy_terms``
+(the loss's settings and what they make of each token), ``update_steps`` (the update's mechanics), ``controllers`` (β
+and the entropy coefficient), ``sharing`` (which forwards run each group's prompt once), ``layout`` and
+``actor_critic`` (the forwards), ``batching`` (micro-batch and scoring cuts), ``data``, ``rewards`` and
+``reward_scores``, ``generation``, ``metrics``, ``dist``; ``build`` makes a ``Learner``.
 """
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ import torch.nn as nn
 
 from fastppo import dist as fdist
 from fastppo.advantages import estimate_advantages, reward_columns_of
-from fastppo.batching import micro_batches
+from fastppo.batching import micro_batches, scoring_rows
 from fastppo.config import PPOConfig
 from fastppo.controllers import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
 from fastppo.experience import Experience, Targets  # steps 2 and 3-4's records (the update reads them too)
@@ -514,9 +513,9 @@ def ppo_iteration(learner: Learner, config: PPOConfig, sizes: Sizes, collect: Ca
     # 2. scoring: log π_θ_old and V (one forward of the trained module), log π_ref, per-token KL
     t0 = time.perf_counter()
     learner.actor_critic.eval()
-    scoring_seconds = {}
-    in_update = old_logprobs_in_update(config)
-    chunk = config.local_rollout_forward_batch_size
+    scoring_seconds, in_update, k = {}, old_logprobs_in_update(config), sizes.num_generations
+    chunk = scoring_rows(config.local_rollout_forward_batch_size, rollout.query_lengths, rollout.response_lengths,
+                         config.max_tokens_per_micro_batch, config.critic_free and sizes.local_micro_batch_size, k)
     shared = reference_sharing(config, learner.reference, rollout, chunk)
     update_shared = update_sharing(config, sizes, learner.actor_critic, rollout)
     with learner.autocast():

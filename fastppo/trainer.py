@@ -134,6 +134,7 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
                                                         self.log, iterations=self.sizes.num_total_batches,
                                                         backend=config.compiled_decode_backend)
         self._static_decoder: StaticDecoder | None = None
+        self._cache_said = False
         self._batches = prompt_batches(len(self.prompts), self.sizes.local_prompts, self.dist.rank,
                                        self.dist.world_size, config.seed, config.shuffle_dataset)
         self.prompt_batches_drawn = 0  # every batch drawn from the prompt order: a checkpoint replays them
@@ -286,6 +287,8 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
                 rollout = make_rollout(queries, query_mask, responses, self.stop_ids, tok.pad_token_id)
             if self.tool_calling is not None:  # the turns after each tool call (fastppo.tools)
                 rollout, episodes = self._tool_episodes(rollout, queries, query_mask, temperature, synced, row_tools)
+        if self._static_decoder is not None:  # its caches that no captured graph reads: not held through the update
+            self._static_decoder.release()
         if sampling_logprobs is not None:  # the caller's first turn has them; the later turns' are not known (NaN)
             width = rollout.responses.shape[1]
             sampling_logprobs = torch.cat([sampling_logprobs, sampling_logprobs.new_full(
@@ -318,8 +321,10 @@ class PPOTrainer(GRPORollouts, TrainingLoop):
 
     def _sample(self, queries, query_mask, length: int, temperature: float, synced: bool) -> torch.Tensor:
         """[B, length] tokens sampled after the left-padded ``queries`` (``sample_responses``)."""
+        said, self._cache_said = self._cache_said, True  # the eager loop's cache is said once per trainer
         return sample_responses(self._lm(), queries, query_mask, length, self._sampling(temperature, synced),
-                                self.config.local_rollout_forward_batch_size, self._decoder(), self._prompt_group())
+                                self.config.local_rollout_forward_batch_size, self._decoder(), self._prompt_group(),
+                                log=None if said else self.log)
 
     def _sampling(self, temperature: float, synced: bool = False) -> Sampling:
         return Sampling(temperature, self.stop_ids, self.tokenizer.pad_token_id, synced, self.actor_critic.truncation)

@@ -1,13 +1,18 @@
-"""What the tests share, stated once: tolerances, the Triton-path device, LM-head inputs, run digests."""
+"""What the tests share, stated once: tolerances, the Triton-path device, LM-head inputs, run digests, the peak of the
+tensors a call keeps alive (``LiveBytes``)."""
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
 import math
+import weakref
 
 import pytest
 import torch
+
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fastppo.kernels._common import interpret_mode
 
@@ -154,6 +159,36 @@ def recorded_launches(module, kernel_name: str):
         yield calls
     finally:
         setattr(module, kernel_name, kernel)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Within it, ``peak``: the most bytes of tensor storage that ops run inside it made and held alive at once
+    (autograd's saved tensors included: they hold their storages). Exact and deterministic where a process's RSS is
+    neither (the allocator keeps what it freed); what a fused op allocates and frees inside itself is not seen, nor
+    what existed before (weights, their gradients and optimizer state from an earlier step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._held: dict[int, weakref.finalize] = {}
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        if self._held.pop(key, None) is not None:
+            self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()  # views and in-place results share it: counted once
+            key = id(storage)
+            if key not in self._held:
+                nbytes = storage.nbytes()
+                self._held[key] = weakref.finalize(storage, self._freed, key, nbytes)
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+        return out
 
 
 def digest(state_dict) -> str:

@@ -182,7 +182,8 @@ def test_the_trainer_with_compiled_decode_trains_exactly_as_without(tmp_path, mo
 @pytest.mark.parametrize("device", DEVICES)
 def test_under_bf16_autocast_keys_and_values_of_two_dtypes_are_cached(model_dir, device):
     # under bf16 autocast a Llama layer's keys leave the rotary embedding in fp32 and its values in bf16: the static
-    # cache must hold both (transformers' StaticLayer alone raises in index_copy_), and the tokens stay the eager ones
+    # cache must hold both (transformers' StaticLayer alone raises in index_copy_), in bf16, the dtype attention reads
+    # them in (fastppo.kv_cache), and the tokens stay the eager ones
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     ids, mask = left_padded(4, 9, lm.config.vocab_size, [0, 2, 5, 8], device, torch.Generator().manual_seed(3))
     decoder = StaticDecoder(lm)
@@ -190,4 +191,4 @@ def test_under_bf16_autocast_keys_and_values_of_two_dtypes_are_cached(model_dir,
         eager, compiled = both_samplers(lm, decoder, ids, mask, 10, [], seed=4)
     assert torch.equal(compiled, eager)
     (cache,) = decoder._caches.values()
-    assert {cache.layers[0].keys.dtype, cache.layers[0].values.dtype} == {torch.float32}
+    assert {cache.layers[0].keys.dtype, cache.layers[0].values.dtype} == {torch.bfloat16}
