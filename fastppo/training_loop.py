@@ -5,7 +5,6 @@ output_dir's lock, stop signals and the process group's end; and transformers' `
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import math
 import os
@@ -36,7 +35,6 @@ class TrainingLoop:
     """``train()`` and the run's events, on a ``PPOTrainer`` (whose attributes and methods they read: ``iteration``,
     ``save_checkpoint``, ``save_model``, ``generate_completions``, the callback handler and its state)."""
 
-    _ends_at_exit = False  # train() through the API left the process group to end() or the interpreter's exit
     _processes_ended = False
 
     def train(self):
@@ -270,11 +268,11 @@ class TrainingLoop:
         self._release_wrappers()
         if self.command_line:
             self._end_processes()
-        elif self.dist.initialized_here and not self._ends_at_exit:  # as transformers' Trainer: the process group outlives train(), so that
-            # save_model() (a collective under ZeRO-3), evaluate() and push_to_hub() work after it; end() (TRL's
-            # scripts call it) or the interpreter's exit ends it
-            self._ends_at_exit = True
-            atexit.register(self._end_processes)
+        else:  # as transformers' Trainer: the process group outlives train(), so that save_model() (a collective
+            # under ZeRO-3), evaluate() and push_to_hub() work after it; end() (TRL's scripts call it) ends it, or the
+            # process's exit does (a barrier registered for the exit failed when a peer had already gone). Every
+            # rank still leaves train() together: past each one's on_train_end and its saves
+            fdist.barrier()
 
     def _release_wrappers(self) -> None:
         """DDP's reducer holds the process group: it is released while every rank is alive, rather than when the

@@ -3,6 +3,8 @@ ModelConfig)) as TRL's ppo.py parses it; the CLI's embedded preset; the batch si
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import math
 
 import pytest
@@ -53,14 +55,39 @@ def test_hf_argument_parser_takes_the_three_dataclasses(source):
     assert training_args.report_to == [] and training_args.per_device_train_batch_size == 64
 
 
+TRL026_FIELDS = """
+import dataclasses, json, trl
+assert trl.__version__.startswith("0.26"), trl.__version__
+def fields(cls):
+    return {f.name: (None if f.default is dataclasses.MISSING else repr(f.default)) for f in dataclasses.fields(cls)}
+print(json.dumps({"script": fields(trl.ScriptArguments), "model": fields(trl.ModelConfig)}))
+"""
+
+
 def test_fastppo_script_and_model_classes_have_trls_fields():
-    trl = pytest.importorskip("trl")
-    assert names(trl.ScriptArguments) <= names(ScriptArguments)
-    assert names(trl.ModelConfig) <= names(ModelConfig)
-    for field in dataclasses.fields(trl.ModelConfig):
-        ours = ModelConfig.__dataclass_fields__[field.name]
-        if field.default is not dataclasses.MISSING:
-            assert ours.default == field.default, field.name
+    """The command line's ScriptArguments and ModelConfig are TRL 0.26's (its ppo.py parses them): every field, with
+    TRL 0.26's defaults, read from the PPO peer's TRL 0.26.2 (``.trl026``, bench/trl_envs.py) in a subprocess, since
+    the environment's TRL is 1.x."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("trl_envs", root / "bench" / "trl_envs.py")
+    envs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(envs)
+    if not (Path(envs.trl026_dir()) / "trl" / "__init__.py").is_file():
+        pytest.fail(f"TRL 0.26.2 is missing at {envs.trl026_dir()}: run `{envs.TRL026_INSTALL}`")
+    proc = subprocess.run([sys.executable, "-c", TRL026_FIELDS], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=envs.trl026_dir()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(theirs["script"]) <= names(ScriptArguments)
+    assert set(theirs["model"]) <= names(ModelConfig)
+    for name, default in theirs["model"].items():
+        if default is not None:
+            assert repr(ModelConfig.__dataclass_fields__[name].default) == default, name
 
 
 def test_cli_applies_the_embedded_preset_only_without_a_model_and_only_to_unset_flags():
