@@ -83,3 +83,18 @@ def test_packed_rows_cost_their_real_tokens_and_under_sdpa_the_square_of_them(tr
     assert mixed <= 2 * (mixed_tokens / long_tokens) * long, mixed / long
     packed_long, _ = update_peak(trainer, ALL_LONG, padding_free=True)
     assert packed_long > 1.5 * long, packed_long / long
+
+
+def test_the_scoring_forwards_hold_no_more_than_a_micro_batch():
+    """π_θ_old's and the reference's no-grad forwards (``batching.scoring_rows``): a critic-free run's at most an
+    update micro-batch's tokens (its rows at the rollout's width, or the token budget), whole groups where one fits;
+    PPO's local_rollout_forward_batch_size rows, as TRL PPO's."""
+    from fastppo.batching import scoring_rows
+
+    queries, responses = [30] * 64, [226] * 64  # 256 tokens a row
+    assert scoring_rows(64, queries, responses, None, 8, 8) == 8  # critic-free: per_device_train_batch_size rows
+    assert scoring_rows(64, queries, responses, None, None, 8) == 64  # PPO: local_rollout_forward_batch_size
+    assert scoring_rows(64, queries, responses, 1024, 8, 4) == 4  # a token budget: 1,024 // 256
+    assert scoring_rows(64, queries, responses, 1800, None, 4) == 4  # 7 rows fit: one whole group of 4
+    assert scoring_rows(64, queries, responses, 600, None, 4) == 2  # less than a group fits: 2 rows, unshared
+    assert scoring_rows(4, [30] * 4, [10] * 4, None, 8, 2) == 4  # short rows: never more than asked
