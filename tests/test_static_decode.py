@@ -169,11 +169,15 @@ def test_the_trainer_with_compiled_decode_trains_exactly_as_without(tmp_path, mo
 
     eager = train(False)
     assert eager._static_decoder is None
+    console = capsys.readouterr().out  # what the eager loop's cache held, once per trainer
+    assert console.count("eager decode: KV cache float32, 4 rows × ") == 1, console
     with torch._dynamo.config.patch(error_on_recompile=True):  # the first iteration compiles; the later two reuse it
         compiled = train(True)
     assert list(compiled._static_decoder.compile_seconds) == [(4, 64)]
+    assert compiled._static_decoder._caches == {}  # freed after each rollout: no captured graph reads it on a CPU
     console = capsys.readouterr().out  # the compile time, once, on the trainer's console (not a hidden log record)
     assert console.count("the decode step (batch 4, cache 64 positions) in") == 1, console
+    assert console.count("compiled decode: KV cache float32, 4 rows × 64 positions × 2 layers") == 1, console
     assert shared_fills == ([2] * 3 if estimator == "grpo" else [])  # each iteration's 2 prompts prefilled once
     for (name, a), b in zip(eager.actor_critic.state_dict().items(), compiled.actor_critic.state_dict().values()):
         assert torch.equal(a, b), name
