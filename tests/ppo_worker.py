@@ -36,7 +36,7 @@ def main() -> None:
 
     class SaveModel(TrainerCallback):
         """The final model, as a TRL script saves it after train() (train() writes only checkpoints), here at
-        train's end: under ZeRO-3 save_model() gathers from every process, and train() then ends the group."""
+        train's end, a callback's way to save (under ZeRO-3 a gather from every process)."""
 
         def on_train_end(self, args, state, control, **kwargs):
             trainer.save_model()
