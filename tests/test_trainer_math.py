@@ -577,20 +577,52 @@ def test_a_lone_first_score_has_no_spread_to_scale_by(use_score_norm):
                                                               use_score_norm, None)[1], **FP32)
 
 
+TRL026_MOMENTS = """
+import json, sys, torch
+from types import SimpleNamespace
+import trl
+from trl.trainer.utils import RunningMoments
+assert trl.__version__.startswith("0.26"), trl.__version__
+out = []
+for batches in json.loads(sys.argv[1]):
+    moments = RunningMoments(accelerator=SimpleNamespace(use_distributed=False))
+    seen = []
+    for batch in batches:
+        moments.update(torch.tensor(batch))
+        seen.append([float(moments.mean), float(moments.var), float(moments.std)])
+    out.append(seen)
+print(json.dumps(out))
+"""
+
+
 def test_running_moments_equal_trl():
-    utils = pytest.importorskip("trl.trainer.utils")
-    trl_moments = utils.RunningMoments(accelerator=SimpleNamespace(use_distributed=False))
+    """The running moments of the scores (TRL 0.26 PPO's ``whiten_rewards``' companion) equal TRL 0.26's own
+    ``RunningMoments`` after every batch; TRL 1.x has none, so TRL 0.26.2 runs from ``.trl026`` in a subprocess."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("trl_envs", root / "bench" / "trl_envs.py")
+    envs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(envs)
+    streams = [[b.tolist() for b in BATCHES], [[0.7]]]
+    proc = subprocess.run([sys.executable, "-c", TRL026_MOMENTS, json.dumps(streams)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=envs.trl026_dir()))
+    assert proc.returncode == 0, proc.stderr[-3000:] + f" (TRL 0.26.2 from {envs.trl026_dir()}: {envs.TRL026_INSTALL})"
+    theirs, lone_theirs = json.loads(proc.stdout.strip().splitlines()[-1])
     ours = RunningMoments()
-    for batch in BATCHES:
-        trl_moments.update(batch)
+    for batch, (mean, var, std) in zip(BATCHES, theirs):
         ours.update(batch)
         # TRL computes in fp32
-        torch.testing.assert_close((ours.mean, ours.var, ours.std), (trl_moments.mean, trl_moments.var, trl_moments.std),
+        torch.testing.assert_close((float(ours.mean), float(ours.var), float(ours.std)), (mean, var, std),
                                    rtol=1e-5, atol=1e-5)
-    lone_trl, lone = utils.RunningMoments(accelerator=SimpleNamespace(use_distributed=False)), RunningMoments()
-    lone_trl.update(torch.tensor([0.7]))
+    lone = RunningMoments()
     lone.update(torch.tensor([0.7]))
-    assert lone.std == lone_trl.std == math.inf
+    assert lone.std == lone_theirs[0][2] == math.inf
 
 
 @PROPERTY
