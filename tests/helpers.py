@@ -283,3 +283,45 @@ def grid_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adv
                         mean_weights)
     return ppo_losses(new_logprobs, new_values, entropy, inputs, LossSettings(**settings), entropy_coef,
                       fused_policy_loss)
+
+
+_TRL026_MODULES: dict = {}
+
+
+def trl026_module(name: str):
+    """A module of TRL 0.26.2, the PPO peer (``.trl026``, ``bench/trl_envs.py``), imported in this process beside
+    the environment's TRL 1.x: the ``trl`` modules already loaded are set aside while TRL 0.26's import, then put
+    back, so each TRL keeps its own. The test fails, naming the install command, when TRL 0.26.2 is missing."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name in _TRL026_MODULES:
+        return _TRL026_MODULES[name]
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("trl_envs", root / "bench" / "trl_envs.py")
+    envs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(envs)
+    path = envs.trl026_dir()
+    if not (Path(path) / "trl" / "__init__.py").is_file():
+        pytest.fail(f"TRL 0.26.2 (the PPO peer) is missing at {path}: run `{envs.TRL026_INSTALL}`")
+
+    def trl_modules():
+        return {k: v for k, v in sys.modules.items() if k == "trl" or k.startswith("trl.")}
+
+    saved = trl_modules()
+    for key in saved:
+        del sys.modules[key]
+    sys.path.insert(0, path)
+    try:
+        module = importlib.import_module(name)
+        version = sys.modules["trl"].__version__
+    finally:
+        sys.path.remove(path)
+        for key in trl_modules():
+            del sys.modules[key]
+        sys.modules.update(saved)
+    assert version.startswith("0.26"), f"{name} came from TRL {version}, not {path}"
+    _TRL026_MODULES[name] = module
+    return module

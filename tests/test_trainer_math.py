@@ -30,7 +30,7 @@ from fastppo.train import per_token_rewards
 from fastppo.controllers import AdaptiveKLController, FixedKLController
 from fastppo.rollout import assemble, make_rollout
 from fastppo.advantages import gae_advantages, whiten_trained
-from helpers import grid_losses
+from helpers import grid_losses, trl026_module
 
 F64 = torch.float64
 # fastppo computes in fp32 what the trainer hands it in fp32; the references are float64
@@ -262,7 +262,7 @@ def test_whiten_trained_and_its_small_batches():
 def test_gae_advantages_equals_trl_lines():
     """TRL 0.26's PPOTrainer lines of steps 5-6 (its masked_whiten, its GAE loop), run on the same inputs with
     TRL's padding masks set to fastppo's (the score on the last real token: see per_token_rewards)."""
-    ppo = pytest.importorskip("trl.experimental.ppo.ppo_trainer")
+    ppo = trl026_module("trl.experimental.ppo.ppo_trainer")
     mask = MASK
     rewards, values = rl_inputs(4, mask)
     rewards, values = (rewards * mask).double(), values.double()
@@ -290,7 +290,7 @@ def test_gae_advantages_equals_trl_lines():
 
 
 def test_whiten_trained_equals_trl_masked_whiten():
-    ppo = pytest.importorskip("trl.experimental.ppo.ppo_trainer")
+    ppo = trl026_module("trl.experimental.ppo.ppo_trainer")
     x = torch.randn(4, 7, generator=gen(5), dtype=F64) * 3 - 2
     mask = HOLED[:4, :7]
     for shift in (True, False):
@@ -482,7 +482,7 @@ def test_fused_policy_loss_replaces_the_policy_part_only():
 def test_ppo_losses_equal_trl_lines():
     """TRL 0.26's PPOTrainer loss lines, with its masked_mean, on the same micro-batch (TRL has no entropy bonus:
     entropy_coef 0; its padding_mask_p1 set to the same mask as its padding_mask)."""
-    ppo = pytest.importorskip("trl.experimental.ppo.ppo_trainer")
+    ppo = trl026_module("trl.experimental.ppo.ppo_trainer")
     new_lp, vpred, ent, mb_logprobs, mb_values, mb_advantage, mb_return, mask = loss_inputs(13)
     padding_mask = padding_mask_p1 = ~mask
     cliprange, cliprange_value, vf_coef = 0.2, 0.2, 0.1

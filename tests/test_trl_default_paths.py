@@ -12,6 +12,7 @@ from fastppo import PPOConfig
 from fastppo.checkpoint import config_as_json
 from fastppo.cli import ModelConfig, ScriptArguments, cli_settings, parse_args
 from fastppo.config import TRL_DEFAULT_MODEL, TRLDefaultPath, user_path
+from helpers import trl026_module
 
 PATH_FIELDS = ("sft_model_path", "reward_model_path")
 # TRL ppo.py's first docstring command (its sizes), which names neither path
@@ -26,7 +27,7 @@ def trl_parser() -> HfArgumentParser:
 
 
 def test_the_two_paths_default_to_trls_own_values():
-    trl_ppo = pytest.importorskip("trl.experimental.ppo")
+    trl_ppo = trl026_module("trl.experimental.ppo")
     ours = PPOConfig(output_dir="x")
     for name in PATH_FIELDS:
         theirs = trl_ppo.PPOConfig.__dataclass_fields__[name].default
