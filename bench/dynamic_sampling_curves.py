@@ -1,9 +1,14 @@
 """DAPO's dynamic sampling on the task of ``bench/same_run_curves.py`` (SmolLM2-135M-Instruct, single-digit addition
-in a chat prompt, reward 1 when the completion's first number is the sum; its settings): fastppo's GRPOTrainer with
+in a chat prompt, reward 1 when the completion's last number is the sum; its settings): fastppo's GRPOTrainer with
 ``dynamic_sampling`` off and on, seeds 0..S-1 per side, the runs interleaved, each in its own process.
 
     python bench/dynamic_sampling_curves.py --steps 60 --seeds 3 --out RUNS.json --plot CURVES.png
     python bench/dynamic_sampling_curves.py --model DIR --steps 3 --seeds 1   # another model (with a chat template)
+    python bench/dynamic_sampling_curves.py --off-from SAME_RUN.json ...  # "off": same_run_curves' fastppo runs
+
+The "off" runs are fastppo's runs of ``same_run_curves.py`` (the same settings, seeds and task; dynamic sampling off
+is bitwise the run it was before the setting existed), so ``--off-from`` takes them from its ``--out`` file in place
+of running them again.
 
 Each optimizer step (one generation batch) records the reward of every completion sampled (off: ``reward``; on:
 ``dynamic_sampling/sampled_reward_mean``, the dropped groups' completions too, so that both sides measure the
@@ -21,12 +26,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
-from same_run_curves import SETTINGS, addition_prompts, correct_sum  # noqa: E402  (the same task and sizes)
+from same_run_curves import SETTINGS, addition_prompts, correct_sum, train_clock  # noqa: E402  (the same task and sizes)
 
 SIDES = {"off": {}, "on": {"dynamic_sampling": True}}
 AXES = (("prompts", "prompts drawn"), ("tokens", "completion tokens sampled"), ("seconds", "seconds of train()"))
@@ -36,24 +40,12 @@ WINDOW = 10  # rows averaged at a budget
 def child(side: str, seed: int, steps: int, out: str, model: str | None = None) -> None:
     """One run (in its own process) with dynamic sampling ``side`` ("off" or "on"), of SmolLM2 or ``model``."""
     from datasets import Dataset
-    from transformers import TrainerCallback
 
     from e2e_common import smollm2_dir
     from fastppo import GRPOConfig, GRPOTrainer
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.start, self.seconds = None, {}
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.seconds[state.global_step] = time.perf_counter() - self.start
-
     prompts, answers = addition_prompts()
-    clock = Clock()
+    clock = train_clock()
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(output_dir=os.path.join(tmp, "out"), max_steps=steps, seed=seed, **SETTINGS, **SIDES[side])
         trainer = GRPOTrainer(model=model or smollm2_dir(), reward_funcs=correct_sum, args=args, callbacks=[clock],
@@ -74,6 +66,19 @@ def child(side: str, seed: int, steps: int, out: str, model: str | None = None) 
                      "frac_reward_zero_std": row.get("frac_reward_zero_std")})
     with open(out, "w") as f:
         json.dump({"side": side, "seed": seed, "steps": steps, "rows": rows}, f)
+
+
+def off_from_same_run(record: dict) -> dict:
+    """A fastppo run of ``same_run_curves.py`` as an "off" run: every completion sampled is trained on, so its
+    prompts and tokens follow from the step and the mean completion length."""
+    completions = SETTINGS["per_device_train_batch_size"]  # steps_per_generation = 1, one process
+    rows, tokens = [], 0.0
+    for row in record["rows"]:
+        tokens += row["completions/mean_length"] * completions
+        rows.append({"step": row["step"], "seconds": row["seconds"], "tokens": tokens, "reward": row["reward"],
+                     "prompts": row["step"] * completions // SETTINGS["num_generations"],
+                     "trained_reward": row["reward"], "rounds": 1.0, "frac_reward_zero_std": None})
+    return {"side": "off", "seed": record["seed"], "steps": record["steps"], "rows": rows}
 
 
 def run(side: str, seed: int, steps: int, model: str | None = None) -> dict:
@@ -146,11 +151,17 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--model", default=None, help="a model directory in place of SmolLM2-135M-Instruct")
+    p.add_argument("--off-from", default=None,
+                   help="same_run_curves.py's --out file: its fastppo runs are the \"off\" runs (not run again)")
     a = p.parse_args()
-    runs = []
+    runs, reused = [], {}
+    if a.off_from:
+        with open(a.off_from) as f:
+            reused = {r["seed"]: off_from_same_run(r) for r in json.load(f)["runs"]
+                      if r["side"] == "fastppo" and r["steps"] == a.steps}
     for seed in range(a.seeds):
         for side in a.sides:  # interleaved: a slow stretch of the machine falls on both sides
-            runs.append(run(side, seed, a.steps, a.model))
+            runs.append(reused[seed] if side == "off" and seed in reused else run(side, seed, a.steps, a.model))
             print(summary(runs[-1:])[0], flush=True)
             if a.out:
                 with open(a.out, "w") as f:

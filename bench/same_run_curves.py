@@ -53,6 +53,25 @@ def correct_sum(completions, answer, **kwargs) -> list[float]:
     return out
 
 
+def train_clock():
+    """A callback (built where transformers is imported) that notes the seconds since ``train()`` began at each
+    optimizer step's log row: ``.seconds[step]``."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.start, self.seconds = None, {}
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.seconds[state.global_step] = time.perf_counter() - self.start
+
+    return Clock()
+
+
 def child(side: str, seed: int, steps: int, out: str) -> None:
     """One run (in its own process): ``side`` is "trl" or "fastppo"."""
     from datasets import Dataset
@@ -64,14 +83,16 @@ def child(side: str, seed: int, steps: int, out: str) -> None:
     else:
         from fastppo import GRPOConfig, GRPOTrainer
     prompts, answers = addition_prompts()
+    clock = train_clock()
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(output_dir=os.path.join(tmp, "out"), max_steps=steps, seed=seed, **SETTINGS)
-        trainer = GRPOTrainer(model=smollm2_dir(), reward_funcs=correct_sum, args=args,
+        trainer = GRPOTrainer(model=smollm2_dir(), reward_funcs=correct_sum, args=args, callbacks=[clock],
                               train_dataset=Dataset.from_dict({"prompt": prompts, "answer": answers}))
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
-    rows = [{k: row.get(k) for k in (*CURVES, "step")} for row in trainer.state.log_history if "loss" in row]
+    rows = [{**{k: row.get(k) for k in (*CURVES, "step")}, "seconds": clock.seconds.get(row["step"])}
+            for row in trainer.state.log_history if "loss" in row]
     record = {"side": side, "seed": seed, "steps": steps, "train_seconds": seconds, "rows": rows,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     with open(out, "w") as f:

@@ -465,7 +465,8 @@ class GRPOTrainer(PPOTrainer):
         copy of the seeded prompt order: each prompt ``num_generations`` times side by side, a generation batch
         per iteration), ``per_device_train_batch_size`` rows a batch, each row a dict as TRL's identity collator
         gives it, with ``dataloader_num_workers`` workers (none for a streamed train set, as TRL's). fastppo's
-        loop draws its prompts itself; this is for reading what it draws."""
+        loop draws its prompts itself; this is for reading what it draws. Under ``dynamic_sampling`` the loop draws
+        further along the same order (a batch's extra rounds), so this lists the first of its prompts, not all."""
         sizes, k = self.sizes, self.sizes.num_generations
         order = prompt_batches(len(self.prompts), sizes.local_prompts, self.dist.rank, self.dist.world_size,
                                self.config.seed, self.config.shuffle_dataset)
