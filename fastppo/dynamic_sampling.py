@@ -184,12 +184,14 @@ def fill_batch(trainer) -> ScoredRollout:
         return Round(batch, rows)
 
     sampling, tokenizer, sizes = trainer.dynamic_sampling, trainer.tokenizer, trainer.sizes
+    tool_rollouts = len(trainer.reward_logs.tool_counts)
     try:
         filled = sampling.fill(sample_round, trainer.device, tokenizer.pad_token_id, tokenizer.eos_token_id,
                                trainer.log)
     finally:
         if pool is not None:
             pool.held.clear()
+    trainer.reward_logs.pool_tool_counts(tool_rollouts)  # TRL's tool metrics over every completion sampled
     for name, values in filled.rows.items():
         if name == ENVIRONMENTS:
             trainer.environments = values

@@ -128,9 +128,7 @@ class GRPORollouts:
                                     self.device)
         counts = fdist.all_reduce(torch.tensor([float(episodes.calls), float(episodes.failures),
                                                 float(len(episodes.completions))], device=self.device))
-        calls, failures, completions = counts.tolist()
-        self.reward_logs.log_metric("tools/call_frequency", calls / completions)
-        self.reward_logs.log_metric("tools/failure_frequency", failures / calls if calls else 0.0)
+        self.reward_logs.log_tool_counts(*counts.tolist())
         return self._rollout_of(queries, query_mask, episodes.completions, episodes.model_tokens), episodes
 
     def _cached_episodes(self, queries, query_mask, temperature: float, limits: TurnLimits, row_tools) -> Episodes:

@@ -506,9 +506,29 @@ class RewardLogs:
         self.log = log
         self.metrics: dict[str, list[float]] = {}
         self.extra: dict[str, list] = {}
+        self.tool_counts: list[tuple[float, float, float]] = []  # each rollout's (calls, failures, completions)
 
     def log_metric(self, name: str, value: float) -> None:
         self.metrics.setdefault(str(name), []).append(float(value))
+
+    def log_tool_counts(self, calls: float, failures: float, completions: float) -> None:
+        """A rollout's TRL ``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency``
+        (failures per call), every process's counts."""
+        self.tool_counts.append((calls, failures, completions))
+        self.log_metric("tools/call_frequency", calls / completions)
+        self.log_metric("tools/failure_frequency", failures / calls if calls else 0.0)
+
+    def pool_tool_counts(self, since: int) -> None:
+        """The rollouts logged from ``since`` on (one batch's rounds of dynamic sampling) as one rollout of all
+        their completions: the mean of the rounds' failure frequencies would count a round without calls as 0."""
+        rounds = len(self.tool_counts) - since
+        if rounds < 2:
+            return
+        calls, failures, completions = map(sum, zip(*self.tool_counts[since:]))
+        del self.tool_counts[since:]
+        for name in ("tools/call_frequency", "tools/failure_frequency"):
+            del self.metrics[name][-rounds:]
+        self.log_tool_counts(calls, failures, completions)
 
     def log_extra(self, column: str, values) -> None:
         self.extra.setdefault(str(column), []).extend(list(values))
@@ -528,6 +548,7 @@ class RewardLogs:
                                                    device=device)).tolist()
             out[name] = total / count if count else float("nan")
         self.metrics.clear()
+        self.tool_counts.clear()
         return out
 
     def take_extra(self, rows: int) -> dict[str, list]:

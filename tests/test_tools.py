@@ -649,15 +649,15 @@ def test_a_resumed_tool_run_equals_the_whole_run(tmp_path):
     assert digest(resumed.policy.state_dict()) == digest(whole.policy.state_dict())
 
 
-
 def test_dynamic_sampling_over_tool_episodes_trains_the_kept_rounds_episodes(tmp_path, monkeypatch):
     """Dynamic sampling with tools: a round whose episodes all score alike (one message each) is dropped; the next
-    round's episodes (one called the tool and answered) are the batch the update gets, the tool message's tokens
-    in it untrained and the other rows' tokens all trained."""
+    round's episodes (one called the tool, wrongly, and answered) are the batch the update gets, the tool message's
+    tokens in it untrained and the other rows' tokens all trained. TRL's tool metrics count every completion
+    sampled: one call in six completions, and that call failed (a mean of the rounds' rates would say 0.5)."""
     import fastppo.train as T
 
     flat = ["No.<|im_end|>"] * 3
-    spread = [call("multiply", a=3, b=4) + "<|im_end|>", "No.<|im_end|>", "I do not know.<|im_end|>"]
+    spread = [call("multiply", c=3) + "<|im_end|>", "No.<|im_end|>", "I do not know.<|im_end|>"]
     reward = lambda completions, **k: [float(len(c)) for c in completions]  # noqa: E731  (messages per episode)
     trainer, tok = make_trainer(tmp_path, [multiply], [flat, spread, ["It is 12.<|im_end|>"]], reward,
                                 dynamic_sampling=True)
@@ -672,6 +672,7 @@ def test_dynamic_sampling_over_tool_episodes_trains_the_kept_rounds_episodes(tmp
     assert trainer._sample.rows == [3, 3, 1]  # round 1's turn; round 2's two turns
     row = next(r for r in trainer.state.log_history if "loss" in r)
     assert row["dynamic_sampling/generation_rounds"] == 2 and row["dynamic_sampling/frac_groups_dropped"] == 0.5
+    assert row["tools/call_frequency"] == pytest.approx(1 / 6) and row["tools/failure_frequency"] == 1.0
     (rollout,) = updated
     _, completions = rollout.token_ids()
     texts = [tok.decode(c) for c in completions]
