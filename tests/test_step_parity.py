@@ -47,6 +47,8 @@ CASES = {
     "gspo-sequence": dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2),
     "linear-no_clip": dict(lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=0.0, logging_steps=3,
                            max_steps=5),
+    # SmolLM2's and Qwen2.5's small models tie the LM head to the embeddings; SmolLM2's tokenizer pads with its eos
+    "tied_embeddings-pad_is_eos-beta": dict(_tied_embeddings=True, _pad_is_eos=True, beta=0.04),
     "rloo": dict(_trainer="rloo", num_generations=2),
     "rloo-iterations2": dict(_trainer="rloo", num_generations=4, num_iterations=2, beta=0.1),
 }
@@ -63,8 +65,9 @@ TWO_PROCESS_CASES = ("dapo", "grpo-beta", "scale_batch", "iterations2-spg4", "rl
 
 def run_cases(tmp, names, processes: int = 1) -> dict:
     """The named cases, in one run of TRL 1.16's environment (its imports paid once), on ``processes`` processes."""
-    cases = {name: {"trainer": CASES[name].get("_trainer", "grpo"), "config": case_config(CASES[name])}
-             for name in names}
+    cases = {name: {"trainer": CASES[name].get("_trainer", "grpo"), "config": case_config(CASES[name]),
+                    "tied_embeddings": CASES[name].get("_tied_embeddings", False),
+                    "pad_is_eos": CASES[name].get("_pad_is_eos", False)} for name in names}
     (tmp / "cases.json").write_text(json.dumps(cases))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trl1_dir()), str(ROOT)]), TRITON_INTERPRET="0",
                FASTPPO_CACHE=str(tmp / "cache"), OMP_NUM_THREADS="1")
@@ -115,7 +118,7 @@ def check_the_same_run(runs: dict, name: str) -> None:
     assert trl_run["calls"] == ours["calls"] >= 1  # as many generation batches
     assert trl_run["rows"][-1].get("train_loss") is not None and len(trl_run["rows"]) >= 2
     assert differences(trl_run["rows"], ours["rows"]) == []
-    initial = runs["initial"]
+    initial = case["initial"]
     for key, theirs in trl_run["weights"].items():
         assert (ours["weights"][key] - theirs).norm() <= 1e-3 * theirs.norm(), key
     moved = sum(((trl_run["weights"][k] - initial[k]) ** 2).sum() for k in initial) ** 0.5

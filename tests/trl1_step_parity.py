@@ -5,7 +5,9 @@ Run in TRL 1.x's own environment (``tests/test_step_parity.py`` starts it with T
 
     PYTHONPATH=.trl1:. python tests/trl1_step_parity.py OUT.pt CASES.json
 
-``CASES.json``: ``{name: {"trainer": "grpo" | "rloo", "config": {GRPOConfig/RLOOConfig keywords}}}``. The
+``CASES.json``: ``{name: {"trainer": "grpo" | "rloo", "config": {GRPOConfig/RLOOConfig keywords},
+"tied_embeddings": bool, "pad_is_eos": bool}}`` (the embedded model with its LM head tied to its embeddings; its
+tokenizer padding with its eos token). The
 completions are scripted (``scripted_completions``: a function of the generation batch's number and the entry's
 place in it, some ending at the eos token, some cut at the length limit), handed to TRL GRPO through its
 ``rollout_func`` contract and to TRL RLOO (which takes no ``rollout_func``) through its single-turn sampler; fastppo
@@ -89,12 +91,16 @@ def trained_weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in model.named_parameters()}
 
 
-def run(side, kind: str, config: dict, path: str, out_dir: str) -> dict:
+def run(side, kind: str, config: dict, path: str, out_dir: str, pad_is_eos: bool = False) -> dict:
     """One side's run (``side``: the module holding the trainers, ``trl`` or ``fastppo``), on the scripted
-    completions: through ``rollout_func``, or (TRL's RLOOTrainer takes none) its single-turn sampler."""
+    completions: through ``rollout_func``, or (TRL's RLOOTrainer takes none) its single-turn sampler.
+    ``pad_is_eos``: the tokenizer pads with its eos token (as SmolLM2's does, and TRL's scripts' common
+    ``tokenizer.pad_token = tokenizer.eos_token``)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if pad_is_eos:
+        tokenizer.pad_token = tokenizer.eos_token
     script = Script(config["max_completion_length"])
     config_class, trainer_class = (side.GRPOConfig, side.GRPOTrainer) if kind == "grpo" else \
         (side.RLOOConfig, side.RLOOTrainer)
@@ -111,6 +117,22 @@ def run(side, kind: str, config: dict, path: str, out_dir: str) -> dict:
     return {"rows": trainer.state.log_history, "weights": trained_weights(model), "calls": script.calls}
 
 
+def tied_copy(path: str, out_dir: str) -> str:
+    """The embedded model with its LM head tied to its input embeddings (``tie_word_embeddings``, as SmolLM2's and
+    Qwen2.5's small models have it): one matrix that both the head's and the embedding's gradients reach."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tied = os.path.join(out_dir, "tied-embeddings")
+    if not os.path.isdir(tied):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, tie_word_embeddings=True))
+        weights = AutoModelForCausalLM.from_pretrained(path).state_dict()
+        model.load_state_dict({k: v for k, v in weights.items() if not k.startswith("lm_head.")}, strict=False)
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        model.save_pretrained(tied)
+        AutoTokenizer.from_pretrained(path).save_pretrained(tied)
+    return tied
+
+
 def identity_order():
     """Each trainer's shuffle of the generation batch made the identity (module docstring)."""
     trl_grpo.shuffle_sequence_dict = lambda batch: batch
@@ -123,18 +145,20 @@ def main(out: str, cases_file: str) -> None:
     path = embedded.embedded_model_path()
     from transformers import AutoModelForCausalLM
 
-    initial = trained_weights(AutoModelForCausalLM.from_pretrained(path))
-    results = {"trl_version": trl.__version__, "initial": initial, "cases": {}}
+    results = {"trl_version": trl.__version__, "cases": {}}
     with open(cases_file) as f:
         cases = json.load(f)
+    models = tempfile.mkdtemp()
     for name, case in cases.items():
         config = {"report_to": "none", "save_strategy": "no", "use_cpu": True, "bf16": False,
                   "disable_tqdm": True, "dataloader_num_workers": 0, **case["config"]}
-        record = {}
+        model_path = tied_copy(path, models) if case.get("tied_embeddings") else path
+        record = {"initial": trained_weights(AutoModelForCausalLM.from_pretrained(model_path))}
         for side in (trl, fastppo):
             with tempfile.TemporaryDirectory() as tmp:
                 torch.manual_seed(0)
-                record[side.__name__] = run(side, case["trainer"], config, path, os.path.join(tmp, "out"))
+                record[side.__name__] = run(side, case["trainer"], config, model_path, os.path.join(tmp, "out"),
+                                            case.get("pad_is_eos", False))
         results["cases"][name] = record
         print(f"case {name}: done", flush=True)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: every process's logs are all-reduced, one writes
