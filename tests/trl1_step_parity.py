@@ -148,19 +148,19 @@ def main(out: str, cases_file: str) -> None:
     results = {"trl_version": trl.__version__, "cases": {}}
     with open(cases_file) as f:
         cases = json.load(f)
-    models = tempfile.mkdtemp()
-    for name, case in cases.items():
-        config = {"report_to": "none", "save_strategy": "no", "use_cpu": True, "bf16": False,
-                  "disable_tqdm": True, "dataloader_num_workers": 0, **case["config"]}
-        model_path = tied_copy(path, models) if case.get("tied_embeddings") else path
-        record = {"initial": trained_weights(AutoModelForCausalLM.from_pretrained(model_path))}
-        for side in (trl, fastppo):
-            with tempfile.TemporaryDirectory() as tmp:
-                torch.manual_seed(0)
-                record[side.__name__] = run(side, case["trainer"], config, model_path, os.path.join(tmp, "out"),
-                                            case.get("pad_is_eos", False))
-        results["cases"][name] = record
-        print(f"case {name}: done", flush=True)
+    with tempfile.TemporaryDirectory() as models:
+        for name, case in cases.items():
+            config = {"report_to": "none", "save_strategy": "no", "use_cpu": True, "bf16": False,
+                      "disable_tqdm": True, "dataloader_num_workers": 0, **case["config"]}
+            model_path = tied_copy(path, models) if case.get("tied_embeddings") else path
+            record = {"initial": trained_weights(AutoModelForCausalLM.from_pretrained(model_path))}
+            for side in (trl, fastppo):
+                with tempfile.TemporaryDirectory() as tmp:
+                    torch.manual_seed(0)
+                    record[side.__name__] = run(side, case["trainer"], config, model_path, os.path.join(tmp, "out"),
+                                                case.get("pad_is_eos", False))
+            results["cases"][name] = record
+            print(f"case {name}: done", flush=True)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: every process's logs are all-reduced, one writes
         torch.save(results, out)
 
