@@ -288,21 +288,29 @@ def grid_losses(new_logprobs, new_values, entropy, old_logprobs, old_values, adv
 _TRL026_MODULES: dict = {}
 
 
+def trl_envs():
+    """``bench/trl_envs.py`` (where each TRL lives: ``trl026_dir``, ``TRL026_INSTALL``), loaded by its path."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("trl_envs", Path(__file__).resolve().parent.parent / "bench" /
+                                                  "trl_envs.py")
+    envs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(envs)
+    return envs
+
+
 def trl026_module(name: str):
     """A module of TRL 0.26.2, the PPO peer (``.trl026``, ``bench/trl_envs.py``), imported in this process beside
     the environment's TRL 1.x: the ``trl`` modules already loaded are set aside while TRL 0.26's import, then put
     back, so each TRL keeps its own. The test fails, naming the install command, when TRL 0.26.2 is missing."""
     import importlib
-    import importlib.util
     import sys
     from pathlib import Path
 
     if name in _TRL026_MODULES:
         return _TRL026_MODULES[name]
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("trl_envs", root / "bench" / "trl_envs.py")
-    envs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(envs)
+    envs = trl_envs()
     path = envs.trl026_dir()
     if not (Path(path) / "trl" / "__init__.py").is_file():
         pytest.fail(f"TRL 0.26.2 (the PPO peer) is missing at {path}: run `{envs.TRL026_INSTALL}`")

@@ -30,7 +30,7 @@ from fastppo.train import per_token_rewards
 from fastppo.controllers import AdaptiveKLController, FixedKLController
 from fastppo.rollout import assemble, make_rollout
 from fastppo.advantages import gae_advantages, whiten_trained
-from helpers import grid_losses, trl026_module
+from helpers import grid_losses, trl026_module, trl_envs
 
 F64 = torch.float64
 # fastppo computes in fp32 what the trainer hands it in fp32; the references are float64
@@ -598,17 +598,12 @@ print(json.dumps(out))
 def test_running_moments_equal_trl():
     """The running moments of the scores (TRL 0.26 PPO's ``whiten_rewards``' companion) equal TRL 0.26's own
     ``RunningMoments`` after every batch; TRL 1.x has none, so TRL 0.26.2 runs from ``.trl026`` in a subprocess."""
-    import importlib.util
     import json
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("trl_envs", root / "bench" / "trl_envs.py")
-    envs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(envs)
+    envs = trl_envs()
     streams = [[b.tolist() for b in BATCHES], [[0.7]]]
     proc = subprocess.run([sys.executable, "-c", TRL026_MOMENTS, json.dumps(streams)], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, PYTHONPATH=envs.trl026_dir()))
